@@ -1,0 +1,658 @@
+//! [`Communicator`]: the typed API, its configuration, and the private enum of
+//! backends behind it.
+
+use std::cell::Cell;
+use std::marker::PhantomData;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::desc::{BufDesc, CollectiveDesc, MemoryKind};
+use crate::error::{Error, Result};
+use crate::host::executor::{self, Bufs, CallInfo};
+use crate::schedule;
+use crate::transport::local::{LocalEndpoint, LocalGroup};
+use crate::transport::{Space, Transport};
+use crate::types::{DType, Element, OpKind, Rank, ReduceOp};
+
+/// Default wait before a peer is declared unresponsive.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+/// Default pipeline piece size in bytes.
+pub const DEFAULT_CHUNK_BYTES: usize = 256 * 1024;
+
+/// Settings every communicator carries.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CommConfig {
+    /// How long any single wait for a peer may last (`OXCCL_TIMEOUT`).
+    pub timeout: Duration,
+    /// Pipeline piece size in bytes (`OXCCL_CHUNK_BYTES`); at least one element.
+    pub chunk_bytes: usize,
+}
+
+impl Default for CommConfig {
+    fn default() -> Self {
+        CommConfig {
+            timeout: DEFAULT_TIMEOUT,
+            chunk_bytes: DEFAULT_CHUNK_BYTES,
+        }
+    }
+}
+
+impl CommConfig {
+    /// Defaults overridden by `OXCCL_TIMEOUT` (`30`, `30s`, `500ms`, `2m`) and
+    /// `OXCCL_CHUNK_BYTES`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] naming the variable when one is malformed.
+    pub fn from_env() -> Result<Self> {
+        let mut config = CommConfig::default();
+        if let Ok(value) = std::env::var("OXCCL_TIMEOUT") {
+            config.timeout = parse_duration(&value).ok_or_else(|| Error::Config {
+                name: "OXCCL_TIMEOUT".into(),
+                value: value.clone(),
+                reason: "expected a positive duration such as 30, 30s, 500ms or 2m".into(),
+            })?;
+        }
+        if let Ok(value) = std::env::var("OXCCL_CHUNK_BYTES") {
+            config.chunk_bytes =
+                value
+                    .parse()
+                    .ok()
+                    .filter(|&b| b > 0)
+                    .ok_or_else(|| Error::Config {
+                        name: "OXCCL_CHUNK_BYTES".into(),
+                        value: value.clone(),
+                        reason: "expected a positive number of bytes".into(),
+                    })?;
+        }
+        Ok(config)
+    }
+
+    /// Sets the timeout.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Sets the pipeline piece size in bytes.
+    pub fn with_chunk_bytes(mut self, chunk_bytes: usize) -> Self {
+        self.chunk_bytes = chunk_bytes.max(1);
+        self
+    }
+}
+
+/// Parses `30`, `30s`, `1.5s`, `500ms`, `2m` into a positive duration.
+fn parse_duration(text: &str) -> Option<Duration> {
+    let text = text.trim();
+    let (number, scale) = if let Some(n) = text.strip_suffix("ms") {
+        (n, 1e-3)
+    } else if let Some(n) = text.strip_suffix('s') {
+        (n, 1.0)
+    } else if let Some(n) = text.strip_suffix('m') {
+        (n, 60.0)
+    } else {
+        (text, 1.0)
+    };
+    let seconds: f64 = number.trim().parse().ok()?;
+    (seconds.is_finite() && seconds > 0.0).then(|| Duration::from_secs_f64(seconds * scale))
+}
+
+/// The implementations behind [`Communicator`] (static dispatch).
+enum Backend {
+    Host(Transport),
+}
+
+/// A handle that aborts a communicator's group from any thread.
+///
+/// Every call in progress on every communicator of the group (including
+/// split sub-communicators) returns [`Error::Aborted`], and so does every later one.
+#[derive(Clone)]
+pub struct AbortHandle {
+    group: Arc<LocalGroup>,
+}
+
+impl AbortHandle {
+    /// Aborts the group.
+    pub fn abort(&self) {
+        self.group.abort();
+    }
+}
+
+/// One rank's handle on a group of ranks that run collectives together.
+///
+/// `Send` but not `Sync`: one thread drives a communicator at a time, as with
+/// NCCL. Every rank must call the same collectives in the same order with
+/// matching arguments; a rank whose arguments fail validation returns
+/// [`Error::InvalidArgument`] at once and its peers see it as late.
+///
+/// After a timeout, a lost peer, a mismatch or an abort the communicator is
+/// unusable (ranks can no longer agree on sequence numbers) and every later
+/// call returns [`Error::Failed`].
+pub struct Communicator {
+    rank: Rank,
+    world: usize,
+    config: CommConfig,
+    /// Sequence number of the next collective.
+    seq: u64,
+    /// Sequence number of the next send to / receive from each peer.
+    sends: Vec<u64>,
+    recvs: Vec<u64>,
+    /// The first fatal error, after which the communicator is unusable.
+    failed: Option<String>,
+    backend: Backend,
+    _not_sync: PhantomData<Cell<()>>,
+}
+
+/// Builds communicators with explicit settings.
+#[derive(Clone, Debug, Default)]
+pub struct CommBuilder {
+    timeout: Option<Duration>,
+    chunk_bytes: Option<usize>,
+}
+
+impl CommBuilder {
+    /// Wait limit for every wait on a peer (overrides `OXCCL_TIMEOUT`).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = Some(timeout);
+        self
+    }
+
+    /// Pipeline piece size in bytes (overrides `OXCCL_CHUNK_BYTES`).
+    pub fn chunk_bytes(mut self, bytes: usize) -> Self {
+        self.chunk_bytes = Some(bytes.max(1));
+        self
+    }
+
+    /// The configuration: environment first, then the builder's settings.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] when an environment variable is malformed.
+    pub fn config(&self) -> Result<CommConfig> {
+        let mut config = CommConfig::from_env()?;
+        if let Some(t) = self.timeout {
+            config.timeout = t;
+        }
+        if let Some(b) = self.chunk_bytes {
+            config.chunk_bytes = b;
+        }
+        Ok(config)
+    }
+
+    /// `n` communicators of one in-process group, one per thread
+    /// (NCCL's `ncclCommInitAll`). Element `i` is rank `i`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] for a malformed environment, [`Error::InvalidArgument`] for `n == 0`.
+    pub fn local_group(&self, n: usize) -> Result<Vec<Communicator>> {
+        let config = self.config()?;
+        if n == 0 {
+            return Err(Error::InvalidArgument {
+                op: OpKind::Split,
+                rank: 0,
+                arg: "n",
+                reason: "a group needs at least one rank".into(),
+            });
+        }
+        let group = LocalGroup::new(n);
+        let members: Vec<usize> = (0..n).collect();
+        Ok((0..n)
+            .map(|rank| {
+                let endpoint = LocalEndpoint::new(group.clone(), 0, members.clone(), rank);
+                Communicator::new(rank, n, config.clone(), Transport::Local(endpoint))
+            })
+            .collect())
+    }
+}
+
+/// Mixes a parent context id, the split's sequence number and the color into
+/// a child context id (splitmix64 finaliser): equal on every member, distinct
+/// between siblings and generations with overwhelming probability.
+fn child_ctx(parent: u64, seq: u64, color: u32) -> u64 {
+    let mut z =
+        parent ^ seq.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (u64::from(color) << 32 | 0x5151);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Marker stored in the split table for ranks that join no group.
+const NO_COLOR: u64 = u64::MAX;
+
+impl Communicator {
+    fn new(rank: Rank, world: usize, config: CommConfig, transport: Transport) -> Communicator {
+        Communicator {
+            rank,
+            world,
+            config,
+            seq: 0,
+            sends: vec![0; world],
+            recvs: vec![0; world],
+            failed: None,
+            backend: Backend::Host(transport),
+            _not_sync: PhantomData,
+        }
+    }
+
+    /// A builder for explicit settings.
+    pub fn builder() -> CommBuilder {
+        CommBuilder::default()
+    }
+
+    /// `n` communicators of one in-process group with settings from the
+    /// environment (`OXCCL_TIMEOUT`, `OXCCL_CHUNK_BYTES`).
+    ///
+    /// # Errors
+    ///
+    /// As [`CommBuilder::local_group`].
+    pub fn local_group(n: usize) -> Result<Vec<Communicator>> {
+        CommBuilder::default().local_group(n)
+    }
+
+    /// This rank, in `0..world_size()`.
+    pub fn rank(&self) -> Rank {
+        self.rank
+    }
+
+    /// Number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.world
+    }
+
+    /// The settings in force.
+    pub fn config(&self) -> &CommConfig {
+        &self.config
+    }
+
+    /// A handle that aborts this communicator's group from another thread.
+    pub fn abort_handle(&self) -> AbortHandle {
+        match &self.backend {
+            Backend::Host(Transport::Local(endpoint)) => AbortHandle {
+                group: endpoint.group().clone(),
+            },
+        }
+    }
+
+    /// Aborts this communicator's group: see [`AbortHandle`].
+    pub fn abort(&self) {
+        self.abort_handle().abort();
+    }
+
+    fn desc<T: Element>(&self, op: OpKind) -> CollectiveDesc {
+        CollectiveDesc::new(op, T::DTYPE, self.rank, self.world, MemoryKind::Host)
+    }
+
+    /// Validates, numbers, plans and executes one call.
+    fn run<T: Element>(&mut self, desc: CollectiveDesc, bufs: Bufs<'_, T>) -> Result<()> {
+        desc.validate()?;
+        if let Some(first) = &self.failed {
+            return Err(Error::Failed {
+                op: desc.op,
+                rank: self.rank,
+                first_error: first.clone(),
+            });
+        }
+        let (space, seq) = match desc.op {
+            OpKind::Send => {
+                let peer = desc.peer.unwrap_or(0);
+                self.sends[peer] += 1;
+                (Space::PointToPoint, self.sends[peer] - 1)
+            }
+            OpKind::Recv => {
+                let peer = desc.peer.unwrap_or(0);
+                self.recvs[peer] += 1;
+                (Space::PointToPoint, self.recvs[peer] - 1)
+            }
+            _ => {
+                self.seq += 1;
+                (Space::Collective, self.seq - 1)
+            }
+        };
+        let plan = schedule::plan(&desc, self.config.chunk_bytes);
+        let Backend::Host(transport) = &self.backend;
+        let ctx = match transport {
+            Transport::Local(endpoint) => endpoint.ctx(),
+        };
+        let info = CallInfo {
+            op: desc.op,
+            seq,
+            space,
+            ctx,
+            rank: self.rank,
+            world: self.world,
+            reduce_op: desc.reduce_op.unwrap_or(ReduceOp::Sum),
+            timeout: self.config.timeout,
+        };
+        let result = executor::execute(transport, &info, &plan, bufs);
+        if let Err(e) = &result {
+            self.failed = Some(e.to_string());
+        }
+        result
+    }
+
+    /// All-reduce: `recv[i]` = `op` over every rank's `send[i]`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] if `send.len() != recv.len()`; otherwise the
+    /// communication errors ([`Error::Timeout`], [`Error::PeerLost`], ...).
+    pub fn all_reduce<T: Element>(
+        &mut self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let desc = self
+            .desc::<T>(OpKind::AllReduce)
+            .with_send(BufDesc::of(send))
+            .with_recv(BufDesc::of(recv))
+            .with_reduce_op(op);
+        self.run(desc, Bufs::OutOfPlace { send, recv })
+    }
+
+    /// All-reduce in place: `buf[i]` becomes `op` over every rank's `buf[i]`.
+    ///
+    /// # Errors
+    ///
+    /// The communication errors, as [`all_reduce`](Self::all_reduce).
+    pub fn all_reduce_in_place<T: Element>(&mut self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        let desc = self
+            .desc::<T>(OpKind::AllReduce)
+            .with_in_place(BufDesc::of(buf))
+            .with_reduce_op(op);
+        self.run(desc, Bufs::InPlace(buf))
+    }
+
+    /// Reduce-scatter: `send` holds `world_size()` blocks of `recv.len()`
+    /// elements; `recv` = `op` over every rank's block `rank()`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] if `send.len() != recv.len() * world_size()`;
+    /// otherwise the communication errors.
+    pub fn reduce_scatter<T: Element>(
+        &mut self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let desc = self
+            .desc::<T>(OpKind::ReduceScatter)
+            .with_send(BufDesc::of(send))
+            .with_recv(BufDesc::of(recv))
+            .with_reduce_op(op);
+        self.run(desc, Bufs::OutOfPlace { send, recv })
+    }
+
+    /// Reduce-scatter in place: with `c = buf.len() / world_size()`, the
+    /// result lands in `buf[rank*c .. (rank+1)*c]` (NCCL's convention); the
+    /// rest of `buf` is left unspecified.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] if `buf.len()` is not a multiple of the
+    /// world size; otherwise the communication errors.
+    pub fn reduce_scatter_in_place<T: Element>(
+        &mut self,
+        buf: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let desc = self
+            .desc::<T>(OpKind::ReduceScatter)
+            .with_in_place(BufDesc::of(buf))
+            .with_reduce_op(op);
+        self.run(desc, Bufs::InPlace(buf))
+    }
+
+    /// All-gather: `recv` is every rank's `send`, concatenated in rank order.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] if `recv.len() != send.len() * world_size()`;
+    /// otherwise the communication errors.
+    pub fn all_gather<T: Element>(&mut self, send: &[T], recv: &mut [T]) -> Result<()> {
+        let desc = self
+            .desc::<T>(OpKind::AllGather)
+            .with_send(BufDesc::of(send))
+            .with_recv(BufDesc::of(recv));
+        self.run(desc, Bufs::OutOfPlace { send, recv })
+    }
+
+    /// All-gather in place: each rank's part is already at
+    /// `buf[rank*c .. (rank+1)*c]` with `c = buf.len() / world_size()`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] if `buf.len()` is not a multiple of the
+    /// world size; otherwise the communication errors.
+    pub fn all_gather_in_place<T: Element>(&mut self, buf: &mut [T]) -> Result<()> {
+        let desc = self
+            .desc::<T>(OpKind::AllGather)
+            .with_in_place(BufDesc::of(buf));
+        self.run(desc, Bufs::InPlace(buf))
+    }
+
+    /// Broadcast: every rank's `recv` becomes the root's `send`. Off the root
+    /// `send` is ignored and may be empty.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a root out of range or mismatched
+    /// lengths; otherwise the communication errors.
+    pub fn broadcast<T: Element>(&mut self, send: &[T], recv: &mut [T], root: Rank) -> Result<()> {
+        let desc = self
+            .desc::<T>(OpKind::Broadcast)
+            .with_send(BufDesc::of(send))
+            .with_recv(BufDesc::of(recv))
+            .with_root(root);
+        self.run(desc, Bufs::OutOfPlace { send, recv })
+    }
+
+    /// Broadcast in place: every rank's `buf` becomes the root's.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a root out of range; otherwise the
+    /// communication errors.
+    pub fn broadcast_in_place<T: Element>(&mut self, buf: &mut [T], root: Rank) -> Result<()> {
+        let desc = self
+            .desc::<T>(OpKind::Broadcast)
+            .with_in_place(BufDesc::of(buf))
+            .with_root(root);
+        self.run(desc, Bufs::InPlace(buf))
+    }
+
+    /// Reduce: the root's `recv` = `op` over every rank's `send`. Off the root
+    /// `recv` is not touched and may be empty.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a root out of range or mismatched
+    /// lengths; otherwise the communication errors.
+    pub fn reduce<T: Element>(
+        &mut self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+        root: Rank,
+    ) -> Result<()> {
+        let desc = self
+            .desc::<T>(OpKind::Reduce)
+            .with_send(BufDesc::of(send))
+            .with_recv(BufDesc::of(recv))
+            .with_reduce_op(op)
+            .with_root(root);
+        self.run(desc, Bufs::OutOfPlace { send, recv })
+    }
+
+    /// Reduce in place: the root's `buf` becomes `op` over every rank's `buf`;
+    /// other ranks' buffers are left unchanged.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a root out of range; otherwise the
+    /// communication errors.
+    pub fn reduce_in_place<T: Element>(
+        &mut self,
+        buf: &mut [T],
+        op: ReduceOp,
+        root: Rank,
+    ) -> Result<()> {
+        let desc = self
+            .desc::<T>(OpKind::Reduce)
+            .with_in_place(BufDesc::of(buf))
+            .with_reduce_op(op)
+            .with_root(root);
+        self.run(desc, Bufs::InPlace(buf))
+    }
+
+    /// Sends `buf` to `peer`, which must call [`recv`](Self::recv) with the
+    /// same length. Messages between a pair arrive in the order sent. Returns
+    /// once the data is handed to the transport.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a peer out of range or equal to this rank.
+    pub fn send<T: Element>(&mut self, buf: &[T], peer: Rank) -> Result<()> {
+        let desc = self
+            .desc::<T>(OpKind::Send)
+            .with_send(BufDesc::of(buf))
+            .with_peer(peer);
+        self.run(
+            desc,
+            Bufs::OutOfPlace {
+                send: buf,
+                recv: &mut [],
+            },
+        )
+    }
+
+    /// Receives into `buf` the next message `peer` sent to this rank.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a bad peer; [`Error::Mismatch`] when
+    /// the message's length differs; the communication errors.
+    pub fn recv<T: Element>(&mut self, buf: &mut [T], peer: Rank) -> Result<()> {
+        let desc = self
+            .desc::<T>(OpKind::Recv)
+            .with_recv(BufDesc::of(buf))
+            .with_peer(peer);
+        self.run(
+            desc,
+            Bufs::OutOfPlace {
+                send: &[],
+                recv: buf,
+            },
+        )
+    }
+
+    /// All-to-all: block `p` of `send` goes to rank `p`; block `p` of `recv`
+    /// comes from rank `p` (blocks of `len / world_size()` elements).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for unequal lengths or a length that is not
+    /// a multiple of the world size; the communication errors.
+    pub fn all_to_all<T: Element>(&mut self, send: &[T], recv: &mut [T]) -> Result<()> {
+        let desc = self
+            .desc::<T>(OpKind::AllToAll)
+            .with_send(BufDesc::of(send))
+            .with_recv(BufDesc::of(recv));
+        self.run(desc, Bufs::OutOfPlace { send, recv })
+    }
+
+    /// Returns once every rank has entered the barrier.
+    ///
+    /// # Errors
+    ///
+    /// The communication errors.
+    pub fn barrier(&mut self) -> Result<()> {
+        let desc = self.desc::<u8>(OpKind::Barrier);
+        self.run::<u8>(
+            desc,
+            Bufs::OutOfPlace {
+                send: &[],
+                recv: &mut [],
+            },
+        )
+    }
+
+    /// Splits into sub-communicators: ranks with the same `color` form one,
+    /// ordered by `(key, parent rank)`. Collective over this communicator.
+    ///
+    /// # Errors
+    ///
+    /// The communication errors.
+    pub fn split(&mut self, color: u32, key: i64) -> Result<Communicator> {
+        self.split_or_none(Some(color), key)?
+            .ok_or_else(|| Error::Failed {
+                op: OpKind::Split,
+                rank: self.rank,
+                first_error: "split with a color produced no group".into(),
+            })
+    }
+
+    /// As [`split`](Self::split), where `None` (NCCL's `NCCL_SPLIT_NOCOLOR`)
+    /// joins no group and returns `Ok(None)`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for color `u32::MAX` as `Some` (reserved); the
+    /// communication errors.
+    pub fn split_or_none(&mut self, color: Option<u32>, key: i64) -> Result<Option<Communicator>> {
+        let seq = self.seq;
+        let mut table = vec![0u64; 2 * self.world];
+        table[2 * self.rank] = color.map_or(NO_COLOR, u64::from);
+        table[2 * self.rank + 1] = key as u64;
+        let desc = CollectiveDesc::new(
+            OpKind::Split,
+            DType::U64,
+            self.rank,
+            self.world,
+            MemoryKind::Host,
+        )
+        .with_in_place(BufDesc::of(&table[..]));
+        self.run(desc, Bufs::InPlace(&mut table[..]))?;
+        let Some(color) = color else { return Ok(None) };
+        let mut members: Vec<(i64, Rank)> = (0..self.world)
+            .filter(|&r| table[2 * r] == u64::from(color))
+            .map(|r| (table[2 * r + 1] as i64, r))
+            .collect();
+        members.sort_unstable();
+        let members: Vec<Rank> = members.into_iter().map(|(_, r)| r).collect();
+        let new_rank = members.iter().position(|&r| r == self.rank).unwrap_or(0);
+        let Backend::Host(Transport::Local(endpoint)) = &self.backend;
+        let ctx = child_ctx(endpoint.ctx(), seq, color);
+        let child = endpoint.child(ctx, &members, new_rank);
+        Ok(Some(Communicator::new(
+            new_rank,
+            members.len(),
+            self.config.clone(),
+            Transport::Local(child),
+        )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_parse() {
+        assert_eq!(parse_duration("30"), Some(Duration::from_secs(30)));
+        assert_eq!(parse_duration("2s"), Some(Duration::from_secs(2)));
+        assert_eq!(parse_duration("250ms"), Some(Duration::from_millis(250)));
+        assert_eq!(parse_duration("2m"), Some(Duration::from_secs(120)));
+        assert_eq!(parse_duration("0"), None);
+        assert_eq!(parse_duration("soon"), None);
+    }
+
+    #[test]
+    fn communicator_is_send_not_sync() {
+        fn assert_send<T: Send>() {}
+        assert_send::<Communicator>();
+        // `Cell<()>` makes it !Sync; a compile-fail check would need trybuild.
+    }
+}

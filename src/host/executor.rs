@@ -1,0 +1,173 @@
+//! Runs a [`Plan`] over a [`Transport`] on host buffers.
+//!
+//! The combine order is fixed everywhere: `local ⊕ incoming`, so the same plan
+//! gives the same bits whatever buffers (in place or not) it runs on.
+
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+use crate::schedule::{BufId, Plan, Span, Step};
+use crate::transport::{FrameHeader, Payload, Space, Transport, TransportError};
+use crate::types::{Element, OpKind, Rank, ReduceOp};
+
+/// The call's buffers as the plan sees them.
+pub(crate) enum Bufs<'a, T> {
+    /// One buffer; plans refer only to [`BufId::Recv`].
+    InPlace(&'a mut [T]),
+    /// Separate input and output (either may be empty).
+    OutOfPlace { send: &'a [T], recv: &'a mut [T] },
+}
+
+impl<T: Element> Bufs<'_, T> {
+    fn read(&self, span: Span) -> &[T] {
+        match (self, span.buf) {
+            (Bufs::OutOfPlace { send, .. }, BufId::Send) => &send[span.range()],
+            (Bufs::OutOfPlace { recv, .. }, BufId::Recv) => &recv[span.range()],
+            (Bufs::InPlace(buf), _) => &buf[span.range()],
+        }
+    }
+
+    fn recv_mut(&mut self) -> &mut [T] {
+        match self {
+            Bufs::OutOfPlace { recv, .. } => recv,
+            Bufs::InPlace(buf) => buf,
+        }
+    }
+}
+
+/// What the executor needs to know about the call besides its plan.
+pub(crate) struct CallInfo {
+    pub op: OpKind,
+    pub seq: u64,
+    pub space: Space,
+    pub ctx: u64,
+    pub rank: Rank,
+    pub world: usize,
+    pub reduce_op: ReduceOp,
+    pub timeout: Duration,
+}
+
+impl CallInfo {
+    fn error(&self, peer: Rank, e: TransportError) -> Error {
+        let (op, seq, rank) = (self.op, self.seq, self.rank);
+        match e {
+            TransportError::Timeout(waited) => Error::Timeout {
+                op,
+                seq,
+                rank,
+                peer,
+                waited,
+            },
+            TransportError::PeerLost => Error::PeerLost {
+                op,
+                seq,
+                rank,
+                peer,
+            },
+            TransportError::Aborted => Error::Aborted { op, seq, rank },
+            TransportError::Mismatch(detail) => Error::Mismatch {
+                op,
+                seq,
+                rank,
+                peer,
+                detail,
+            },
+        }
+    }
+}
+
+/// Per-peer frame counters: the n-th frame of this call from/to a peer.
+struct Counters {
+    sent: Vec<u32>,
+    received: Vec<u32>,
+}
+
+fn header<T: Element>(info: &CallInfo, step: u32, len: usize) -> FrameHeader {
+    FrameHeader {
+        ctx: info.ctx,
+        space: info.space,
+        seq: info.seq,
+        step,
+        op: info.op,
+        bytes: len * std::mem::size_of::<T>(),
+    }
+}
+
+/// Runs `plan` for one call.
+pub(crate) fn execute<T: Element>(
+    transport: &Transport,
+    info: &CallInfo,
+    plan: &Plan,
+    mut bufs: Bufs<'_, T>,
+) -> Result<()> {
+    let mut counters = Counters {
+        sent: vec![0; info.world],
+        received: vec![0; info.world],
+    };
+    let op = info.reduce_op;
+    let send = |counters: &mut Counters, peer: Rank, payload: Payload, len: usize| -> Result<()> {
+        let step = counters.sent[peer];
+        counters.sent[peer] += 1;
+        transport
+            .send(peer, header::<T>(info, step, len), payload)
+            .map_err(|e| info.error(peer, e))
+    };
+    let recv = |counters: &mut Counters, peer: Rank, len: usize| -> Result<Payload> {
+        let step = counters.received[peer];
+        counters.received[peer] += 1;
+        transport
+            .recv(peer, &header::<T>(info, step, len), info.timeout)
+            .map_err(|e| info.error(peer, e))
+    };
+    for step in &plan.steps {
+        match *step {
+            Step::Send { peer, src } => {
+                let payload = Payload::from_bytes(bytemuck::cast_slice(bufs.read(src)));
+                send(&mut counters, peer, payload, src.len)?;
+            }
+            Step::Recv { peer, dst } => {
+                let payload = recv(&mut counters, peer, dst.len)?;
+                bufs.recv_mut()[dst.range()]
+                    .copy_from_slice(bytemuck::cast_slice(payload.as_bytes()));
+            }
+            Step::RecvReduce { peer, local, dst } => {
+                let payload = recv(&mut counters, peer, dst.len)?;
+                let incoming: &[T] = bytemuck::cast_slice(payload.as_bytes());
+                match &mut bufs {
+                    Bufs::OutOfPlace { send, recv } if local.buf == BufId::Send => {
+                        T::combine_into(op, &mut recv[dst.range()], &send[local.range()], incoming);
+                    }
+                    bufs => {
+                        let out = bufs.recv_mut();
+                        if local.offset != dst.offset {
+                            out.copy_within(local.range(), dst.offset);
+                        }
+                        T::combine_assign(op, &mut out[dst.range()], incoming);
+                    }
+                }
+            }
+            Step::RecvReduceSend { from, to, local } => {
+                let mut payload = recv(&mut counters, from, local.len)?;
+                let incoming: &mut [T] = bytemuck::cast_slice_mut(payload.as_bytes_mut());
+                T::combine_assign_rev(op, incoming, bufs.read(local));
+                send(&mut counters, to, payload, local.len)?;
+            }
+            Step::RecvCopySend { from, to, dst } => {
+                let payload = recv(&mut counters, from, dst.len)?;
+                bufs.recv_mut()[dst.range()]
+                    .copy_from_slice(bytemuck::cast_slice(payload.as_bytes()));
+                send(&mut counters, to, payload, dst.len)?;
+            }
+            Step::Copy { src, dst } => match (&mut bufs, src.buf) {
+                (Bufs::OutOfPlace { send, recv }, BufId::Send) => {
+                    recv[dst.range()].copy_from_slice(&send[src.range()]);
+                }
+                (bufs, _) => bufs.recv_mut().copy_within(src.range(), dst.offset),
+            },
+            Step::DivideByWorld { span } => {
+                T::divide_by(&mut bufs.recv_mut()[span.range()], info.world)
+            }
+        }
+    }
+    Ok(())
+}

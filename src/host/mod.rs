@@ -1,0 +1,4 @@
+//! The host backend: runs schedule plans over a transport with CPU reductions.
+
+pub(crate) mod executor;
+pub mod reduce;

@@ -1,0 +1,50 @@
+//! # oxccl — typed collective communication
+//!
+//! One typed [`Communicator`] with all-reduce, reduce-scatter, all-gather,
+//! broadcast, reduce, send/recv, all-to-all, barrier and split, over
+//! `f32 f64 f16 bf16 i8 u8 i32 u32 i64 u64` and [`ReduceOp`] `Sum Prod Min
+//! Max Avg`.
+//!
+//! | layer | module |
+//! |---|---|
+//! | typed API | [`Communicator`], [`Element`], [`ReduceOp`] |
+//! | argument check | [`CollectiveDesc::validate`] — every call, before any data moves |
+//! | schedules (pure data) | [`schedule`] — ring and chain plans as lists of [`schedule::Step`] |
+//! | host executor | runs plans over a transport with the CPU reductions in [`host::reduce`] |
+//! | transports | in-process (threads) |
+//!
+//! | backend | memory | status |
+//! |---|---|---|
+//! | host, in-process | `&[T]` | built |
+//! | host, shared memory / TCP | `&[T]` | not built yet |
+//! | `nccl` | GPU | not built yet |
+//! | `cuda-ring` | GPU | not built yet |
+//!
+//! ```
+//! use oxccl::{Communicator, ReduceOp};
+//! let comms = Communicator::local_group(4).unwrap();
+//! let handles: Vec<_> = comms.into_iter().map(|mut comm| std::thread::spawn(move || {
+//!     let mut grads = vec![comm.rank() as f32; 1000];
+//!     comm.all_reduce_in_place(&mut grads, ReduceOp::Sum).unwrap();
+//!     assert!(grads.iter().all(|&g| g == 6.0));
+//! })).collect();
+//! for h in handles { h.join().unwrap(); }
+//! ```
+#![deny(missing_docs)]
+
+pub mod check;
+mod comm;
+mod desc;
+mod error;
+pub mod host;
+pub mod schedule;
+mod transport;
+pub mod types;
+
+pub use comm::{
+    AbortHandle, CommBuilder, CommConfig, Communicator, DEFAULT_CHUNK_BYTES, DEFAULT_TIMEOUT,
+};
+pub use desc::{BufDesc, Buffer, CollectiveDesc, MemoryKind};
+pub use error::{Error, Result};
+pub use half::{bf16, f16};
+pub use types::{DType, Element, OpKind, Rank, ReduceOp};

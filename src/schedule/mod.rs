@@ -1,0 +1,320 @@
+//! Schedules as data: each collective is compiled, per rank, into a [`Plan`],
+//! a list of [`Step`]s built from NCCL's primitive verbs (`Send`, `Recv`,
+//! `RecvReduce`, `RecvReduceSend`, `RecvCopySend`, plus a local `Copy` and
+//! the final `Avg` division).
+//!
+//! Plans do no I/O and know no element type: offsets and lengths are in
+//! elements. All chunk arithmetic lives in this module and nowhere else; the
+//! host executor ([`crate::host`]) and, later, the CUDA executor run the same
+//! plans, so every backend reduces the same chunk in the same order.
+//!
+//! # Invariants every plan keeps (checked by the simulator in the tests)
+//!
+//! - Between any ordered pair of ranks, the n-th `Send`-like step of the
+//!   sender matches the n-th `Recv`-like step of the receiver, with the same
+//!   length. Sends are eager (they never wait for the receiver), so a plan in
+//!   which every send has its receive cannot deadlock.
+//! - Every element of a reduced result is combined exactly `N-1` times and
+//!   contains each rank's contribution exactly once.
+//! - A plan for an in-place call refers only to [`BufId::Recv`].
+//! - Zero-length pieces are never sent; both sides skip them because both
+//!   derive lengths from the same [`ChunkLayout`].
+
+pub mod ring;
+pub mod tree;
+
+use crate::desc::CollectiveDesc;
+use crate::types::{OpKind, Rank, ReduceOp};
+
+/// Which of the call's buffers a [`Span`] refers to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BufId {
+    /// The send (input) buffer of an out-of-place call. Read only.
+    Send,
+    /// The receive (output) buffer; the only buffer of an in-place call.
+    Recv,
+}
+
+/// A range of elements in one of the call's buffers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Span {
+    /// The buffer.
+    pub buf: BufId,
+    /// First element.
+    pub offset: usize,
+    /// Number of elements.
+    pub len: usize,
+}
+
+impl Span {
+    /// A span of `len` elements at `offset` in `buf`.
+    pub fn new(buf: BufId, offset: usize, len: usize) -> Span {
+        Span { buf, offset, len }
+    }
+
+    /// The element range, for slicing.
+    pub fn range(&self) -> std::ops::Range<usize> {
+        self.offset..self.offset + self.len
+    }
+}
+
+/// One primitive operation of a plan.
+///
+/// "Incoming" is the next frame from the named peer; `⊕` is the call's
+/// combining operator (`Sum` for `Avg`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Step {
+    /// Send `src` to `peer`.
+    Send {
+        /// Destination rank.
+        peer: Rank,
+        /// What to send.
+        src: Span,
+    },
+    /// Receive from `peer` into `dst`.
+    Recv {
+        /// Source rank.
+        peer: Rank,
+        /// Where the data lands.
+        dst: Span,
+    },
+    /// Receive from `peer` and store `local ⊕ incoming` into `dst`.
+    RecvReduce {
+        /// Source rank.
+        peer: Rank,
+        /// This rank's contribution.
+        local: Span,
+        /// Where the result lands (may equal `local`).
+        dst: Span,
+    },
+    /// Receive from `from`, combine as `local ⊕ incoming`, forward the result
+    /// to `to` without storing it.
+    RecvReduceSend {
+        /// Source rank.
+        from: Rank,
+        /// Destination rank.
+        to: Rank,
+        /// This rank's contribution.
+        local: Span,
+    },
+    /// Receive from `from` into `dst` and forward the same data to `to`.
+    RecvCopySend {
+        /// Source rank.
+        from: Rank,
+        /// Destination rank.
+        to: Rank,
+        /// Where the data lands.
+        dst: Span,
+    },
+    /// Copy `src` to `dst` locally.
+    Copy {
+        /// Source.
+        src: Span,
+        /// Destination.
+        dst: Span,
+    },
+    /// Divide `span` by the world size: the last step of `Avg`.
+    DivideByWorld {
+        /// The span to divide.
+        span: Span,
+    },
+}
+
+/// The steps one rank runs for one collective.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Plan {
+    /// The steps, in order.
+    pub steps: Vec<Step>,
+}
+
+/// How a count of elements is cut into one chunk per rank, and each chunk into
+/// pipeline pieces of at most `piece_elems` elements.
+///
+/// Chunk `c` has `count / world` elements, plus one for the first
+/// `count % world` chunks, so counts that do not divide by the world size and
+/// counts below it (empty chunks) need no special case. Every chunk is cut into
+/// the same number of pieces, [`ChunkLayout::pieces`], so that the ring's
+/// step `j` touches piece `j` of whatever chunk each rank holds; a piece may be
+/// empty (and is then skipped by every rank alike).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ChunkLayout {
+    count: usize,
+    world: usize,
+    pieces: usize,
+}
+
+impl ChunkLayout {
+    /// Layout of `count` elements over `world` ranks with pieces of at most
+    /// `piece_elems` elements (`piece_elems` ≥ 1).
+    pub fn new(count: usize, world: usize, piece_elems: usize) -> ChunkLayout {
+        // The world size is validated before planning; max(1) keeps this total.
+        let world = world.max(1);
+        let piece_elems = piece_elems.max(1);
+        let largest = count.div_ceil(world);
+        ChunkLayout {
+            count,
+            world,
+            pieces: largest.div_ceil(piece_elems),
+        }
+    }
+
+    /// Number of pieces per chunk (0 when `count` is 0).
+    pub fn pieces(&self) -> usize {
+        self.pieces
+    }
+
+    /// `(offset, len)` of chunk `c` within the whole buffer.
+    pub fn chunk(&self, c: usize) -> (usize, usize) {
+        split_even(self.count, self.world, c)
+    }
+
+    /// `(offset, len)` of piece `j` of chunk `c`, within the whole buffer.
+    pub fn piece(&self, c: usize, j: usize) -> (usize, usize) {
+        let (chunk_offset, chunk_len) = self.chunk(c);
+        let (offset, len) = split_even(chunk_len, self.pieces, j);
+        (chunk_offset + offset, len)
+    }
+
+    /// `(offset, len)` of piece `j` of chunk `c`, relative to the chunk's start.
+    pub fn piece_in_chunk(&self, c: usize, j: usize) -> (usize, usize) {
+        split_even(self.chunk(c).1, self.pieces, j)
+    }
+}
+
+/// Part `i` of `total` split into `parts` near-equal parts: the first
+/// `total % parts` parts are one longer.
+fn split_even(total: usize, parts: usize, i: usize) -> (usize, usize) {
+    let base = total / parts;
+    let extra = total % parts;
+    let len = base + usize::from(i < extra);
+    let offset = i * base + i.min(extra);
+    (offset, len)
+}
+
+/// Builds the plan for one validated call on one rank.
+///
+/// `chunk_bytes` is the pipeline piece size in bytes (the communicator's
+/// configuration); it becomes a piece size in elements of the call's type.
+pub fn plan(desc: &CollectiveDesc, chunk_bytes: usize) -> Plan {
+    let piece_elems = (chunk_bytes / desc.dtype.size()).max(1);
+    let rank = desc.rank;
+    let world = desc.world_size;
+    let in_place = desc.in_place;
+    let avg = desc.reduce_op == Some(ReduceOp::Avg);
+    let mut steps = Vec::new();
+    match desc.op {
+        OpKind::AllReduce => ring::all_reduce(
+            rank,
+            world,
+            desc.count(),
+            piece_elems,
+            in_place,
+            avg,
+            &mut steps,
+        ),
+        OpKind::ReduceScatter => ring::reduce_scatter(
+            rank,
+            world,
+            desc.count(),
+            piece_elems,
+            in_place,
+            avg,
+            &mut steps,
+        ),
+        OpKind::AllGather => {
+            ring::all_gather(rank, world, desc.count(), piece_elems, in_place, &mut steps)
+        }
+        OpKind::Broadcast => tree::broadcast_chain(
+            rank,
+            world,
+            desc.root.unwrap_or(0),
+            desc.count(),
+            piece_elems,
+            in_place,
+            &mut steps,
+        ),
+        OpKind::Reduce => tree::reduce_chain(
+            rank,
+            world,
+            desc.root.unwrap_or(0),
+            desc.count(),
+            piece_elems,
+            in_place,
+            avg,
+            &mut steps,
+        ),
+        OpKind::Send => tree::send(
+            desc.peer.unwrap_or(0),
+            desc.count(),
+            piece_elems,
+            &mut steps,
+        ),
+        OpKind::Recv => tree::recv(
+            desc.peer.unwrap_or(0),
+            desc.count(),
+            piece_elems,
+            &mut steps,
+        ),
+        OpKind::AllToAll => tree::all_to_all(rank, world, desc.count(), piece_elems, &mut steps),
+        // Split exchanges (color, key) pairs with an in-place all-gather.
+        OpKind::Split => ring::all_gather(rank, world, desc.count(), piece_elems, true, &mut steps),
+        OpKind::Barrier => tree::barrier(rank, world, &mut steps),
+    }
+    Plan { steps }
+}
+
+/// Splits `len` elements starting at `offset` into pieces of at most
+/// `piece_elems`, calling `f(offset, len)` for each non-empty piece.
+pub(crate) fn for_each_piece(
+    offset: usize,
+    len: usize,
+    piece_elems: usize,
+    mut f: impl FnMut(usize, usize),
+) {
+    let mut done = 0;
+    while done < len {
+        let n = piece_elems.min(len - done);
+        f(offset + done, n);
+        done += n;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_cover_the_buffer_exactly() {
+        for count in [0, 1, 2, 7, 8, 9, 100, 1001] {
+            for world in 1..=9 {
+                for piece in [1, 3, 64, 10_000] {
+                    let layout = ChunkLayout::new(count, world, piece);
+                    let mut next = 0;
+                    for c in 0..world {
+                        let (chunk_off, chunk_len) = layout.chunk(c);
+                        assert_eq!(chunk_off, next);
+                        let mut inner = chunk_off;
+                        for j in 0..layout.pieces() {
+                            let (off, len) = layout.piece(c, j);
+                            assert_eq!(off, inner);
+                            assert!(len <= piece, "piece {len} > {piece}");
+                            inner += len;
+                        }
+                        assert_eq!(inner, chunk_off + chunk_len);
+                        next += chunk_len;
+                    }
+                    assert_eq!(next, count, "count {count} world {world}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn uneven_counts_differ_by_at_most_one() {
+        let layout = ChunkLayout::new(10, 4, 100);
+        let lens: Vec<usize> = (0..4).map(|c| layout.chunk(c).1).collect();
+        assert_eq!(lens, [3, 3, 2, 2]);
+        assert_eq!(ChunkLayout::new(0, 4, 8).pieces(), 0);
+        assert_eq!(ChunkLayout::new(3, 5, 8).chunk(4), (3, 0));
+    }
+}

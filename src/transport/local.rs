@@ -1,0 +1,164 @@
+//! The in-process transport: one mailbox per rank, frames keyed by
+//! `(source, ctx, space, seq, step)` so receives match exactly and frames of
+//! unrelated calls (a point-to-point send racing a collective) never mix.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use super::{FrameHeader, Payload, Space, TransportError};
+
+type Key = (usize, u64, Space, u64, u32);
+
+#[derive(Default)]
+struct Mailbox {
+    frames: Mutex<HashMap<Key, (FrameHeader, Payload)>>,
+    arrived: Condvar,
+}
+
+/// State shared by every communicator of one `local_group` (and its splits).
+pub(crate) struct LocalGroup {
+    mailboxes: Vec<Mailbox>,
+    aborted: AtomicBool,
+    /// `(ctx, global rank)` of endpoints that were dropped.
+    departed: Mutex<HashSet<(u64, usize)>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding one of these locks cannot leave the maps
+    // inconsistent (each critical section is a single insert or remove).
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl LocalGroup {
+    pub fn new(world: usize) -> Arc<LocalGroup> {
+        Arc::new(LocalGroup {
+            mailboxes: (0..world).map(|_| Mailbox::default()).collect(),
+            aborted: AtomicBool::new(false),
+            departed: Mutex::new(HashSet::new()),
+        })
+    }
+
+    fn wake_all(&self) {
+        for mailbox in &self.mailboxes {
+            let _guard = lock(&mailbox.frames);
+            mailbox.arrived.notify_all();
+        }
+    }
+
+    /// Makes every wait of every communicator in the group return `Aborted`.
+    pub fn abort(&self) {
+        self.aborted.store(true, Ordering::SeqCst);
+        self.wake_all();
+    }
+}
+
+/// One rank's end of a local communicator.
+pub(crate) struct LocalEndpoint {
+    group: Arc<LocalGroup>,
+    ctx: u64,
+    /// Communicator rank → index in the group.
+    members: Vec<usize>,
+    rank: usize,
+}
+
+impl LocalEndpoint {
+    pub fn new(group: Arc<LocalGroup>, ctx: u64, members: Vec<usize>, rank: usize) -> Self {
+        LocalEndpoint {
+            group,
+            ctx,
+            members,
+            rank,
+        }
+    }
+
+    pub fn group(&self) -> &Arc<LocalGroup> {
+        &self.group
+    }
+
+    pub fn ctx(&self) -> u64 {
+        self.ctx
+    }
+
+    /// An endpoint for a sub-communicator of `members` (ranks of this one).
+    pub fn child(&self, ctx: u64, members: &[usize], rank: usize) -> LocalEndpoint {
+        let members = members.iter().map(|&r| self.members[r]).collect();
+        LocalEndpoint::new(self.group.clone(), ctx, members, rank)
+    }
+
+    pub fn send(
+        &self,
+        peer: usize,
+        header: FrameHeader,
+        payload: Payload,
+    ) -> Result<(), TransportError> {
+        if self.group.aborted.load(Ordering::SeqCst) {
+            return Err(TransportError::Aborted);
+        }
+        let key = (
+            self.members[self.rank],
+            header.ctx,
+            header.space,
+            header.seq,
+            header.step,
+        );
+        let mailbox = &self.group.mailboxes[self.members[peer]];
+        lock(&mailbox.frames).insert(key, (header, payload));
+        mailbox.arrived.notify_all();
+        Ok(())
+    }
+
+    pub fn recv(
+        &self,
+        peer: usize,
+        expect: &FrameHeader,
+        timeout: Duration,
+    ) -> Result<Payload, TransportError> {
+        let source = self.members[peer];
+        let key = (source, expect.ctx, expect.space, expect.seq, expect.step);
+        let mailbox = &self.group.mailboxes[self.members[self.rank]];
+        let start = Instant::now();
+        let deadline = start + timeout;
+        let mut frames = lock(&mailbox.frames);
+        loop {
+            if let Some((header, payload)) = frames.remove(&key) {
+                if header.op != expect.op {
+                    return Err(TransportError::Mismatch(format!(
+                        "peer is running {} but this rank is running {}",
+                        header.op, expect.op
+                    )));
+                }
+                if header.bytes != expect.bytes {
+                    return Err(TransportError::Mismatch(format!(
+                        "peer sent {} bytes where {} were expected (counts differ between ranks?)",
+                        header.bytes, expect.bytes
+                    )));
+                }
+                return Ok(payload);
+            }
+            if self.group.aborted.load(Ordering::SeqCst) {
+                return Err(TransportError::Aborted);
+            }
+            if lock(&self.group.departed).contains(&(self.ctx, source)) {
+                return Err(TransportError::PeerLost);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(TransportError::Timeout(now - start));
+            }
+            frames = mailbox
+                .arrived
+                .wait_timeout(frames, deadline - now)
+                .map(|(guard, _)| guard)
+                .unwrap_or_else(|poisoned| poisoned.into_inner().0);
+        }
+    }
+}
+
+impl Drop for LocalEndpoint {
+    fn drop(&mut self) {
+        lock(&self.group.departed).insert((self.ctx, self.members[self.rank]));
+        self.group.wake_all();
+    }
+}

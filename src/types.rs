@@ -1,0 +1,349 @@
+//! Element types, reduction operators and operation names.
+//!
+//! # Reduction semantics
+//!
+//! These hold on every backend oxccl has, so results are comparable bit for bit
+//! between them (the ring executors share one plan and one reduction order):
+//!
+//! | op | integers (`i8 u8 i32 u32 i64 u64`) | floats (`f32 f64`) | `f16` / `bf16` |
+//! |---|---|---|---|
+//! | [`ReduceOp::Sum`] | wrapping (two's complement), as NCCL | IEEE addition | accumulate in `f32`, round to the type once per reduction step |
+//! | [`ReduceOp::Prod`] | wrapping multiplication | IEEE multiplication | as `Sum`, with `*` |
+//! | [`ReduceOp::Min`] / [`ReduceOp::Max`] | exact | exact; **NaN propagates**: if either operand is NaN the result is NaN | as floats (conversion to `f32` is exact) |
+//! | [`ReduceOp::Avg`] | wrapping sum, then truncating division (toward zero) by the world size | sum, then one division by the world size | sum as above, then `f32` division, rounded once |
+//!
+//! NaN propagation in Min/Max follows PyTorch's `torch.min`/`torch.max`
+//! rather than C's `fmin`, so a diverged rank is visible in every rank's result
+//! instead of being silently dropped. Which NaN payload survives is unspecified;
+//! every rank still receives identical bits.
+
+use std::fmt;
+
+/// A rank: an index in `0..world_size` of a communicator.
+///
+/// Ranks are always `usize` in oxccl's API, never `i32`.
+pub type Rank = usize;
+
+/// The name of an operation, carried by errors and reported by tools.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum OpKind {
+    /// [`Communicator::all_reduce`](crate::Communicator::all_reduce) and its in-place variant.
+    AllReduce,
+    /// [`Communicator::reduce_scatter`](crate::Communicator::reduce_scatter) and its in-place variant.
+    ReduceScatter,
+    /// [`Communicator::all_gather`](crate::Communicator::all_gather) and its in-place variant.
+    AllGather,
+    /// [`Communicator::broadcast`](crate::Communicator::broadcast) and its in-place variant.
+    Broadcast,
+    /// [`Communicator::reduce`](crate::Communicator::reduce) and its in-place variant.
+    Reduce,
+    /// [`Communicator::send`](crate::Communicator::send).
+    Send,
+    /// [`Communicator::recv`](crate::Communicator::recv).
+    Recv,
+    /// [`Communicator::all_to_all`](crate::Communicator::all_to_all).
+    AllToAll,
+    /// [`Communicator::barrier`](crate::Communicator::barrier).
+    Barrier,
+    /// [`Communicator::split`](crate::Communicator::split).
+    Split,
+}
+
+impl OpKind {
+    /// The snake_case name used in messages and on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            OpKind::AllReduce => "all_reduce",
+            OpKind::ReduceScatter => "reduce_scatter",
+            OpKind::AllGather => "all_gather",
+            OpKind::Broadcast => "broadcast",
+            OpKind::Reduce => "reduce",
+            OpKind::Send => "send",
+            OpKind::Recv => "recv",
+            OpKind::AllToAll => "all_to_all",
+            OpKind::Barrier => "barrier",
+            OpKind::Split => "split",
+        }
+    }
+}
+
+impl fmt::Display for OpKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A reduction operator.
+///
+/// See the [module documentation](self) for the exact semantics per type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    /// Sum; integers wrap.
+    Sum,
+    /// Product; integers wrap.
+    Prod,
+    /// Minimum; NaN propagates.
+    Min,
+    /// Maximum; NaN propagates.
+    Max,
+    /// Sum, then divide by the world size (integers: truncating division).
+    Avg,
+}
+
+impl ReduceOp {
+    /// All operators, in the order nccl-tests lists them.
+    pub const ALL: [ReduceOp; 5] = [
+        ReduceOp::Sum,
+        ReduceOp::Prod,
+        ReduceOp::Max,
+        ReduceOp::Min,
+        ReduceOp::Avg,
+    ];
+
+    /// The name nccl-tests prints (`sum`, `prod`, `max`, `min`, `avg`).
+    pub fn name(self) -> &'static str {
+        match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Prod => "prod",
+            ReduceOp::Min => "min",
+            ReduceOp::Max => "max",
+            ReduceOp::Avg => "avg",
+        }
+    }
+
+    /// Parses a name as printed by [`ReduceOp::name`].
+    pub fn from_name(name: &str) -> Option<ReduceOp> {
+        ReduceOp::ALL.into_iter().find(|op| op.name() == name)
+    }
+
+    /// The operator applied at each pairwise reduction step: `Avg` combines as
+    /// `Sum` and divides once at the end.
+    pub(crate) fn combining(self) -> ReduceOp {
+        match self {
+            ReduceOp::Avg => ReduceOp::Sum,
+            op => op,
+        }
+    }
+}
+
+impl fmt::Display for ReduceOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The run-time tag of an [`Element`] type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum DType {
+    /// `i8`
+    I8,
+    /// `u8`
+    U8,
+    /// `i32`
+    I32,
+    /// `u32`
+    U32,
+    /// `i64`
+    I64,
+    /// `u64`
+    U64,
+    /// [`half::f16`]
+    F16,
+    /// `f32`
+    F32,
+    /// `f64`
+    F64,
+    /// [`half::bf16`]
+    BF16,
+}
+
+impl DType {
+    /// Every dtype, in nccl-tests' order.
+    pub const ALL: [DType; 10] = [
+        DType::I8,
+        DType::U8,
+        DType::I32,
+        DType::U32,
+        DType::I64,
+        DType::U64,
+        DType::F16,
+        DType::F32,
+        DType::F64,
+        DType::BF16,
+    ];
+
+    /// Size of one element in bytes.
+    pub fn size(self) -> usize {
+        match self {
+            DType::I8 | DType::U8 => 1,
+            DType::F16 | DType::BF16 => 2,
+            DType::I32 | DType::U32 | DType::F32 => 4,
+            DType::I64 | DType::U64 | DType::F64 => 8,
+        }
+    }
+
+    /// The name nccl-tests prints (`int8`, `float`, `bfloat16`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::I8 => "int8",
+            DType::U8 => "uint8",
+            DType::I32 => "int32",
+            DType::U32 => "uint32",
+            DType::I64 => "int64",
+            DType::U64 => "uint64",
+            DType::F16 => "half",
+            DType::F32 => "float",
+            DType::F64 => "double",
+            DType::BF16 => "bfloat16",
+        }
+    }
+
+    /// Parses nccl-tests' names and the Rust type names (`float` or `f32`).
+    pub fn from_name(name: &str) -> Option<DType> {
+        let rust_name = match name {
+            "i8" => "int8",
+            "u8" => "uint8",
+            "i32" | "int" => "int32",
+            "u32" => "uint32",
+            "i64" => "int64",
+            "u64" => "uint64",
+            "f16" => "half",
+            "f32" => "float",
+            "f64" => "double",
+            "bf16" => "bfloat16",
+            other => other,
+        };
+        DType::ALL.into_iter().find(|d| d.name() == rust_name)
+    }
+
+    /// Whether the type is a floating-point type.
+    pub fn is_float(self) -> bool {
+        matches!(self, DType::F16 | DType::BF16 | DType::F32 | DType::F64)
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// An element type that oxccl can reduce and move.
+///
+/// Sealed: implemented for `f32 f64 f16 bf16 i8 u8 i32 u32 i64 u64` and nothing
+/// else, because every backend must implement every reduction for every type.
+pub trait Element:
+    bytemuck::Pod + PartialEq + fmt::Debug + Send + Sync + 'static + crate::host::reduce::Kernels
+{
+    /// The run-time tag of this type.
+    const DTYPE: DType;
+
+    /// The value as an `f64` (exact for every type but 64-bit integers beyond 2^53).
+    fn to_f64(self) -> f64;
+
+    /// The nearest value of this type (integers: saturating, NaN to 0).
+    fn from_f64(value: f64) -> Self;
+
+    /// `value` reduced modulo 2^bits for integers (two's complement wrap);
+    /// the nearest value for floats. Used to state closed-form expectations.
+    fn from_i64_wrapping(value: i64) -> Self;
+}
+
+macro_rules! int_element {
+    ($($t:ty => $d:ident),* $(,)?) => {$(
+        impl Element for $t {
+            const DTYPE: DType = DType::$d;
+            fn to_f64(self) -> f64 { self as f64 }
+            fn from_f64(value: f64) -> Self { value as $t }
+            fn from_i64_wrapping(value: i64) -> Self { value as $t }
+        }
+    )*};
+}
+int_element!(i8 => I8, u8 => U8, i32 => I32, u32 => U32, i64 => I64, u64 => U64);
+
+impl Element for f32 {
+    const DTYPE: DType = DType::F32;
+    fn to_f64(self) -> f64 {
+        self as f64
+    }
+    fn from_f64(value: f64) -> Self {
+        value as f32
+    }
+    fn from_i64_wrapping(value: i64) -> Self {
+        value as f32
+    }
+}
+
+impl Element for f64 {
+    const DTYPE: DType = DType::F64;
+    fn to_f64(self) -> f64 {
+        self
+    }
+    fn from_f64(value: f64) -> Self {
+        value
+    }
+    fn from_i64_wrapping(value: i64) -> Self {
+        value as f64
+    }
+}
+
+impl Element for half::f16 {
+    const DTYPE: DType = DType::F16;
+    fn to_f64(self) -> f64 {
+        self.to_f64()
+    }
+    fn from_f64(value: f64) -> Self {
+        half::f16::from_f64(value)
+    }
+    fn from_i64_wrapping(value: i64) -> Self {
+        half::f16::from_f64(value as f64)
+    }
+}
+
+impl Element for half::bf16 {
+    const DTYPE: DType = DType::BF16;
+    fn to_f64(self) -> f64 {
+        self.to_f64()
+    }
+    fn from_f64(value: f64) -> Self {
+        half::bf16::from_f64(value)
+    }
+    fn from_i64_wrapping(value: i64) -> Self {
+        half::bf16::from_f64(value as f64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip() {
+        for d in DType::ALL {
+            assert_eq!(DType::from_name(d.name()), Some(d));
+        }
+        for op in ReduceOp::ALL {
+            assert_eq!(ReduceOp::from_name(op.name()), Some(op));
+        }
+        assert_eq!(DType::from_name("f32"), Some(DType::F32));
+        assert_eq!(DType::from_name("bf16"), Some(DType::BF16));
+        assert_eq!(DType::from_name("float32"), None);
+    }
+
+    #[test]
+    fn sizes_match_rust_types() {
+        assert_eq!(DType::F16.size(), std::mem::size_of::<half::f16>());
+        assert_eq!(DType::BF16.size(), std::mem::size_of::<half::bf16>());
+        assert_eq!(DType::U64.size(), 8);
+        assert_eq!(<i8 as Element>::DTYPE, DType::I8);
+    }
+
+    #[test]
+    fn wrapping_conversion() {
+        assert_eq!(i8::from_i64_wrapping(128), -128);
+        assert_eq!(u8::from_i64_wrapping(256), 0);
+        assert_eq!(u32::from_i64_wrapping(-1), u32::MAX);
+    }
+}

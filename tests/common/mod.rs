@@ -1,0 +1,89 @@
+//! Test harness: one thread per rank, like Gloo's `base_test.h`.
+#![allow(dead_code)]
+
+use std::sync::mpsc;
+use std::time::Duration;
+
+use oxccl::{CommBuilder, Communicator, Result};
+
+/// Wall-clock limit for one `run_ranks` call: a hang fails the test instead
+/// of stalling CI.
+pub const GLOBAL_DEADLINE: Duration = Duration::from_secs(120);
+
+/// Runs `body` on `n` ranks of a local group built by `builder`, one thread
+/// each; joins every thread, and returns each rank's result or the first error.
+pub fn run_ranks_with<R, F>(
+    n: usize,
+    builder: CommBuilder,
+    body: F,
+) -> std::result::Result<Vec<R>, String>
+where
+    R: Send + 'static,
+    F: Fn(&mut Communicator) -> Result<R> + Send + Sync + 'static,
+{
+    let comms = builder.local_group(n).map_err(|e| e.to_string())?;
+    let body = std::sync::Arc::new(body);
+    let (tx, rx) = mpsc::channel();
+    let mut handles = Vec::new();
+    for mut comm in comms {
+        let tx = tx.clone();
+        let body = body.clone();
+        handles.push(std::thread::spawn(move || {
+            let rank = comm.rank();
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(&mut comm)));
+            let outcome = match result {
+                Ok(Ok(v)) => Ok(v),
+                Ok(Err(e)) => Err(format!("rank {rank}: {e}")),
+                Err(panic) => Err(format!(
+                    "rank {rank} panicked: {}",
+                    panic
+                        .downcast_ref::<String>()
+                        .cloned()
+                        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                        .unwrap_or_default()
+                )),
+            };
+            // Drop the communicator before reporting so peers see it leave.
+            drop(comm);
+            let _ = tx.send((rank, outcome));
+        }));
+    }
+    drop(tx);
+    let mut results: Vec<Option<R>> = (0..n).map(|_| None).collect();
+    let mut first_error = None;
+    let deadline = std::time::Instant::now() + GLOBAL_DEADLINE;
+    for _ in 0..n {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match rx.recv_timeout(left) {
+            Ok((rank, Ok(v))) => results[rank] = Some(v),
+            Ok((_, Err(e))) => {
+                first_error.get_or_insert(e);
+            }
+            Err(_) => return Err(format!("ranks did not finish within {GLOBAL_DEADLINE:?}")),
+        }
+    }
+    for h in handles {
+        let _ = h.join();
+    }
+    match first_error {
+        Some(e) => Err(e),
+        None => Ok(results
+            .into_iter()
+            .map(|r| r.expect("every rank reported"))
+            .collect()),
+    }
+}
+
+/// [`run_ranks_with`] with a 20 s per-wait timeout; panics on the first error.
+pub fn run_ranks<R, F>(n: usize, body: F) -> Vec<R>
+where
+    R: Send + 'static,
+    F: Fn(&mut Communicator) -> Result<R> + Send + Sync + 'static,
+{
+    run_ranks_with(
+        n,
+        Communicator::builder().timeout(Duration::from_secs(20)),
+        body,
+    )
+    .unwrap_or_else(|e| panic!("{e}"))
+}
