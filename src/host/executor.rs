@@ -88,7 +88,11 @@ fn header<T: Element>(info: &CallInfo, step: u32, len: usize) -> FrameHeader {
         space: info.space,
         seq: info.seq,
         step,
-        op: info.op,
+        // A send is matched by a recv: point-to-point frames carry `Send`.
+        op: match info.space {
+            Space::PointToPoint => OpKind::Send,
+            Space::Collective => info.op,
+        },
         bytes: len * std::mem::size_of::<T>(),
     }
 }

@@ -33,7 +33,7 @@ where
             let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(&mut comm)));
             let outcome = match result {
                 Ok(Ok(v)) => Ok(v),
-                Ok(Err(e)) => Err(format!("rank {rank}: {e}")),
+                Ok(Err(e)) => Err(e.to_string()),
                 Err(panic) => Err(format!(
                     "rank {rank} panicked: {}",
                     panic

@@ -1,0 +1,230 @@
+//! Send/recv ordering, split groups side by side, bad input, timeouts and
+//! lost peers.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{run_ranks, run_ranks_with};
+use oxccl::{Communicator, Error, OpKind, ReduceOp};
+
+#[test]
+fn send_recv_preserve_order_between_pairs() {
+    run_ranks(4, |comm| {
+        let (rank, world) = (comm.rank(), comm.world_size());
+        let next = (rank + 1) % world;
+        let prev = (rank + world - 1) % world;
+        for i in 0..50u32 {
+            comm.send(&[rank as u32 * 1000 + i; 3], next)?;
+        }
+        for i in 0..50u32 {
+            let mut buf = [0u32; 3];
+            comm.recv(&mut buf, prev)?;
+            assert_eq!(buf, [prev as u32 * 1000 + i; 3], "message {i} from {prev}");
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn a_send_racing_a_collective_does_not_mix_with_it() {
+    run_ranks(2, |comm| {
+        let mut v = vec![1.0f32; 100];
+        if comm.rank() == 0 {
+            comm.send(&[7i64; 5], 1)?;
+            comm.all_reduce_in_place(&mut v, ReduceOp::Sum)?;
+        } else {
+            comm.all_reduce_in_place(&mut v, ReduceOp::Sum)?;
+            let mut got = [0i64; 5];
+            comm.recv(&mut got, 0)?;
+            assert_eq!(got, [7; 5]);
+        }
+        assert!(v.iter().all(|&x| x == 2.0));
+        Ok(())
+    });
+}
+
+#[test]
+fn split_groups_work_side_by_side() {
+    // 8 ranks: tensor-parallel groups of 4 (color = rank / 4) and
+    // pipeline groups across them (color = rank % 4), used interleaved.
+    run_ranks(8, |comm| {
+        let rank = comm.rank();
+        let mut tp = comm.split((rank / 4) as u32, rank as i64)?;
+        let mut pp = comm.split((rank % 4) as u32, -(rank as i64))?;
+        assert_eq!(tp.world_size(), 4);
+        assert_eq!(tp.rank(), rank % 4);
+        assert_eq!(pp.world_size(), 2);
+        assert_eq!(pp.rank(), 1 - rank / 4, "key -rank reverses the order");
+        for _ in 0..3 {
+            let mut a = vec![rank as i32; 10];
+            tp.all_reduce_in_place(&mut a, ReduceOp::Sum)?;
+            let base = (rank / 4 * 4) as i32;
+            assert_eq!(a[0], 4 * base + 6);
+            let mut b = vec![rank as i32; 10];
+            pp.all_reduce_in_place(&mut b, ReduceOp::Max)?;
+            assert_eq!(b[9], (rank % 4 + 4) as i32);
+            comm.barrier()?;
+        }
+        let none = comm.split_or_none(if rank == 0 { None } else { Some(1) }, 0)?;
+        assert_eq!(none.is_none(), rank == 0);
+        if let Some(mut rest) = none {
+            assert_eq!(rest.world_size(), 7);
+            let mut x = [1u8];
+            rest.all_reduce_in_place(&mut x, ReduceOp::Sum)?;
+            assert_eq!(x[0], 7);
+        }
+        Ok(())
+    });
+}
+
+fn invalid_arg(result: oxccl::Result<()>) -> (OpKind, &'static str) {
+    match result {
+        Err(Error::InvalidArgument { op, arg, .. }) => (op, arg),
+        other => panic!("expected InvalidArgument, got {other:?}"),
+    }
+}
+
+#[test]
+fn bad_input_is_returned_on_the_calling_rank_before_any_io() {
+    // A world of one would also work, but with 3 ranks the other ranks must
+    // not be disturbed: they go on with a correct collective afterwards.
+    run_ranks(3, |comm| {
+        let w = comm.world_size();
+        let mut out = vec![0f32; 4];
+        assert_eq!(
+            invalid_arg(comm.all_reduce(&[1.0f32; 5], &mut out, ReduceOp::Sum)),
+            (OpKind::AllReduce, "recv")
+        );
+        assert_eq!(
+            invalid_arg(comm.all_gather(&[1.0f32; 2], &mut out)),
+            (OpKind::AllGather, "recv")
+        );
+        assert_eq!(
+            invalid_arg(comm.reduce_scatter(&[1.0f32; 5], &mut out[..1], ReduceOp::Sum)),
+            (OpKind::ReduceScatter, "send")
+        );
+        assert_eq!(
+            invalid_arg(comm.reduce_scatter_in_place(&mut out, ReduceOp::Sum)),
+            (OpKind::ReduceScatter, "buf")
+        );
+        assert_eq!(
+            invalid_arg(comm.broadcast_in_place(&mut out, w)),
+            (OpKind::Broadcast, "root")
+        );
+        assert_eq!(
+            invalid_arg(comm.reduce_in_place(&mut out, ReduceOp::Max, 7)),
+            (OpKind::Reduce, "root")
+        );
+        assert_eq!(invalid_arg(comm.send(&out, w)), (OpKind::Send, "peer"));
+        assert_eq!(
+            invalid_arg(comm.recv(&mut out, comm.rank())),
+            (OpKind::Recv, "peer")
+        );
+        assert_eq!(
+            invalid_arg(comm.all_to_all(&[0u8; 4], &mut [0u8; 4])),
+            (OpKind::AllToAll, "send")
+        );
+        let msg = comm
+            .all_reduce(&[1.0f32; 5], &mut out, ReduceOp::Sum)
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("all_reduce") && msg.contains("recv"), "{msg}");
+        // Nothing moved and nothing was numbered: the next collective works.
+        let mut v = vec![1u32; 9];
+        comm.all_reduce_in_place(&mut v, ReduceOp::Sum)?;
+        assert!(v.iter().all(|&x| x == 3));
+        Ok(())
+    });
+}
+
+#[test]
+fn a_missing_rank_times_out_naming_the_op_seq_and_peer() {
+    let builder = Communicator::builder().timeout(Duration::from_millis(300));
+    let err = run_ranks_with(3, builder, |comm| {
+        let mut v = vec![1f32; 16];
+        comm.all_reduce_in_place(&mut v, ReduceOp::Sum)?;
+        if comm.rank() != 2 {
+            // Rank 2 skips the second collective, then waits for the others to give up.
+            comm.all_reduce_in_place(&mut v, ReduceOp::Sum)?;
+        } else {
+            std::thread::sleep(Duration::from_millis(1500));
+        }
+        Ok(())
+    })
+    .unwrap_err();
+    assert!(err.contains("all_reduce #1 timed out"), "{err}");
+    assert!(err.contains("waiting for rank"), "{err}");
+}
+
+#[test]
+fn a_peer_that_leaves_is_reported_as_lost_not_a_hang() {
+    let builder = Communicator::builder().timeout(Duration::from_secs(30));
+    let started = std::time::Instant::now();
+    let err = run_ranks_with(2, builder, |comm| {
+        if comm.rank() == 1 {
+            return Ok(()); // drops its communicator without joining
+        }
+        let mut v = vec![1f32; 16];
+        let result = comm.all_reduce_in_place(&mut v, ReduceOp::Sum);
+        match &result {
+            Err(Error::PeerLost {
+                peer: 1,
+                op: OpKind::AllReduce,
+                seq: 0,
+                ..
+            }) => {}
+            other => panic!("expected PeerLost from rank 1, got {other:?}"),
+        }
+        // The communicator is now unusable, and says so.
+        let again = comm.barrier().unwrap_err();
+        assert!(matches!(again, Error::Failed { .. }), "{again}");
+        result
+    })
+    .unwrap_err();
+    assert!(err.contains("peer rank 1 is gone"), "{err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "PeerLost must not wait for the timeout"
+    );
+}
+
+#[test]
+fn mismatched_collectives_are_detected() {
+    let err = run_ranks_with(
+        2,
+        Communicator::builder().timeout(Duration::from_secs(5)),
+        |comm| {
+            let mut v = vec![1f32; 8];
+            if comm.rank() == 0 {
+                comm.all_reduce_in_place(&mut v, ReduceOp::Sum)
+            } else {
+                comm.broadcast_in_place(&mut v, 1)
+            }
+        },
+    )
+    .unwrap_err();
+    assert!(
+        err.contains("mismatch") || err.contains("timed out"),
+        "{err}"
+    );
+}
+
+#[test]
+fn abort_unblocks_a_call_in_progress() {
+    let mut comms = Communicator::builder()
+        .timeout(Duration::from_secs(60))
+        .local_group(2)
+        .unwrap();
+    let mut c0 = comms.remove(0);
+    let handle = c0.abort_handle();
+    let waiter = std::thread::spawn(move || {
+        let mut v = [0u8; 4];
+        c0.all_reduce_in_place(&mut v, ReduceOp::Sum)
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    handle.abort();
+    let result = waiter.join().unwrap();
+    assert!(matches!(result, Err(Error::Aborted { .. })), "{result:?}");
+    drop(comms);
+}
