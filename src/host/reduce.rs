@@ -322,13 +322,13 @@ mod tests {
         let b: Vec<bf16> = (0..n).map(|i| bf16::from_f32((i % 3) as f32)).collect();
         let mut out = vec![bf16::ZERO; n];
         bf16::combine_into(ReduceOp::Sum, &mut out, &a, &b);
-        for i in 0..n {
-            assert_eq!(out[i].to_f32(), ((i % 5) + (i % 3)) as f32, "element {i}");
+        for (i, v) in out.iter().enumerate() {
+            assert_eq!(v.to_f32(), ((i % 5) + (i % 3)) as f32, "element {i}");
         }
         let mut acc = a.clone();
         bf16::combine_assign_rev(ReduceOp::Max, &mut acc, &b);
-        for i in 0..n {
-            assert_eq!(acc[i].to_f32(), (i % 5).max(i % 3) as f32, "element {i}");
+        for (i, v) in acc.iter().enumerate() {
+            assert_eq!(v.to_f32(), (i % 5).max(i % 3) as f32, "element {i}");
         }
     }
 

@@ -34,6 +34,7 @@ fn neighbours(rank: Rank, world: usize) -> (Rank, Rank) {
 /// The reduce-scatter steps for piece `j`. `input(c)` is this rank's
 /// contribution to piece `j` of chunk `c`; `own_output` is where the fully
 /// reduced piece `j` of this rank's chunk goes.
+#[allow(clippy::too_many_arguments)]
 fn reduce_scatter_piece(
     rank: Rank,
     world: usize,

@@ -1,0 +1,487 @@
+//! oxccl-perf: an nccl-tests-style benchmark of oxccl's collectives.
+//!
+//! Same flags, columns and bus-bandwidth formulas as nccl-tests
+//! (`all_reduce_perf` and friends); ranks are threads of one in-process group.
+
+use std::process::ExitCode;
+use std::time::Instant;
+
+use oxccl::check::{fill, input_value, reduced_value};
+use oxccl::{bf16, f16, Communicator, DType, Element, ReduceOp};
+
+const USAGE: &str = "\
+usage: oxccl-perf [options]
+  -b, --minbytes <size>   smallest size (default 8; suffixes K M G)
+  -e, --maxbytes <size>   largest size (default 32M)
+  -f, --stepfactor <n>    multiply the size by n each step (default 2)
+  -n, --iters <n>         timed iterations per size (default 20)
+  -w, --warmup_iters <n>  untimed iterations per size (default 5)
+  -c, --check <0|1>       check results (default 1)
+  -d, --datatype <type>   int8 uint8 int32 uint32 int64 uint64 half float double bfloat16 (default float)
+  -o, --op <op>           sum prod max min avg (default sum)
+  -r, --root <rank>       root of broadcast and reduce (default 0)
+  -t, --nthreads <n>      ranks, one thread each (default 2)
+      --collective <name> all_reduce all_gather reduce_scatter broadcast reduce sendrecv all_to_all
+                          (default all_reduce)
+  -h, --help              this text";
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Coll {
+    AllReduce,
+    AllGather,
+    ReduceScatter,
+    Broadcast,
+    Reduce,
+    SendRecv,
+    AllToAll,
+}
+
+impl Coll {
+    fn parse(s: &str) -> Option<Coll> {
+        Some(match s {
+            "all_reduce" | "allreduce" => Coll::AllReduce,
+            "all_gather" | "allgather" => Coll::AllGather,
+            "reduce_scatter" | "reducescatter" => Coll::ReduceScatter,
+            "broadcast" => Coll::Broadcast,
+            "reduce" => Coll::Reduce,
+            "sendrecv" => Coll::SendRecv,
+            "all_to_all" | "alltoall" => Coll::AllToAll,
+            _ => return None,
+        })
+    }
+
+    fn reduces(self) -> bool {
+        matches!(self, Coll::AllReduce | Coll::ReduceScatter | Coll::Reduce)
+    }
+
+    fn rooted(self) -> bool {
+        matches!(self, Coll::Broadcast | Coll::Reduce)
+    }
+
+    /// nccl-tests' bus-bandwidth factor.
+    fn bus_factor(self, n: usize) -> f64 {
+        let n = n as f64;
+        match self {
+            Coll::AllReduce => 2.0 * (n - 1.0) / n,
+            Coll::AllGather | Coll::ReduceScatter | Coll::AllToAll => (n - 1.0) / n,
+            Coll::Broadcast | Coll::Reduce | Coll::SendRecv => 1.0,
+        }
+    }
+
+    /// Whether the count must divide by the number of ranks.
+    fn per_rank(self) -> bool {
+        matches!(self, Coll::AllGather | Coll::ReduceScatter | Coll::AllToAll)
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Args {
+    min_bytes: usize,
+    max_bytes: usize,
+    factor: usize,
+    iters: usize,
+    warmup: usize,
+    check: bool,
+    dtype: DType,
+    op: ReduceOp,
+    root: usize,
+    ranks: usize,
+    coll: Coll,
+}
+
+fn parse_size(s: &str) -> Result<usize, String> {
+    let s = s.trim();
+    let (num, mul) = match s.chars().last().map(|c| c.to_ascii_uppercase()) {
+        Some('K') => (&s[..s.len() - 1], 1usize << 10),
+        Some('M') => (&s[..s.len() - 1], 1 << 20),
+        Some('G') => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    num.parse::<usize>()
+        .map(|n| n * mul)
+        .map_err(|_| format!("bad size {s:?}"))
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut a = Args {
+        min_bytes: 8,
+        max_bytes: 32 << 20,
+        factor: 2,
+        iters: 20,
+        warmup: 5,
+        check: true,
+        dtype: DType::F32,
+        op: ReduceOp::Sum,
+        root: 0,
+        ranks: 2,
+        coll: Coll::AllReduce,
+    };
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    let mut i = 0;
+    while i < argv.len() {
+        let flag = argv[i].as_str();
+        if flag == "-h" || flag == "--help" {
+            return Err(String::new());
+        }
+        let value = argv
+            .get(i + 1)
+            .ok_or_else(|| format!("{flag} needs a value"))?;
+        let num = || {
+            value
+                .parse::<usize>()
+                .map_err(|_| format!("{flag}: bad number {value:?}"))
+        };
+        match flag {
+            "-b" | "--minbytes" => a.min_bytes = parse_size(value)?,
+            "-e" | "--maxbytes" => a.max_bytes = parse_size(value)?,
+            "-f" | "--stepfactor" => a.factor = num()?,
+            "-n" | "--iters" => a.iters = num()?,
+            "-w" | "--warmup_iters" => a.warmup = num()?,
+            "-c" | "--check" => a.check = num()? != 0,
+            "-d" | "--datatype" => {
+                a.dtype =
+                    DType::from_name(value).ok_or_else(|| format!("unknown datatype {value:?}"))?
+            }
+            "-o" | "--op" => {
+                a.op = ReduceOp::from_name(value).ok_or_else(|| format!("unknown op {value:?}"))?
+            }
+            "-r" | "--root" => a.root = num()?,
+            "-t" | "--nthreads" => a.ranks = num()?,
+            "--collective" => {
+                a.coll =
+                    Coll::parse(value).ok_or_else(|| format!("unknown collective {value:?}"))?
+            }
+            _ => return Err(format!("unknown option {flag}")),
+        }
+        i += 2;
+    }
+    if a.ranks == 0 || a.factor < 2 || a.min_bytes > a.max_bytes || a.iters == 0 {
+        return Err("need -t >= 1, -f >= 2, -b <= -e and -n >= 1".into());
+    }
+    if a.coll.rooted() && a.root >= a.ranks {
+        return Err(format!(
+            "root {} is out of range for {} ranks",
+            a.root, a.ranks
+        ));
+    }
+    if a.coll == Coll::SendRecv && a.ranks < 2 {
+        return Err("sendrecv needs at least 2 ranks".into());
+    }
+    Ok(a)
+}
+
+/// Buffers for one size, reused across iterations.
+struct Bufs<T> {
+    send: Vec<T>,
+    recv: Vec<T>,
+}
+
+/// Runs the collective once, out of place or in place.
+fn run_once<T: Element>(
+    comm: &mut Communicator,
+    a: &Args,
+    b: &mut Bufs<T>,
+    in_place: bool,
+) -> oxccl::Result<()> {
+    let (rank, n) = (comm.rank(), comm.world_size());
+    let peer_next = (rank + 1) % n;
+    let peer_prev = (rank + n - 1) % n;
+    match (a.coll, in_place) {
+        (Coll::AllReduce, false) => comm.all_reduce(&b.send, &mut b.recv, a.op),
+        (Coll::AllReduce, true) => comm.all_reduce_in_place(&mut b.recv, a.op),
+        (Coll::AllGather, false) => comm.all_gather(&b.send, &mut b.recv),
+        (Coll::AllGather, true) => comm.all_gather_in_place(&mut b.recv),
+        (Coll::ReduceScatter, false) => comm.reduce_scatter(&b.send, &mut b.recv, a.op),
+        (Coll::ReduceScatter, true) => comm.reduce_scatter_in_place(&mut b.recv, a.op),
+        (Coll::Broadcast, false) => comm.broadcast(&b.send, &mut b.recv, a.root),
+        (Coll::Broadcast, true) => comm.broadcast_in_place(&mut b.recv, a.root),
+        (Coll::Reduce, false) => comm.reduce(&b.send, &mut b.recv, a.op, a.root),
+        (Coll::Reduce, true) => comm.reduce_in_place(&mut b.recv, a.op, a.root),
+        (Coll::SendRecv, false) => {
+            comm.send(&b.send, peer_next)?;
+            comm.recv(&mut b.recv, peer_prev)
+        }
+        (Coll::SendRecv, true) => {
+            comm.send(&b.recv, peer_next)?;
+            comm.recv(&mut b.recv, peer_prev)
+        }
+        (Coll::AllToAll, _) => comm.all_to_all(&b.send, &mut b.recv),
+    }
+}
+
+/// Allocates and fills the buffers for `count` elements (nccl-tests' count:
+/// the full buffer), returning them and the expected output.
+#[allow(clippy::needless_late_init)]
+fn prepare<T: Element>(
+    a: &Args,
+    rank: usize,
+    n: usize,
+    count: usize,
+    in_place: bool,
+) -> (Bufs<T>, Vec<Option<T>>) {
+    let per = count / n;
+    let z = T::zeroed();
+    let op = a.op;
+    let input = |r: usize, i: usize| T::from_i64_wrapping(input_value(r, i, op));
+    let (send_len, recv_len) = match a.coll {
+        Coll::AllReduce | Coll::Broadcast | Coll::SendRecv | Coll::AllToAll => (count, count),
+        Coll::Reduce => (count, count),
+        Coll::AllGather => (per, count),
+        Coll::ReduceScatter => (count, per),
+    };
+    let mut send = vec![z; send_len];
+    let mut recv = vec![z; recv_len];
+    // `None` marks elements whose value is unspecified (not checked).
+    let expected: Vec<Option<T>>;
+    match a.coll {
+        Coll::AllReduce => {
+            fill(&mut send, rank, 0, op);
+            expected = (0..count).map(|i| Some(reduced_value(n, i, op))).collect();
+        }
+        Coll::Reduce => {
+            fill(&mut send, rank, 0, op);
+            expected = (0..count)
+                .map(|i| {
+                    if rank == a.root {
+                        Some(reduced_value(n, i, op))
+                    } else if in_place {
+                        Some(input(rank, i))
+                    } else {
+                        None
+                    }
+                })
+                .collect();
+        }
+        Coll::ReduceScatter => {
+            fill(&mut send, rank, 0, op);
+            expected = if in_place {
+                (0..count)
+                    .map(|i| (i / per.max(1) == rank).then(|| reduced_value(n, i, op)))
+                    .collect()
+            } else {
+                (0..per)
+                    .map(|i| Some(reduced_value(n, rank * per + i, op)))
+                    .collect()
+            };
+        }
+        Coll::AllGather => {
+            fill(&mut send, 0, rank * per, op);
+            expected = (0..count).map(|i| Some(input(0, i))).collect();
+        }
+        Coll::Broadcast => {
+            fill(&mut send, a.root, 0, op);
+            expected = (0..count).map(|i| Some(input(a.root, i))).collect();
+        }
+        Coll::SendRecv => {
+            fill(&mut send, rank, 0, op);
+            expected = (0..count)
+                .map(|i| Some(input((rank + n - 1) % n, i)))
+                .collect();
+        }
+        Coll::AllToAll => {
+            fill(&mut send, rank, 0, op);
+            expected = (0..count)
+                .map(|i| Some(input(i / per.max(1), rank * per + i % per.max(1))))
+                .collect();
+        }
+    }
+    if in_place {
+        // The one buffer starts as the out-of-place input, placed as NCCL's
+        // in-place conventions require.
+        match a.coll {
+            Coll::AllGather => recv[rank * per..(rank + 1) * per].copy_from_slice(&send),
+            Coll::ReduceScatter => recv = send.clone(),
+            Coll::Broadcast if rank != a.root => {}
+            _ => {
+                let len = recv.len();
+                recv.copy_from_slice(&send[..len]);
+            }
+        }
+    }
+    (Bufs { send, recv }, expected)
+}
+
+struct Sample {
+    time_us: f64,
+    wrong: u64,
+}
+
+fn measure<T: Element>(
+    comm: &mut Communicator,
+    a: &Args,
+    count: usize,
+    in_place: bool,
+) -> oxccl::Result<Sample> {
+    let (rank, n) = (comm.rank(), comm.world_size());
+    let mut wrong = 0u64;
+    if a.check {
+        let (mut b, expected) = prepare::<T>(a, rank, n, count, in_place);
+        run_once(comm, a, &mut b, in_place)?;
+        let got = if a.coll == Coll::Reduce && !in_place && rank != a.root {
+            &b.recv[..0]
+        } else {
+            &b.recv[..]
+        };
+        wrong = got
+            .iter()
+            .zip(&expected)
+            .filter(|(g, e)| e.is_some_and(|e| **g != e))
+            .count() as u64;
+    }
+    let (mut b, _) = prepare::<T>(a, rank, n, count, in_place);
+    for _ in 0..a.warmup {
+        run_once(comm, a, &mut b, in_place)?;
+    }
+    comm.barrier()?;
+    let start = Instant::now();
+    for _ in 0..a.iters {
+        run_once(comm, a, &mut b, in_place)?;
+    }
+    let mut t = [start.elapsed().as_secs_f64() * 1e6 / a.iters as f64];
+    // The slowest rank's time, and every rank's wrong values.
+    comm.all_reduce_in_place(&mut t, ReduceOp::Max)?;
+    let mut w = [wrong];
+    comm.all_reduce_in_place(&mut w, ReduceOp::Sum)?;
+    Ok(Sample {
+        time_us: t[0],
+        wrong: w[0],
+    })
+}
+
+fn bench<T: Element>(comm: &mut Communicator, a: &Args) -> oxccl::Result<(u64, f64, usize)> {
+    let n = comm.world_size();
+    let elem = std::mem::size_of::<T>();
+    let mut size = a.min_bytes;
+    let (mut wrong_total, mut busbw_sum, mut rows) = (0u64, 0.0, 0usize);
+    let mut last_count = usize::MAX;
+    while size <= a.max_bytes {
+        let unit = if a.coll.per_rank() { elem * n } else { elem };
+        let count = (size / unit) * unit / elem;
+        size = size.saturating_mul(a.factor);
+        if count == last_count {
+            continue;
+        }
+        last_count = count;
+        let bytes = count * elem;
+        let mut cols = String::new();
+        for in_place in [false, true] {
+            let s = measure::<T>(comm, a, count, in_place)?;
+            let algbw = bytes as f64 / s.time_us / 1e3;
+            let busbw = algbw * a.coll.bus_factor(n);
+            wrong_total += s.wrong;
+            busbw_sum += busbw;
+            let wrong = if a.check {
+                s.wrong.to_string()
+            } else {
+                "N/A".into()
+            };
+            cols += &format!(
+                "  {:7.2}  {:6.2}  {:6.2}  {:>5}",
+                s.time_us, algbw, busbw, wrong
+            );
+        }
+        rows += 2;
+        if comm.rank() == 0 {
+            let redop = if a.coll.reduces() {
+                a.op.name()
+            } else {
+                "none"
+            };
+            let root = if a.coll.rooted() { a.root as i64 } else { -1 };
+            println!(
+                "{bytes:>12}  {count:>12}  {:>8}  {redop:>6}  {root:>6}{cols}",
+                T::DTYPE.name()
+            );
+        }
+    }
+    Ok((wrong_total, busbw_sum, rows))
+}
+
+fn run_typed<T: Element>(a: &Args) -> Result<(u64, f64, usize), String> {
+    let comms = Communicator::local_group(a.ranks).map_err(|e| e.to_string())?;
+    let handles: Vec<_> = comms
+        .into_iter()
+        .map(|mut comm| {
+            let a = a.clone();
+            std::thread::spawn(move || bench::<T>(&mut comm, &a).map_err(|e| e.to_string()))
+        })
+        .collect();
+    let mut out = Err("no ranks".to_string());
+    for (rank, h) in handles.into_iter().enumerate() {
+        let r = h.join().map_err(|_| format!("rank {rank} panicked"))?;
+        if rank == 0 || r.is_err() {
+            out = r;
+        }
+    }
+    out
+}
+
+fn main() -> ExitCode {
+    let a = match parse_args() {
+        Ok(a) => a,
+        Err(e) => {
+            if !e.is_empty() {
+                eprintln!("oxccl-perf: {e}");
+            }
+            eprintln!("{USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+    println!(
+        "# oxccl-perf: collective {:?}, {} ranks (threads), backend host, transport in-process",
+        a.coll, a.ranks
+    );
+    println!(
+        "#  minBytes {} maxBytes {} step: {}(factor) warmup iters: {} iters: {} validation: {}",
+        a.min_bytes,
+        a.max_bytes,
+        a.factor,
+        a.warmup,
+        a.iters,
+        u8::from(a.check)
+    );
+    println!("#");
+    println!("#{:>61}{:>35}", "out-of-place", "in-place");
+    println!("#{:>11}  {:>12}  {:>8}  {:>6}  {:>6}  {:>7}  {:>6}  {:>6}  {:>5}  {:>7}  {:>6}  {:>6}  {:>5}", "size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong", "time", "algbw", "busbw", "#wrong");
+    println!("#{:>11}  {:>12}  {:>8}  {:>6}  {:>6}  {:>7}  {:>6}  {:>6}  {:>5}  {:>7}  {:>6}  {:>6}  {:>5}", "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", "");
+    let result = match a.dtype {
+        DType::I8 => run_typed::<i8>(&a),
+        DType::U8 => run_typed::<u8>(&a),
+        DType::I32 => run_typed::<i32>(&a),
+        DType::U32 => run_typed::<u32>(&a),
+        DType::I64 => run_typed::<i64>(&a),
+        DType::U64 => run_typed::<u64>(&a),
+        DType::F16 => run_typed::<f16>(&a),
+        DType::F32 => run_typed::<f32>(&a),
+        DType::F64 => run_typed::<f64>(&a),
+        DType::BF16 => run_typed::<bf16>(&a),
+        _ => Err(format!("unsupported datatype {}", a.dtype)),
+    };
+    match result {
+        Ok((wrong, busbw_sum, rows)) => {
+            println!(
+                "# Out of bounds values : {} {}",
+                wrong,
+                if wrong == 0 { "OK" } else { "FAILED" }
+            );
+            println!(
+                "# Avg bus bandwidth    : {:.4}",
+                if rows > 0 {
+                    busbw_sum / rows as f64
+                } else {
+                    0.0
+                }
+            );
+            println!("#");
+            if wrong == 0 {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            }
+        }
+        Err(e) => {
+            eprintln!("oxccl-perf: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
