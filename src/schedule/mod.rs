@@ -280,6 +280,9 @@ pub(crate) fn for_each_piece(
 }
 
 #[cfg(test)]
+mod sim;
+
+#[cfg(test)]
 mod tests {
     use super::*;
 

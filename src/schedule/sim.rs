@@ -1,0 +1,517 @@
+//! A simulator that runs the plans of all N ranks over symbolic elements in
+//! memory (unit tests only).
+//!
+//! Each element records which logical element it is and which ranks have
+//! contributed to it, so a run checks, for any plan: every send has exactly one
+//! matching receive of the same length, nothing deadlocks (sends are eager, as
+//! in the executors), each contribution is combined exactly once (so a reduced
+//! element is combined exactly N-1 times), `Avg` divides exactly once, and
+//! every element ends where the sequential definition of the collective puts it.
+
+use std::collections::{HashMap, VecDeque};
+
+use super::{plan, BufId, Plan, Span, Step};
+use crate::desc::{BufDesc, CollectiveDesc, MemoryKind};
+use crate::types::{DType, OpKind, ReduceOp};
+
+/// A symbolic element: logical index, contributing ranks, combine and divide counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Sym {
+    elem: usize,
+    ranks: u64,
+    combines: u32,
+    divides: u32,
+}
+
+const UNSET: Sym = Sym {
+    elem: usize::MAX,
+    ranks: 0,
+    combines: 0,
+    divides: 0,
+};
+
+fn input(elem: usize, rank: usize) -> Sym {
+    Sym {
+        elem,
+        ranks: 1 << rank,
+        combines: 0,
+        divides: 0,
+    }
+}
+
+fn combine(local: Sym, incoming: Sym) -> Result<Sym, String> {
+    if local.elem != incoming.elem {
+        return Err(format!(
+            "combining element {} with element {}",
+            local.elem, incoming.elem
+        ));
+    }
+    if local.ranks & incoming.ranks != 0 || local.divides + incoming.divides != 0 {
+        return Err(format!(
+            "element {}: a contribution combined twice or after Avg",
+            local.elem
+        ));
+    }
+    Ok(Sym {
+        elem: local.elem,
+        ranks: local.ranks | incoming.ranks,
+        combines: local.combines + incoming.combines + 1,
+        divides: 0,
+    })
+}
+
+struct Rank {
+    send: Vec<Sym>,
+    recv: Vec<Sym>,
+    in_place: bool,
+}
+
+impl Rank {
+    fn read(&self, span: Span) -> Result<Vec<Sym>, String> {
+        let buf = match span.buf {
+            BufId::Send if self.in_place => {
+                return Err("in-place plan refers to the send buffer".into())
+            }
+            BufId::Send => &self.send,
+            BufId::Recv => &self.recv,
+        };
+        buf.get(span.range())
+            .map(<[Sym]>::to_vec)
+            .ok_or_else(|| format!("span {span:?} outside a buffer of {}", buf.len()))
+    }
+
+    fn write(&mut self, span: Span, data: &[Sym]) -> Result<(), String> {
+        if span.buf == BufId::Send {
+            return Err("plan writes the send buffer".into());
+        }
+        let len = self.recv.len();
+        self.recv
+            .get_mut(span.range())
+            .ok_or_else(|| format!("span {span:?} outside a buffer of {len}"))?
+            .copy_from_slice(data);
+        Ok(())
+    }
+}
+
+/// Runs every rank's plan; returns every rank's receive buffer.
+fn simulate(plans: &[Plan], mut ranks: Vec<Rank>) -> Result<Vec<Vec<Sym>>, String> {
+    let n = plans.len();
+    let mut queues: HashMap<(usize, usize), VecDeque<Vec<Sym>>> = HashMap::new();
+    let mut pc = vec![0usize; n];
+    loop {
+        let mut progress = false;
+        for r in 0..n {
+            while let Some(step) = plans[r].steps.get(pc[r]) {
+                let from = match *step {
+                    Step::Recv { peer, .. } | Step::RecvReduce { peer, .. } => Some(peer),
+                    Step::RecvReduceSend { from, .. } | Step::RecvCopySend { from, .. } => {
+                        Some(from)
+                    }
+                    _ => None,
+                };
+                let incoming = match from {
+                    Some(p) => match queues.get_mut(&(p, r)).and_then(VecDeque::pop_front) {
+                        Some(frame) => Some(frame),
+                        None => break, // blocked: try other ranks
+                    },
+                    None => None,
+                };
+                let me = &mut ranks[r];
+                let check_len = |frame: &Vec<Sym>, len: usize| {
+                    if frame.len() == len {
+                        Ok(())
+                    } else {
+                        Err(format!(
+                            "rank {r} step {}: frame of {} where {len} expected",
+                            pc[r],
+                            frame.len()
+                        ))
+                    }
+                };
+                match *step {
+                    Step::Send { peer, src } => queues
+                        .entry((r, peer))
+                        .or_default()
+                        .push_back(me.read(src)?),
+                    Step::Recv { dst, .. } => {
+                        let frame = incoming.unwrap_or_default();
+                        check_len(&frame, dst.len)?;
+                        me.write(dst, &frame)?;
+                    }
+                    Step::RecvReduce { local, dst, .. } => {
+                        let frame = incoming.unwrap_or_default();
+                        check_len(&frame, dst.len)?;
+                        let out: Vec<Sym> = me
+                            .read(local)?
+                            .into_iter()
+                            .zip(frame)
+                            .map(|(l, i)| combine(l, i))
+                            .collect::<Result<_, _>>()?;
+                        me.write(dst, &out)?;
+                    }
+                    Step::RecvReduceSend { to, local, .. } => {
+                        let frame = incoming.unwrap_or_default();
+                        check_len(&frame, local.len)?;
+                        let out: Vec<Sym> = me
+                            .read(local)?
+                            .into_iter()
+                            .zip(frame)
+                            .map(|(l, i)| combine(l, i))
+                            .collect::<Result<_, _>>()?;
+                        queues.entry((r, to)).or_default().push_back(out);
+                    }
+                    Step::RecvCopySend { to, dst, .. } => {
+                        let frame = incoming.unwrap_or_default();
+                        check_len(&frame, dst.len)?;
+                        me.write(dst, &frame)?;
+                        queues.entry((r, to)).or_default().push_back(frame);
+                    }
+                    Step::Copy { src, dst } => {
+                        let data = me.read(src)?;
+                        me.write(dst, &data)?;
+                    }
+                    Step::DivideByWorld { span } => {
+                        let mut data = me.read(span)?;
+                        data.iter_mut().for_each(|s| s.divides += 1);
+                        me.write(span, &data)?;
+                    }
+                }
+                pc[r] += 1;
+                progress = true;
+            }
+        }
+        if (0..n).all(|r| pc[r] == plans[r].steps.len()) {
+            break;
+        }
+        if !progress {
+            let stuck: Vec<String> = (0..n)
+                .filter(|&r| pc[r] < plans[r].steps.len())
+                .map(|r| format!("rank {r} at {:?}", plans[r].steps[pc[r]]))
+                .collect();
+            return Err(format!("deadlock: {}", stuck.join(", ")));
+        }
+    }
+    if let Some(((s, d), q)) = queues.iter().find(|(_, q)| !q.is_empty()) {
+        return Err(format!(
+            "{} frames from rank {s} to rank {d} never received",
+            q.len()
+        ));
+    }
+    Ok(ranks.into_iter().map(|r| r.recv).collect())
+}
+
+/// Builds every rank's plan for `op` and runs it. `send_len`/`recv_len` are
+/// per-rank lengths; `send_init(rank, i)` gives the inputs.
+#[allow(clippy::too_many_arguments)]
+fn run(
+    op: OpKind,
+    world: usize,
+    send_len: usize,
+    recv_len: usize,
+    in_place: bool,
+    reduce: Option<ReduceOp>,
+    root: Option<usize>,
+    piece_elems: usize,
+    send_init: impl Fn(usize, usize) -> Sym,
+) -> Result<Vec<Vec<Sym>>, String> {
+    let host = |len| BufDesc {
+        len,
+        memory: MemoryKind::Host,
+    };
+    let mut plans = Vec::new();
+    let mut ranks = Vec::new();
+    for r in 0..world {
+        let mut desc = CollectiveDesc::new(op, DType::U64, r, world, MemoryKind::Host);
+        desc = if in_place {
+            desc.with_in_place(host(recv_len))
+        } else {
+            desc.with_send(host(send_len)).with_recv(host(recv_len))
+        };
+        if let Some(o) = reduce {
+            desc = desc.with_reduce_op(o);
+        }
+        if let Some(root) = root {
+            desc = desc.with_root(root);
+        }
+        desc.validate().map_err(|e| e.to_string())?;
+        plans.push(plan(&desc, piece_elems * 8));
+        let send: Vec<Sym> = (0..send_len).map(|i| send_init(r, i)).collect();
+        let mut recv = vec![UNSET; recv_len];
+        if in_place {
+            recv = (0..recv_len).map(|i| send_init(r, i)).collect();
+        }
+        ranks.push(Rank {
+            send,
+            recv,
+            in_place,
+        });
+    }
+    simulate(&plans, ranks)
+}
+
+fn full(world: usize) -> u64 {
+    (1u64 << world) - 1
+}
+
+fn reduced(elem: usize, world: usize, avg: bool) -> Sym {
+    Sym {
+        elem,
+        ranks: full(world),
+        combines: world as u32 - 1,
+        divides: u32::from(avg && world > 1),
+    }
+}
+
+const WORLDS: [usize; 8] = [1, 2, 3, 4, 5, 6, 7, 8];
+const PIECES: [usize; 3] = [1, 3, 1000];
+
+fn counts(world: usize) -> [usize; 5] {
+    [0, 1, world.saturating_sub(1), world + 1, 37]
+}
+
+#[test]
+fn all_reduce_plans_reduce_every_element_exactly_once_per_rank() {
+    for world in WORLDS {
+        for count in counts(world) {
+            for piece in PIECES {
+                for in_place in [false, true] {
+                    for avg in [false, true] {
+                        let op = if avg { ReduceOp::Avg } else { ReduceOp::Sum };
+                        let out = run(
+                            OpKind::AllReduce,
+                            world,
+                            count,
+                            count,
+                            in_place,
+                            Some(op),
+                            None,
+                            piece,
+                            |r, i| input(i, r),
+                        )
+                        .unwrap_or_else(|e| {
+                            panic!("world {world} count {count} piece {piece}: {e}")
+                        });
+                        for (r, buf) in out.iter().enumerate() {
+                            for (i, s) in buf.iter().enumerate() {
+                                assert_eq!(
+                                    *s,
+                                    reduced(i, world, avg),
+                                    "rank {r} world {world} count {count} piece {piece}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn reduce_scatter_and_all_gather_plans_match_their_definitions() {
+    for world in WORLDS {
+        for per in [0, 1, 2, 9] {
+            for piece in PIECES {
+                for in_place in [false, true] {
+                    let out = run(
+                        OpKind::ReduceScatter,
+                        world,
+                        per * world,
+                        if in_place { per * world } else { per },
+                        in_place,
+                        Some(ReduceOp::Sum),
+                        None,
+                        piece,
+                        |r, i| input(i, r),
+                    )
+                    .unwrap();
+                    for (r, buf) in out.iter().enumerate() {
+                        let mine = if in_place {
+                            &buf[r * per..(r + 1) * per]
+                        } else {
+                            &buf[..]
+                        };
+                        for (i, s) in mine.iter().enumerate() {
+                            assert_eq!(*s, reduced(r * per + i, world, false));
+                        }
+                    }
+                    let out = run(
+                        OpKind::AllGather,
+                        world,
+                        if in_place { per * world } else { per },
+                        per * world,
+                        in_place,
+                        None,
+                        None,
+                        piece,
+                        |r, i| {
+                            if in_place {
+                                // The in-place buffer holds this rank's part at r*per.
+                                if i / per.max(1) == r {
+                                    input(i, r)
+                                } else {
+                                    UNSET
+                                }
+                            } else {
+                                input(r * per + i, r)
+                            }
+                        },
+                    )
+                    .unwrap();
+                    for buf in out {
+                        for (i, s) in buf.iter().enumerate() {
+                            assert_eq!(
+                                *s,
+                                input(i, i / per.max(1)),
+                                "all_gather world {world} per {per}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn rooted_plans_match_their_definitions() {
+    for world in WORLDS {
+        for root in [0, world / 2, world - 1] {
+            for count in counts(world) {
+                for piece in PIECES {
+                    for in_place in [false, true] {
+                        let out = run(
+                            OpKind::Broadcast,
+                            world,
+                            count,
+                            count,
+                            in_place,
+                            None,
+                            Some(root),
+                            piece,
+                            |r, i| {
+                                if r == root {
+                                    input(i, r)
+                                } else if in_place {
+                                    UNSET
+                                } else {
+                                    input(i, r)
+                                }
+                            },
+                        )
+                        .unwrap();
+                        for buf in &out {
+                            assert!(
+                                buf.iter().enumerate().all(|(i, s)| *s == input(i, root)),
+                                "broadcast world {world} root {root}"
+                            );
+                        }
+                        let out = run(
+                            OpKind::Reduce,
+                            world,
+                            count,
+                            count,
+                            in_place,
+                            Some(ReduceOp::Avg),
+                            Some(root),
+                            piece,
+                            |r, i| input(i, r),
+                        )
+                        .unwrap();
+                        for (r, buf) in out.iter().enumerate() {
+                            for (i, s) in buf.iter().enumerate() {
+                                if r == root {
+                                    assert_eq!(
+                                        *s,
+                                        reduced(i, world, true),
+                                        "reduce world {world} root {root}"
+                                    );
+                                } else if in_place {
+                                    assert_eq!(
+                                        *s,
+                                        input(i, r),
+                                        "in-place reduce must not touch non-roots"
+                                    );
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn all_to_all_and_barrier_plans_match_their_definitions() {
+    for world in WORLDS {
+        for per in [0, 1, 5] {
+            for piece in PIECES {
+                let out = run(
+                    OpKind::AllToAll,
+                    world,
+                    per * world,
+                    per * world,
+                    false,
+                    None,
+                    None,
+                    piece,
+                    |r, i| input(i, r),
+                )
+                .unwrap();
+                for (r, buf) in out.iter().enumerate() {
+                    for (j, s) in buf.iter().enumerate() {
+                        let from = j / per;
+                        assert_eq!(*s, input(r * per + j % per, from));
+                    }
+                }
+            }
+        }
+        run(
+            OpKind::Barrier,
+            world,
+            0,
+            0,
+            false,
+            None,
+            None,
+            1,
+            |r, i| input(i, r),
+        )
+        .unwrap();
+    }
+}
+
+#[test]
+fn a_plan_with_a_missing_receive_is_caught() {
+    let mut plans = vec![Plan::default(), Plan::default()];
+    plans[0].steps.push(Step::Send {
+        peer: 1,
+        src: Span::new(BufId::Send, 0, 1),
+    });
+    let ranks = (0..2)
+        .map(|r| Rank {
+            send: vec![input(0, r)],
+            recv: vec![UNSET],
+            in_place: false,
+        })
+        .collect();
+    assert!(simulate(&plans, ranks)
+        .unwrap_err()
+        .contains("never received"));
+    let mut plans = vec![Plan::default(), Plan::default()];
+    for (r, p) in plans.iter_mut().enumerate() {
+        p.steps.push(Step::Recv {
+            peer: 1 - r,
+            dst: Span::new(BufId::Recv, 0, 1),
+        });
+    }
+    let ranks = (0..2)
+        .map(|r| Rank {
+            send: vec![input(0, r)],
+            recv: vec![UNSET],
+            in_place: false,
+        })
+        .collect();
+    assert!(simulate(&plans, ranks).unwrap_err().contains("deadlock"));
+}
