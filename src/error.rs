@@ -107,6 +107,35 @@ pub enum Error {
         reason: String,
     },
 
+    /// Rendezvous did not complete: some ranks never published themselves to
+    /// the store before the deadline. Every rank that waited reports the same
+    /// list, so any one log line says which ranks to look at.
+    #[error(
+        "rendezvous at {store} timed out after {waited:?}: {} (are they running, and do \
+         they use the same MASTER_ADDR/MASTER_PORT and WORLD_SIZE?)",
+        describe_missing(missing)
+    )]
+    RendezvousTimeout {
+        /// Where the store is ([`Store::describe`](crate::bootstrap::Store::describe)),
+        /// e.g. `10.0.0.1:29500` or `file:/shared/job42`.
+        store: String,
+        /// How long this rank waited.
+        waited: Duration,
+        /// The ranks that never joined, ascending.
+        missing: Vec<Rank>,
+    },
+
+    /// Setting up a communicator failed before any collective ran: the store
+    /// could not be hosted or reached, a connection or a shared-memory segment
+    /// could not be made, a peer presented a bad handshake.
+    #[error("{context}: {detail}")]
+    Bootstrap {
+        /// What was being done, naming the rank and the address or peer.
+        context: String,
+        /// What went wrong and, where known, how to fix it.
+        detail: String,
+    },
+
     /// The communicator failed earlier (timeout, lost peer, mismatch, abort)
     /// and can no longer be used; make a new one.
     #[error("rank {rank}: {op}: communicator unusable after an earlier error: {first_error}")]
@@ -118,4 +147,36 @@ pub enum Error {
         /// The first error, as text.
         first_error: String,
     },
+}
+
+/// `rank 3 never joined` / `ranks 2 and 5 never joined` / `ranks 1, 2 and 4 never joined`.
+pub(crate) fn describe_missing(missing: &[Rank]) -> String {
+    match missing {
+        [] => "every rank joined".into(),
+        [one] => format!("rank {one} never joined"),
+        [init @ .., last] => {
+            let init: Vec<String> = init.iter().map(|r| r.to_string()).collect();
+            format!("ranks {} and {last} never joined", init.join(", "))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn missing_ranks_read_as_english() {
+        assert_eq!(describe_missing(&[3]), "rank 3 never joined");
+        assert_eq!(describe_missing(&[2, 5]), "ranks 2 and 5 never joined");
+        assert_eq!(describe_missing(&[1, 2, 4]), "ranks 1, 2 and 4 never joined");
+        let e = Error::RendezvousTimeout {
+            store: "10.0.0.1:29500".into(),
+            waited: Duration::from_secs(30),
+            missing: vec![2, 5],
+        };
+        assert!(e
+            .to_string()
+            .starts_with("rendezvous at 10.0.0.1:29500 timed out after 30s: ranks 2 and 5 never joined"));
+    }
 }

@@ -32,6 +32,7 @@
 //! ```
 #![deny(missing_docs)]
 
+pub mod bootstrap;
 pub mod check;
 mod comm;
 mod desc;
