@@ -7,7 +7,10 @@
 //! (bf16 holds integers up to 256 exactly), so the expected value is exact:
 //! integer types wrap, as the reductions do.
 
+use crate::comm::Communicator;
+use crate::error::Error;
 use crate::types::{Element, Rank, ReduceOp};
+use half::{bf16, f16};
 
 /// Rank `rank`'s input element at global index `index`.
 pub fn input_value(rank: Rank, index: usize, op: ReduceOp) -> i64 {
@@ -68,4 +71,185 @@ pub fn count_wrong_input<T: Element>(
         .enumerate()
         .filter(|(i, v)| **v != T::from_i64_wrapping(input_value(rank, first_index + i, op)))
         .count()
+}
+
+/// Why a check failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckError {
+    /// A call returned an error.
+    #[error(transparent)]
+    Comm(#[from] Error),
+    /// A call completed with wrong values.
+    #[error("{0}")]
+    Wrong(String),
+}
+
+fn ensure(wrong: usize, what: impl FnOnce() -> String) -> Result<(), CheckError> {
+    if wrong == 0 {
+        Ok(())
+    } else {
+        Err(CheckError::Wrong(format!(
+            "{wrong} wrong elements: {}",
+            what()
+        )))
+    }
+}
+
+/// Counts that exercise the edges for `world` ranks: empty, one element,
+/// fewer than the ranks, one more than the ranks, and a prime-sized block.
+pub fn edge_counts(world: usize) -> Vec<usize> {
+    let mut c = vec![0, 1, world.saturating_sub(1), world + 1, 10_007];
+    c.dedup();
+    c
+}
+
+/// Runs every collective (both variants where there are two) for one dtype
+/// on one communicator, for each count in `counts` (per-rank counts for
+/// all-gather, reduce-scatter and all-to-all), every op and every root, plus
+/// a ring of point-to-point messages, and checks every element against its
+/// closed form. Every rank must call it with the same arguments.
+///
+/// # Errors
+///
+/// [`CheckError::Comm`] when a call fails, [`CheckError::Wrong`] naming the
+/// call and the count of wrong elements.
+pub fn every_collective<T: Element>(
+    comm: &mut Communicator,
+    counts: &[usize],
+) -> Result<(), CheckError> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    for &count in counts {
+        for op in ReduceOp::ALL {
+            let ctx = || format!("{} {op} count {count} world {world}", T::DTYPE);
+            // all_reduce
+            let mut send = vec![T::zeroed(); count];
+            fill(&mut send, rank, 0, op);
+            let mut recv = vec![T::zeroed(); count];
+            comm.all_reduce(&send, &mut recv, op)?;
+            ensure(count_wrong_reduced(&recv, world, 0, op), || {
+                format!("all_reduce {}", ctx())
+            })?;
+            let mut buf = send.clone();
+            comm.all_reduce_in_place(&mut buf, op)?;
+            ensure(count_wrong_reduced(&buf, world, 0, op), || {
+                format!("all_reduce in place {}", ctx())
+            })?;
+
+            // reduce_scatter: `count` per rank
+            let mut full = vec![T::zeroed(); count * world];
+            fill(&mut full, rank, 0, op);
+            let mut part = vec![T::zeroed(); count];
+            comm.reduce_scatter(&full, &mut part, op)?;
+            ensure(count_wrong_reduced(&part, world, rank * count, op), || {
+                format!("reduce_scatter {}", ctx())
+            })?;
+            comm.reduce_scatter_in_place(&mut full, op)?;
+            let mine = &full[rank * count..(rank + 1) * count];
+            ensure(count_wrong_reduced(mine, world, rank * count, op), || {
+                format!("reduce_scatter in place {}", ctx())
+            })?;
+
+            // reduce to every root
+            for root in [0, world - 1] {
+                let mut recv = vec![T::zeroed(); if rank == root { count } else { 0 }];
+                comm.reduce(&send, &mut recv, op, root)?;
+                ensure(count_wrong_reduced(&recv, world, 0, op), || {
+                    format!("reduce root {root} {}", ctx())
+                })?;
+                let mut buf = send.clone();
+                comm.reduce_in_place(&mut buf, op, root)?;
+                let wrong = if rank == root {
+                    count_wrong_reduced(&buf, world, 0, op)
+                } else {
+                    count_wrong_input(&buf, rank, 0, op)
+                };
+                ensure(wrong, || format!("reduce in place root {root} {}", ctx()))?;
+            }
+        }
+        let op = ReduceOp::Sum;
+        // all_gather: rank r contributes its inputs for indices r*count..
+        let mut mine = vec![T::zeroed(); count];
+        fill(&mut mine, 0, rank * count, op);
+        let mut gathered = vec![T::zeroed(); count * world];
+        comm.all_gather(&mine, &mut gathered)?;
+        ensure(count_wrong_input(&gathered, 0, 0, op), || {
+            format!("all_gather count {count}")
+        })?;
+        let mut buf = vec![T::zeroed(); count * world];
+        buf[rank * count..(rank + 1) * count].copy_from_slice(&mine);
+        comm.all_gather_in_place(&mut buf)?;
+        ensure(count_wrong_input(&buf, 0, 0, op), || {
+            format!("all_gather in place count {count}")
+        })?;
+
+        // broadcast from every root
+        for root in 0..world {
+            let mut src = vec![T::zeroed(); count];
+            fill(&mut src, root, 0, op);
+            let mut recv = vec![T::zeroed(); count];
+            let send: &[T] = if rank == root { &src } else { &[] };
+            comm.broadcast(send, &mut recv, root)?;
+            ensure(count_wrong_input(&recv, root, 0, op), || {
+                format!("broadcast root {root} count {count}")
+            })?;
+            let mut buf = if rank == root {
+                src.clone()
+            } else {
+                vec![T::zeroed(); count]
+            };
+            comm.broadcast_in_place(&mut buf, root)?;
+            ensure(count_wrong_input(&buf, root, 0, op), || {
+                format!("broadcast in place root {root}")
+            })?;
+        }
+
+        // all_to_all: block p of rank r's input is rank r's inputs at p*count..
+        let mut send = vec![T::zeroed(); count * world];
+        fill(&mut send, rank, 0, op);
+        let mut recv = vec![T::zeroed(); count * world];
+        comm.all_to_all(&send, &mut recv)?;
+        for from in 0..world {
+            let block = &recv[from * count..(from + 1) * count];
+            let mut expected = vec![T::zeroed(); count];
+            fill(&mut expected, from, rank * count, op);
+            ensure(usize::from(block != expected.as_slice()), || {
+                format!("all_to_all from {from} count {count}")
+            })?;
+        }
+        // send/recv around the ring (both directions at once, so a
+        // transport that blocks on send would deadlock here)
+        if world > 1 {
+            let next = (rank + 1) % world;
+            let prev = (rank + world - 1) % world;
+            comm.send(&send[..count], next)?;
+            let mut got = vec![T::zeroed(); count];
+            comm.recv(&mut got, prev)?;
+            ensure(count_wrong_input(&got, prev, 0, op), || {
+                format!("send/recv from {prev} count {count}")
+            })?;
+        }
+        comm.barrier()?;
+    }
+    Ok(())
+}
+
+/// [`every_collective`] for every element type.
+///
+/// # Errors
+///
+/// As [`every_collective`].
+pub fn every_collective_every_dtype(
+    comm: &mut Communicator,
+    counts: &[usize],
+) -> Result<(), CheckError> {
+    every_collective::<f32>(comm, counts)?;
+    every_collective::<f64>(comm, counts)?;
+    every_collective::<f16>(comm, counts)?;
+    every_collective::<bf16>(comm, counts)?;
+    every_collective::<i8>(comm, counts)?;
+    every_collective::<u8>(comm, counts)?;
+    every_collective::<i32>(comm, counts)?;
+    every_collective::<u32>(comm, counts)?;
+    every_collective::<i64>(comm, counts)?;
+    every_collective::<u64>(comm, counts)
 }

@@ -6,11 +6,13 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::bootstrap::Store;
 use crate::desc::{BufDesc, CollectiveDesc, MemoryKind};
 use crate::error::{Error, Result};
 use crate::host::executor::{self, Bufs, CallInfo};
 use crate::schedule;
 use crate::transport::local::{LocalEndpoint, LocalGroup};
+use crate::transport::net::{self, NetShared, TransportKind};
 use crate::transport::{Space, Transport};
 use crate::types::{DType, Element, OpKind, Rank, ReduceOp};
 
@@ -18,6 +20,9 @@ use crate::types::{DType, Element, OpKind, Rank, ReduceOp};
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 /// Default pipeline piece size in bytes.
 pub const DEFAULT_CHUNK_BYTES: usize = 256 * 1024;
+/// Default size of each shared-memory ring (one per ordered pair of local
+/// ranks): 1 MiB, so 8 ranks on a host need 56 MiB of `/dev/shm`.
+pub const DEFAULT_SHM_RING_BYTES: usize = 1 << 20;
 
 /// Settings every communicator carries.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -26,6 +31,14 @@ pub struct CommConfig {
     pub timeout: Duration,
     /// Pipeline piece size in bytes (`OXCCL_CHUNK_BYTES`); at least one element.
     pub chunk_bytes: usize,
+    /// Which links join ranks of different processes (`OXCCL_TRANSPORT`).
+    pub transport: TransportKind,
+    /// Which network interface TCP links use, in NCCL's `NCCL_SOCKET_IFNAME`
+    /// syntax (`OXCCL_SOCKET_IFNAME`: `eth`, `^docker,lo`, `=eth0`).
+    pub socket_ifname: Option<String>,
+    /// Bytes of each shared-memory ring, a power of two of at least 4 KiB
+    /// (`OXCCL_SHM_RING_BYTES`).
+    pub shm_ring_bytes: usize,
 }
 
 impl Default for CommConfig {
@@ -33,13 +46,17 @@ impl Default for CommConfig {
         CommConfig {
             timeout: DEFAULT_TIMEOUT,
             chunk_bytes: DEFAULT_CHUNK_BYTES,
+            transport: TransportKind::Auto,
+            socket_ifname: None,
+            shm_ring_bytes: DEFAULT_SHM_RING_BYTES,
         }
     }
 }
 
 impl CommConfig {
-    /// Defaults overridden by `OXCCL_TIMEOUT` (`30`, `30s`, `500ms`, `2m`) and
-    /// `OXCCL_CHUNK_BYTES`.
+    /// Defaults overridden by `OXCCL_TIMEOUT` (`30`, `30s`, `500ms`, `2m`),
+    /// `OXCCL_CHUNK_BYTES`, `OXCCL_TRANSPORT` (`auto`, `shm`, `tcp`),
+    /// `OXCCL_SOCKET_IFNAME` and `OXCCL_SHM_RING_BYTES`.
     ///
     /// # Errors
     ///
@@ -64,6 +81,27 @@ impl CommConfig {
                         value: value.clone(),
                         reason: "expected a positive number of bytes".into(),
                     })?;
+        }
+        if let Ok(value) = std::env::var("OXCCL_TRANSPORT") {
+            config.transport = TransportKind::from_name(&value).ok_or_else(|| Error::Config {
+                name: "OXCCL_TRANSPORT".into(),
+                value: value.clone(),
+                reason: "expected auto, shm or tcp".into(),
+            })?;
+        }
+        if let Ok(value) = std::env::var("OXCCL_SOCKET_IFNAME") {
+            config.socket_ifname = Some(value).filter(|v| !v.trim().is_empty());
+        }
+        if let Ok(value) = std::env::var("OXCCL_SHM_RING_BYTES") {
+            config.shm_ring_bytes = value
+                .parse::<usize>()
+                .ok()
+                .filter(|&b| b >= 4096 && b.is_power_of_two())
+                .ok_or_else(|| Error::Config {
+                    name: "OXCCL_SHM_RING_BYTES".into(),
+                    value: value.clone(),
+                    reason: "expected a power of two of at least 4096".into(),
+                })?;
         }
         Ok(config)
     }
@@ -104,17 +142,28 @@ enum Backend {
 
 /// A handle that aborts a communicator's group from any thread.
 ///
-/// Every call in progress on every communicator of the group (including
-/// split sub-communicators) returns [`Error::Aborted`], and so does every later one.
+/// Every call in progress on every communicator of the group in this process
+/// (including split sub-communicators) returns [`Error::Aborted`] within a few
+/// milliseconds, and so does every later one. Ranks in other processes see
+/// this rank leave once its communicators are dropped.
 #[derive(Clone)]
 pub struct AbortHandle {
-    group: Arc<LocalGroup>,
+    target: AbortTarget,
+}
+
+#[derive(Clone)]
+enum AbortTarget {
+    Local(Arc<LocalGroup>),
+    Net(Arc<NetShared>),
 }
 
 impl AbortHandle {
     /// Aborts the group.
     pub fn abort(&self) {
-        self.group.abort();
+        match &self.target {
+            AbortTarget::Local(group) => group.abort(),
+            AbortTarget::Net(shared) => shared.abort(),
+        }
     }
 }
 
@@ -155,6 +204,8 @@ pub struct Communicator {
 pub struct CommBuilder {
     timeout: Option<Duration>,
     chunk_bytes: Option<usize>,
+    transport: Option<TransportKind>,
+    job_id: Option<String>,
 }
 
 impl CommBuilder {
@@ -167,6 +218,20 @@ impl CommBuilder {
     /// Pipeline piece size in bytes (overrides `OXCCL_CHUNK_BYTES`).
     pub fn chunk_bytes(mut self, bytes: usize) -> Self {
         self.chunk_bytes = Some(bytes.max(1));
+        self
+    }
+
+    /// Which links to use between processes (overrides `OXCCL_TRANSPORT`).
+    pub fn transport(mut self, transport: TransportKind) -> Self {
+        self.transport = Some(transport);
+        self
+    }
+
+    /// A name for the job, used in shared-memory segment names so that
+    /// `oxccl-run` can clean up after ranks that crash (default:
+    /// `OXCCL_JOB_ID`, else derived from the job's token).
+    pub fn job_id(mut self, id: impl Into<String>) -> Self {
+        self.job_id = Some(id.into());
         self
     }
 
@@ -183,7 +248,72 @@ impl CommBuilder {
         if let Some(b) = self.chunk_bytes {
             config.chunk_bytes = b;
         }
+        if let Some(t) = self.transport {
+            config.transport = t;
+        }
         Ok(config)
+    }
+
+    /// Joins a job of `world_size` ranks in separate processes (or threads)
+    /// as rank `rank`, meeting the others through `store`, and links every
+    /// pair: shared memory on one host, TCP between hosts.
+    ///
+    /// Blocks until every rank has joined, for at most the timeout.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a rank out of range;
+    /// [`Error::RendezvousTimeout`] naming the ranks that never joined;
+    /// [`Error::Bootstrap`] when a link cannot be made; [`Error::Config`] for
+    /// a malformed environment.
+    pub fn init(
+        &self,
+        rank: Rank,
+        world_size: usize,
+        store: Arc<dyn Store>,
+    ) -> Result<Communicator> {
+        self.init_toward(rank, world_size, store, None)
+    }
+
+    /// [`init`](Self::init), picking the network interface that reaches
+    /// `toward` (the master's address) unless `OXCCL_SOCKET_IFNAME` says otherwise.
+    fn init_toward(
+        &self,
+        rank: Rank,
+        world_size: usize,
+        store: Arc<dyn Store>,
+        toward: Option<std::net::IpAddr>,
+    ) -> Result<Communicator> {
+        let config = self.config()?;
+        if rank >= world_size {
+            return Err(Error::InvalidArgument {
+                op: OpKind::Split,
+                rank,
+                arg: "rank",
+                reason: format!("rank {rank} is out of range for world size {world_size}"),
+            });
+        }
+        let job_id = self
+            .job_id
+            .clone()
+            .or_else(|| std::env::var("OXCCL_JOB_ID").ok());
+        let endpoint = net::connect(net::Setup {
+            rank,
+            world: world_size,
+            store,
+            timeout: config.timeout,
+            transport: config.transport,
+            socket_ifname: config.socket_ifname.clone(),
+            toward,
+            job_id,
+            shm_ring_bytes: config.shm_ring_bytes,
+        })?;
+        Ok(Communicator::new(
+            rank,
+            world_size,
+            config,
+            Transport::Net(endpoint),
+        ))
     }
 
     /// `n` communicators of one in-process group, one per thread
@@ -272,13 +402,22 @@ impl Communicator {
         &self.config
     }
 
+    /// What carries this communicator's traffic: `in-process`, `shm`,
+    /// `tcp (eth0 10.0.0.2)`, `shm+tcp (...)`.
+    pub fn transport_description(&self) -> String {
+        let Backend::Host(transport) = &self.backend;
+        transport.describe()
+    }
+
     /// A handle that aborts this communicator's group from another thread.
     pub fn abort_handle(&self) -> AbortHandle {
-        match &self.backend {
-            Backend::Host(Transport::Local(endpoint)) => AbortHandle {
-                group: endpoint.group().clone(),
-            },
-        }
+        let target = match &self.backend {
+            Backend::Host(Transport::Local(endpoint)) => {
+                AbortTarget::Local(endpoint.group().clone())
+            }
+            Backend::Host(Transport::Net(endpoint)) => AbortTarget::Net(endpoint.shared().clone()),
+        };
+        AbortHandle { target }
     }
 
     /// Aborts this communicator's group: see [`AbortHandle`].
@@ -318,9 +457,7 @@ impl Communicator {
         };
         let plan = schedule::plan(&desc, self.config.chunk_bytes);
         let Backend::Host(transport) = &self.backend;
-        let ctx = match transport {
-            Transport::Local(endpoint) => endpoint.ctx(),
-        };
+        let ctx = transport.ctx();
         let info = CallInfo {
             op: desc.op,
             seq,
@@ -630,14 +767,14 @@ impl Communicator {
         members.sort_unstable();
         let members: Vec<Rank> = members.into_iter().map(|(_, r)| r).collect();
         let new_rank = members.iter().position(|&r| r == self.rank).unwrap_or(0);
-        let Backend::Host(Transport::Local(endpoint)) = &self.backend;
-        let ctx = child_ctx(endpoint.ctx(), seq, color);
-        let child = endpoint.child(ctx, &members, new_rank);
+        let Backend::Host(transport) = &self.backend;
+        let ctx = child_ctx(transport.ctx(), seq, color);
+        let child = transport.child(ctx, &members, new_rank);
         Ok(Some(Communicator::new(
             new_rank,
             members.len(),
             self.config.clone(),
-            Transport::Local(child),
+            child,
         )))
     }
 }

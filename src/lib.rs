@@ -43,9 +43,11 @@ mod transport;
 pub mod types;
 
 pub use comm::{
-    AbortHandle, CommBuilder, CommConfig, Communicator, DEFAULT_CHUNK_BYTES, DEFAULT_TIMEOUT,
+    AbortHandle, CommBuilder, CommConfig, Communicator, DEFAULT_CHUNK_BYTES,
+    DEFAULT_SHM_RING_BYTES, DEFAULT_TIMEOUT,
 };
 pub use desc::{BufDesc, Buffer, CollectiveDesc, MemoryKind};
 pub use error::{Error, Result};
 pub use half::{bf16, f16};
+pub use transport::net::TransportKind;
 pub use types::{DType, Element, OpKind, Rank, ReduceOp};

@@ -51,6 +51,30 @@ pub enum OpKind {
 }
 
 impl OpKind {
+    /// Every operation, in the order of their wire codes.
+    const ALL: [OpKind; 10] = [
+        OpKind::AllReduce,
+        OpKind::ReduceScatter,
+        OpKind::AllGather,
+        OpKind::Broadcast,
+        OpKind::Reduce,
+        OpKind::Send,
+        OpKind::Recv,
+        OpKind::AllToAll,
+        OpKind::Barrier,
+        OpKind::Split,
+    ];
+
+    /// The operation's code in frame headers.
+    pub(crate) fn code(self) -> u8 {
+        Self::ALL.iter().position(|&op| op == self).unwrap_or(0) as u8
+    }
+
+    /// The operation with wire code `code`.
+    pub(crate) fn from_code(code: u8) -> Option<OpKind> {
+        Self::ALL.get(usize::from(code)).copied()
+    }
+
     /// The snake_case name used in messages and on the command line.
     pub fn name(self) -> &'static str {
         match self {

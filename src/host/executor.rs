@@ -58,11 +58,11 @@ impl CallInfo {
                 peer,
                 waited,
             },
-            TransportError::PeerLost => Error::PeerLost {
+            TransportError::PeerLost { rank: lost } => Error::PeerLost {
                 op,
                 seq,
                 rank,
-                peer,
+                peer: lost.unwrap_or(peer),
             },
             TransportError::Aborted => Error::Aborted { op, seq, rank },
             TransportError::Mismatch(detail) => Error::Mismatch {
@@ -173,5 +173,7 @@ pub(crate) fn execute<T: Element>(
             }
         }
     }
-    Ok(())
+    transport
+        .flush(info.timeout)
+        .map_err(|(peer, e)| info.error(peer, e))
 }

@@ -141,7 +141,7 @@ impl LocalEndpoint {
                 return Err(TransportError::Aborted);
             }
             if lock(&self.group.departed).contains(&(self.ctx, source)) {
-                return Err(TransportError::PeerLost);
+                return Err(TransportError::PeerLost { rank: None });
             }
             let now = Instant::now();
             if now >= deadline {

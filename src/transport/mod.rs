@@ -1,7 +1,11 @@
 //! Transports move framed bytes between ranks and nothing else: they know
 //! peers and frame headers, never a dtype or an operator.
 
+pub(crate) mod iface;
 pub(crate) mod local;
+pub(crate) mod net;
+pub(crate) mod shm;
+pub(crate) mod tcp;
 
 use std::time::Duration;
 
@@ -47,6 +51,14 @@ impl Payload {
         }
     }
 
+    /// `bytes` zero bytes, to be filled by a receive.
+    pub fn zeroed(bytes: usize) -> Payload {
+        Payload {
+            words: vec![0u64; bytes.div_ceil(8)],
+            bytes,
+        }
+    }
+
     pub fn as_bytes(&self) -> &[u8] {
         &bytemuck::cast_slice::<u64, u8>(&self.words)[..self.bytes]
     }
@@ -60,7 +72,11 @@ impl Payload {
 #[derive(Debug)]
 pub(crate) enum TransportError {
     Timeout(Duration),
-    PeerLost,
+    /// A peer is gone: `rank` names it (a communicator rank) when it is not
+    /// the peer the call was talking to.
+    PeerLost {
+        rank: Option<usize>,
+    },
     Aborted,
     Mismatch(String),
 }
@@ -68,6 +84,8 @@ pub(crate) enum TransportError {
 /// The transports a host communicator can use (static dispatch).
 pub(crate) enum Transport {
     Local(local::LocalEndpoint),
+    /// Separate processes, over shared memory and TCP.
+    Net(net::NetEndpoint),
 }
 
 impl Transport {
@@ -79,6 +97,7 @@ impl Transport {
     ) -> Result<(), TransportError> {
         match self {
             Transport::Local(t) => t.send(peer, header, payload),
+            Transport::Net(t) => t.send(peer, header, payload),
         }
     }
 
@@ -90,6 +109,42 @@ impl Transport {
     ) -> Result<Payload, TransportError> {
         match self {
             Transport::Local(t) => t.recv(peer, expect, timeout),
+            Transport::Net(t) => t.recv(peer, expect, timeout),
+        }
+    }
+
+    /// Waits until this rank's queued frames have left (sends are eager, so
+    /// a call must not return while its last frames sit in a queue no one
+    /// will drain). Returns the peer concerned on failure.
+    pub fn flush(&self, timeout: Duration) -> Result<(), (usize, TransportError)> {
+        match self {
+            // In-process sends land in the peer's mailbox at once.
+            Transport::Local(_) => Ok(()),
+            Transport::Net(t) => t.flush(timeout),
+        }
+    }
+
+    /// This endpoint's context id.
+    pub fn ctx(&self) -> u64 {
+        match self {
+            Transport::Local(t) => t.ctx(),
+            Transport::Net(t) => t.ctx(),
+        }
+    }
+
+    /// An endpoint for a sub-communicator: `members` are ranks of this one.
+    pub fn child(&self, ctx: u64, members: &[usize], rank: usize) -> Transport {
+        match self {
+            Transport::Local(t) => Transport::Local(t.child(ctx, members, rank)),
+            Transport::Net(t) => Transport::Net(t.child(ctx, members)),
+        }
+    }
+
+    /// What carries the traffic, for reports: `in-process`, `shm`, `tcp (...)`.
+    pub fn describe(&self) -> String {
+        match self {
+            Transport::Local(_) => "in-process".into(),
+            Transport::Net(t) => t.describe(),
         }
     }
 }

@@ -4,7 +4,10 @@
 use std::sync::mpsc;
 use std::time::Duration;
 
-use oxccl::{CommBuilder, Communicator, Result};
+use std::sync::Arc;
+
+use oxccl::bootstrap::MemoryStore;
+use oxccl::{CommBuilder, Communicator, Result, TransportKind};
 
 /// Wall-clock limit for one `run_ranks` call: a hang fails the test instead
 /// of stalling CI.
@@ -22,14 +25,56 @@ where
     F: Fn(&mut Communicator) -> Result<R> + Send + Sync + 'static,
 {
     let comms = builder.local_group(n).map_err(|e| e.to_string())?;
-    let body = std::sync::Arc::new(body);
+    let comms = Arc::new(std::sync::Mutex::new(
+        comms.into_iter().map(Some).collect::<Vec<_>>(),
+    ));
+    run_each(
+        n,
+        move |rank| Ok(comms.lock().unwrap()[rank].take().expect("one per rank")),
+        body,
+    )
+}
+
+/// As [`run_ranks_with`], but the ranks join through a shared in-memory
+/// store and talk over the multi-process transport (`kind`: shared memory
+/// or TCP), as separate processes would.
+pub fn run_ranks_net<R, F>(
+    n: usize,
+    builder: CommBuilder,
+    kind: TransportKind,
+    body: F,
+) -> std::result::Result<Vec<R>, String>
+where
+    R: Send + 'static,
+    F: Fn(&mut Communicator) -> Result<R> + Send + Sync + 'static,
+{
+    let store = Arc::new(MemoryStore::new());
+    let builder = builder.transport(kind);
+    run_each(n, move |rank| builder.init(rank, n, store.clone()), body)
+}
+
+fn run_each<R, M, F>(n: usize, make: M, body: F) -> std::result::Result<Vec<R>, String>
+where
+    R: Send + 'static,
+    M: Fn(usize) -> Result<Communicator> + Send + Sync + 'static,
+    F: Fn(&mut Communicator) -> Result<R> + Send + Sync + 'static,
+{
+    let body = Arc::new(body);
+    let make = Arc::new(make);
     let (tx, rx) = mpsc::channel();
     let mut handles = Vec::new();
-    for mut comm in comms {
+    for rank in 0..n {
         let tx = tx.clone();
         let body = body.clone();
+        let make = make.clone();
         handles.push(std::thread::spawn(move || {
-            let rank = comm.rank();
+            let mut comm = match make(rank) {
+                Ok(comm) => comm,
+                Err(e) => {
+                    let _ = tx.send((rank, Err(format!("rank {rank} init: {e}"))));
+                    return;
+                }
+            };
             let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(&mut comm)));
             let outcome = match result {
                 Ok(Ok(v)) => Ok(v),

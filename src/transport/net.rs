@@ -1,0 +1,1227 @@
+//! The multi-process transport: ranks in separate processes, linked pairwise
+//! by shared memory (same host) or TCP (different hosts), in NCCL's probe
+//! order. One [`Fabric`] per process holds the links of a job; the
+//! communicators made from it (and their splits) share it, each with its own
+//! context id, exactly as the in-process transport's endpoints share a group.
+//!
+//! # Frames on a link
+//!
+//! A link is a byte stream. Each frame is a 40-byte header (magic, kind,
+//! space, operation, step, context, sequence number, byte count) followed by
+//! the payload. The receiver checks the magic and bounds of every header: a
+//! malformed one marks the link broken (an error naming the peer), never a
+//! panic or a wild allocation. A frame whose sequence number is below what
+//! this rank has already consumed from that peer is *stale* and is reported,
+//! not consumed.
+//!
+//! # Progress without threads
+//!
+//! Sends are eager: a send queues its frame on the peer's link and writes
+//! what fits at once; the rest goes out whenever this rank next makes
+//! progress. Every wait (for a frame, or for queued bytes to drain at the end
+//! of a call) makes progress on *every* link: it writes what is queued and
+//! reads everything that has arrived into a table keyed like the in-process
+//! mailboxes. A rank waiting to send therefore always drains what others
+//! send it, so no cycle of full buffers can deadlock, whatever the plan.
+//!
+//! # Failure
+//!
+//! A rank that drops its communicator says goodbye (a goodbye frame, and a
+//! flag in its shared-memory header), so its peers can tell a clean exit from
+//! a crash. A crash shows as end-of-stream on TCP, or as a dead process id on
+//! shared memory (checked every few milliseconds while waiting). A crashed
+//! member fails every collective of every communicator it belongs to, on
+//! every surviving rank, with `PeerLost` naming it — not only on its ring
+//! neighbours. Every wait also has the call's deadline, and
+//! [`NetShared::abort`] wakes it within a few milliseconds.
+
+use std::collections::{HashMap, VecDeque};
+use std::net::{IpAddr, SocketAddr, TcpListener};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use super::shm::{self, Segment, ShmLink};
+use super::tcp::{self, TcpLink, Token};
+use super::{FrameHeader, Payload, Space, TransportError};
+use crate::bootstrap::Store;
+use crate::error::{Error, Result};
+use crate::types::{OpKind, Rank};
+
+const FRAME_MAGIC: u32 = 0x4652_584f; // "OXRF"
+pub(crate) const FRAME_HEADER_BYTES: usize = 40;
+/// Larger byte counts are taken as corruption rather than allocated.
+const MAX_FRAME_BYTES: u64 = 1 << 36;
+const KIND_DATA: u8 = 0;
+const KIND_GOODBYE: u8 = 1;
+
+/// How often a waiting rank checks that its shared-memory peers still run.
+const LIVENESS_INTERVAL: Duration = Duration::from_millis(10);
+/// How long a departing rank tries to hand over what it still has queued.
+const GOODBYE_FLUSH: Duration = Duration::from_secs(2);
+
+fn encode(kind: u8, h: &FrameHeader) -> [u8; FRAME_HEADER_BYTES] {
+    let mut b = [0u8; FRAME_HEADER_BYTES];
+    b[0..4].copy_from_slice(&FRAME_MAGIC.to_le_bytes());
+    b[4] = kind;
+    b[5] = match h.space {
+        Space::Collective => 0,
+        Space::PointToPoint => 1,
+    };
+    b[6] = h.op.code();
+    b[8..12].copy_from_slice(&h.step.to_le_bytes());
+    b[16..24].copy_from_slice(&h.ctx.to_le_bytes());
+    b[24..32].copy_from_slice(&h.seq.to_le_bytes());
+    b[32..40].copy_from_slice(&(h.bytes as u64).to_le_bytes());
+    b
+}
+
+/// Parses a header; `Err` says what is malformed.
+fn decode(b: &[u8; FRAME_HEADER_BYTES]) -> std::result::Result<(u8, FrameHeader), String> {
+    let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+    let u64_at = |i: usize| {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(&b[i..i + 8]);
+        u64::from_le_bytes(w)
+    };
+    if u32_at(0) != FRAME_MAGIC {
+        return Err(format!("bad frame magic {:#010x}", u32_at(0)));
+    }
+    let kind = b[4];
+    if kind != KIND_DATA && kind != KIND_GOODBYE {
+        return Err(format!("unknown frame kind {kind}"));
+    }
+    let space = match b[5] {
+        0 => Space::Collective,
+        1 => Space::PointToPoint,
+        other => return Err(format!("unknown frame space {other}")),
+    };
+    let op = OpKind::from_code(b[6]).ok_or_else(|| format!("unknown operation code {}", b[6]))?;
+    let bytes = u64_at(32);
+    if bytes > MAX_FRAME_BYTES {
+        return Err(format!("frame of {bytes} bytes is beyond any real frame"));
+    }
+    Ok((
+        kind,
+        FrameHeader {
+            ctx: u64_at(16),
+            space,
+            seq: u64_at(24),
+            step: u32_at(8),
+            op,
+            bytes: bytes as usize,
+        },
+    ))
+}
+
+/// A byte stream to one peer.
+enum Link {
+    Shm(ShmLink),
+    Tcp(TcpLink),
+}
+
+impl Link {
+    /// Writes a prefix of `a ++ b`; returns how many bytes went out.
+    fn write_two(&mut self, a: &[u8], b: &[u8]) -> std::io::Result<usize> {
+        match self {
+            Link::Shm(link) => {
+                let n = link.write_some(a);
+                if n < a.len() {
+                    return Ok(n);
+                }
+                Ok(n + link.write_some(b))
+            }
+            Link::Tcp(link) => {
+                if a.is_empty() {
+                    link.write_some(b)
+                } else if b.is_empty() {
+                    link.write_some(a)
+                } else {
+                    link.write_two(a, b)
+                }
+            }
+        }
+    }
+
+    fn read_some(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match self {
+            Link::Shm(link) => Ok(link.read_some(buf)),
+            Link::Tcp(link) => link.read_some(buf),
+        }
+    }
+}
+
+/// A frame waiting to be written, with how much of it already went out.
+struct Outgoing {
+    header: [u8; FRAME_HEADER_BYTES],
+    payload: Payload,
+    written: usize,
+}
+
+/// The read side of a link: part of a header, or part of a payload.
+enum Incoming {
+    Header {
+        buf: [u8; FRAME_HEADER_BYTES],
+        filled: usize,
+    },
+    Payload {
+        kind: u8,
+        header: FrameHeader,
+        payload: Payload,
+        filled: usize,
+    },
+}
+
+impl Incoming {
+    fn new() -> Incoming {
+        Incoming::Header {
+            buf: [0; FRAME_HEADER_BYTES],
+            filled: 0,
+        }
+    }
+}
+
+/// Why a peer can no longer be counted on.
+#[derive(Clone, Debug)]
+enum Gone {
+    /// It dropped its communicators: fine for the collectives it finished.
+    /// Per context: the number of collectives it had entered when it left
+    /// (absent: it never used that context).
+    Departed(HashMap<u64, u64>),
+    /// It crashed or its link broke: fatal to every group it is in.
+    Died(String),
+    /// It sent something malformed or stale.
+    Corrupt(String),
+}
+
+struct Peer {
+    link: Link,
+    out: VecDeque<Outgoing>,
+    incoming: Incoming,
+    gone: Option<Gone>,
+    /// Whether the loss was reported on stderr already.
+    logged: bool,
+}
+
+type Key = (usize, u64, Space, u64, u32);
+
+/// Every link of this process in one job, and the frames that have arrived.
+pub(crate) struct Fabric {
+    rank: usize,
+    /// Per global rank; `None` for this rank.
+    peers: Vec<Option<Peer>>,
+    arrived: HashMap<Key, (FrameHeader, Payload)>,
+    /// Per `(ctx, space, source)`: the sequence number of the last frame
+    /// consumed; anything older arriving later is stale.
+    consumed: HashMap<(u64, Space, usize), u64>,
+    /// Per context: how many collectives this rank has entered (told to
+    /// peers in the goodbye frame).
+    entered: HashMap<u64, u64>,
+    next_liveness_check: Instant,
+    /// Our own shared-memory inbox. Declared after `peers`, so the links
+    /// that point into it are dropped first.
+    own_segment: Option<Segment>,
+    /// Keeps the store (rank 0 serves it) alive as long as the job.
+    _store: Arc<dyn Store>,
+    /// The TCP interface, for descriptions.
+    interface: Option<String>,
+}
+
+/// What the communicators of one process share.
+pub(crate) struct NetShared {
+    fabric: Mutex<Fabric>,
+    aborted: AtomicBool,
+}
+
+impl NetShared {
+    fn lock(&self) -> MutexGuard<'_, Fabric> {
+        // A panic inside the fabric's critical sections can only come from a
+        // bug; the data stays structurally valid, so keep going.
+        self.fabric.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Makes every wait of every communicator on this fabric return `Aborted`.
+    pub fn abort(&self) {
+        self.aborted.store(true, Ordering::SeqCst);
+    }
+}
+
+impl Fabric {
+    /// Writes what is queued and reads what has arrived, on every link.
+    /// Returns whether any byte moved.
+    fn progress(&mut self) -> bool {
+        let mut moved = false;
+        for source in 0..self.peers.len() {
+            let Some(peer) = self.peers[source].as_mut() else {
+                continue;
+            };
+            if matches!(peer.gone, Some(Gone::Died(_)) | Some(Gone::Corrupt(_))) {
+                continue;
+            }
+            moved |= Self::write_queued(peer);
+            let mut delivered = Vec::new();
+            moved |= Self::read_arrived(peer, &mut delivered);
+            for (kind, header, payload) in delivered {
+                self.deliver(source, kind, header, payload);
+            }
+            self.log_if_lost(source);
+        }
+        moved
+    }
+
+    /// One line on stderr the moment a peer is found dead or corrupt: in a
+    /// hung job, the first question is which rank went first.
+    fn log_if_lost(&mut self, source: usize) {
+        let Some(peer) = self.peers[source].as_mut() else {
+            return;
+        };
+        if peer.logged {
+            return;
+        }
+        let why = match &peer.gone {
+            Some(Gone::Died(why)) | Some(Gone::Corrupt(why)) => why,
+            _ => return,
+        };
+        peer.logged = true;
+        eprintln!("oxccl: rank {}: lost rank {source}: {why}", self.rank);
+    }
+
+    fn write_queued(peer: &mut Peer) -> bool {
+        let mut moved = false;
+        while let Some(front) = peer.out.front_mut() {
+            let total = FRAME_HEADER_BYTES + front.payload.as_bytes().len();
+            let (a, b) = if front.written < FRAME_HEADER_BYTES {
+                (&front.header[front.written..], front.payload.as_bytes())
+            } else {
+                (
+                    &[][..],
+                    &front.payload.as_bytes()[front.written - FRAME_HEADER_BYTES..],
+                )
+            };
+            match peer.link.write_two(a, b) {
+                Ok(0) => break,
+                Ok(n) => {
+                    moved = true;
+                    front.written += n;
+                    if front.written == total {
+                        peer.out.pop_front();
+                    }
+                }
+                Err(e) => {
+                    peer.gone
+                        .get_or_insert(Gone::Died(format!("link failed: {e}")));
+                    break;
+                }
+            }
+        }
+        moved
+    }
+
+    fn read_arrived(peer: &mut Peer, delivered: &mut Vec<(u8, FrameHeader, Payload)>) -> bool {
+        let mut moved = false;
+        loop {
+            let result = match &mut peer.incoming {
+                Incoming::Header { buf, filled } => {
+                    match peer.link.read_some(&mut buf[*filled..]) {
+                        Ok(0) => break,
+                        Ok(n) => {
+                            *filled += n;
+                            if *filled == FRAME_HEADER_BYTES {
+                                match decode(buf) {
+                                    Ok((kind, header)) => {
+                                        let payload = Payload::zeroed(header.bytes);
+                                        peer.incoming = Incoming::Payload {
+                                            kind,
+                                            header,
+                                            payload,
+                                            filled: 0,
+                                        };
+                                    }
+                                    Err(why) => {
+                                        peer.gone =
+                                            Some(Gone::Corrupt(format!("malformed frame: {why}")));
+                                        return true;
+                                    }
+                                }
+                            }
+                            Ok(())
+                        }
+                        Err(e) => Err(e),
+                    }
+                }
+                Incoming::Payload {
+                    payload, filled, ..
+                } => {
+                    let bytes = payload.as_bytes_mut();
+                    if *filled < bytes.len() {
+                        match peer.link.read_some(&mut bytes[*filled..]) {
+                            Ok(0) => break,
+                            Ok(n) => {
+                                *filled += n;
+                                Ok(())
+                            }
+                            Err(e) => Err(e),
+                        }
+                    } else {
+                        Ok(())
+                    }
+                }
+            };
+            if let Err(e) = result {
+                // Frames that arrived before the end of the stream are kept.
+                // After a goodbye (perhaps read in this very pass, and
+                // delivered by the caller) the end of the stream is expected.
+                if !delivered.iter().any(|(kind, ..)| *kind == KIND_GOODBYE) {
+                    peer.gone
+                        .get_or_insert(Gone::Died(format!("connection lost: {e}")));
+                }
+                return moved;
+            }
+            moved = true;
+            if let Incoming::Payload {
+                payload, filled, ..
+            } = &peer.incoming
+            {
+                if *filled == payload.as_bytes().len() {
+                    if let Incoming::Payload {
+                        kind,
+                        header,
+                        payload,
+                        ..
+                    } = std::mem::replace(&mut peer.incoming, Incoming::new())
+                    {
+                        delivered.push((kind, header, payload));
+                    }
+                }
+            }
+        }
+        moved
+    }
+
+    fn deliver(&mut self, source: usize, kind: u8, header: FrameHeader, payload: Payload) {
+        let Some(peer) = self.peers[source].as_mut() else {
+            return;
+        };
+        if kind == KIND_GOODBYE {
+            let entered = payload
+                .as_bytes()
+                .chunks_exact(16)
+                .map(|pair| {
+                    let (ctx, next) = pair.split_at(8);
+                    let word = |b: &[u8]| u64::from_le_bytes(b.try_into().unwrap_or([0; 8]));
+                    (word(ctx), word(next))
+                })
+                .collect();
+            peer.gone.get_or_insert(Gone::Departed(entered));
+            return;
+        }
+        let consumed = self.consumed.get(&(header.ctx, header.space, source));
+        if consumed.is_some_and(|&last| header.seq < last) {
+            peer.gone = Some(Gone::Corrupt(format!(
+                "stale frame: {} #{} step {} arrived after #{} was consumed",
+                header.op,
+                header.seq,
+                header.step,
+                consumed.copied().unwrap_or_default()
+            )));
+            return;
+        }
+        let key = (source, header.ctx, header.space, header.seq, header.step);
+        if self.arrived.insert(key, (header, payload)).is_some() {
+            peer.gone = Some(Gone::Corrupt(format!(
+                "duplicate frame: {} #{} step {}",
+                header.op, header.seq, header.step
+            )));
+        }
+    }
+
+    /// Records that this rank has entered collective `h.seq` of `h.ctx`.
+    fn note_entered(&mut self, h: &FrameHeader) {
+        if h.space == Space::Collective {
+            let next = self.entered.entry(h.ctx).or_insert(0);
+            *next = (*next).max(h.seq + 1);
+        }
+    }
+
+    /// Marks shared-memory peers whose process died or left.
+    fn check_liveness(&mut self) {
+        let now = Instant::now();
+        if now < self.next_liveness_check {
+            return;
+        }
+        self.next_liveness_check = now + LIVENESS_INTERVAL;
+        for source in 0..self.peers.len() {
+            let Some(peer) = self.peers[source].as_mut() else {
+                continue;
+            };
+            if let (Link::Shm(link), None) = (&peer.link, &peer.gone) {
+                if link.peer_departed() {
+                    // Its goodbye frame, with how far it got, is in the ring
+                    // before the flag was set; read it first.
+                    let mut delivered = Vec::new();
+                    Self::read_arrived(peer, &mut delivered);
+                    for (kind, header, payload) in delivered {
+                        self.deliver(source, kind, header, payload);
+                    }
+                    let Some(peer) = self.peers[source].as_mut() else {
+                        continue;
+                    };
+                    peer.gone.get_or_insert(Gone::Departed(HashMap::new()));
+                } else if !link.peer_alive() {
+                    peer.gone = Some(Gone::Died(format!(
+                        "process {} is gone (killed or crashed)",
+                        link.peer_pid()
+                    )));
+                }
+            }
+            self.log_if_lost(source);
+        }
+    }
+
+    fn gone(&self, global: usize) -> Option<&Gone> {
+        self.peers
+            .get(global)
+            .and_then(|p| p.as_ref())
+            .and_then(|p| p.gone.as_ref())
+    }
+
+    fn has_queued(&self, global: usize) -> bool {
+        self.peers
+            .get(global)
+            .and_then(|p| p.as_ref())
+            .is_some_and(|p| !p.out.is_empty())
+    }
+
+    /// The descriptors to sleep on when nothing moves, and whether any
+    /// shared-memory link exists (then sleep only briefly: shm has no fd).
+    fn poll_set(&self, fds: &mut Vec<libc::pollfd>) -> bool {
+        fds.clear();
+        let mut has_shm = false;
+        for peer in self.peers.iter().flatten() {
+            match &peer.link {
+                Link::Tcp(link) if peer.gone.is_none() => fds.push(libc::pollfd {
+                    fd: link.fd(),
+                    events: libc::POLLIN
+                        | if peer.out.is_empty() {
+                            0
+                        } else {
+                            libc::POLLOUT
+                        },
+                    revents: 0,
+                }),
+                Link::Tcp(_) => {}
+                Link::Shm(_) => has_shm = true,
+            }
+        }
+        has_shm
+    }
+}
+
+/// Idles a waiting rank: spin briefly (a frame is usually microseconds
+/// away), then sleep on the sockets or for short, growing intervals, so an
+/// idle rank does not burn a core.
+struct Backoff {
+    idle: u32,
+    fds: Vec<libc::pollfd>,
+}
+
+impl Backoff {
+    fn new() -> Backoff {
+        Backoff {
+            idle: 0,
+            fds: Vec::new(),
+        }
+    }
+
+    fn reset(&mut self) {
+        self.idle = 0;
+    }
+
+    fn wait(&mut self, shared: &NetShared, deadline: Instant) {
+        self.idle = self.idle.saturating_add(1);
+        if self.idle < 200 {
+            std::hint::spin_loop();
+            return;
+        }
+        if self.idle < 400 {
+            std::thread::yield_now();
+            return;
+        }
+        let has_shm = shared.lock().poll_set(&mut self.fds);
+        let left = deadline.saturating_duration_since(Instant::now());
+        // Short sleeps keep shared memory responsive and `abort` prompt.
+        let cap = if has_shm {
+            Duration::from_micros(50 * u64::from((self.idle - 400).min(20)) + 50)
+        } else {
+            Duration::from_millis(10)
+        };
+        let nap = left.min(cap);
+        if self.fds.is_empty() {
+            std::thread::sleep(nap);
+        } else {
+            let ms = if has_shm {
+                0
+            } else {
+                nap.as_millis().max(1) as libc::c_int
+            };
+            // SAFETY: fds is a valid array of pollfd for the call's duration.
+            unsafe { libc::poll(self.fds.as_mut_ptr(), self.fds.len() as libc::nfds_t, ms) };
+            if has_shm {
+                std::thread::sleep(nap);
+            }
+        }
+    }
+}
+
+/// One communicator's view of a fabric.
+pub(crate) struct NetEndpoint {
+    shared: Arc<NetShared>,
+    ctx: u64,
+    /// Communicator rank → global rank.
+    members: Vec<usize>,
+}
+
+impl NetEndpoint {
+    pub fn ctx(&self) -> u64 {
+        self.ctx
+    }
+
+    pub fn shared(&self) -> &Arc<NetShared> {
+        &self.shared
+    }
+
+    /// An endpoint for a sub-communicator of `members` (ranks of this one).
+    pub fn child(&self, ctx: u64, members: &[usize]) -> NetEndpoint {
+        NetEndpoint {
+            shared: self.shared.clone(),
+            ctx,
+            members: members.iter().map(|&r| self.members[r]).collect(),
+        }
+    }
+
+    /// Which links carry this communicator's traffic: `shm`, `tcp` (with the
+    /// interface), `shm+tcp`, or `none` for a world of one.
+    pub fn describe(&self) -> String {
+        let fabric = self.shared.lock();
+        let (mut shm, mut tcp) = (false, false);
+        for &g in &self.members {
+            match fabric
+                .peers
+                .get(g)
+                .and_then(|p| p.as_ref())
+                .map(|p| &p.link)
+            {
+                Some(Link::Shm(_)) => shm = true,
+                Some(Link::Tcp(_)) => tcp = true,
+                None => {}
+            }
+        }
+        let tcp_text = match &fabric.interface {
+            Some(iface) => format!("tcp ({iface})"),
+            None => "tcp".into(),
+        };
+        match (shm, tcp) {
+            (true, true) => format!("shm+{tcp_text}"),
+            (true, false) => "shm".into(),
+            (false, true) => tcp_text,
+            (false, false) => "none (one rank)".into(),
+        }
+    }
+
+    /// The first reason this call cannot complete, if any: a member
+    /// crashed or sent garbage (fatal to every collective), a member left
+    /// before entering this collective, or the peer it needs has left.
+    /// `expect` is `None` when only queued sends to `peer` are at stake.
+    fn failure(
+        &self,
+        fabric: &Fabric,
+        peer: usize,
+        expect: Option<&FrameHeader>,
+    ) -> Option<TransportError> {
+        let lost = |member: usize| TransportError::PeerLost { rank: Some(member) };
+        let fatal = |member: usize, gone: &Gone| match gone {
+            Gone::Died(_) => Some(lost(member)),
+            Gone::Corrupt(why) => Some(TransportError::Mismatch(format!(
+                "rank {member} sent {why}"
+            ))),
+            Gone::Departed(_) => None,
+        };
+        let collective = expect.filter(|h| h.space == Space::Collective);
+        let involved: Vec<usize> = match collective {
+            Some(_) => (0..self.members.len()).collect(),
+            None => vec![peer],
+        };
+        for &member in &involved {
+            if let Some(e) = fabric
+                .gone(self.members[member])
+                .and_then(|g| fatal(member, g))
+            {
+                return Some(e);
+            }
+        }
+        if let Some(h) = collective {
+            for &member in &involved {
+                if let Some(Gone::Departed(entered)) = fabric.gone(self.members[member]) {
+                    if entered.get(&h.ctx).is_none_or(|&n| n <= h.seq) {
+                        return Some(lost(member));
+                    }
+                }
+            }
+        }
+        match fabric.gone(self.members[peer]) {
+            Some(Gone::Departed(_)) => Some(lost(peer)),
+            _ => None,
+        }
+    }
+
+    pub fn send(
+        &self,
+        peer: usize,
+        header: FrameHeader,
+        payload: Payload,
+    ) -> std::result::Result<(), TransportError> {
+        if self.shared.aborted.load(Ordering::SeqCst) {
+            return Err(TransportError::Aborted);
+        }
+        let mut fabric = self.shared.lock();
+        fabric.note_entered(&header);
+        if self.failure(&fabric, peer, None).is_some() {
+            // Before blaming the destination, read what has arrived: a
+            // member that left before this collective is the real cause.
+            fabric.progress();
+            if let Some(e) = self.failure(&fabric, peer, Some(&header)) {
+                return Err(e);
+            }
+        }
+        let global = self.members[peer];
+        let Some(p) = fabric.peers.get_mut(global).and_then(|p| p.as_mut()) else {
+            return Err(TransportError::PeerLost { rank: Some(peer) });
+        };
+        p.out.push_back(Outgoing {
+            header: encode(KIND_DATA, &header),
+            payload,
+            written: 0,
+        });
+        Fabric::write_queued(p);
+        Ok(())
+    }
+
+    pub fn recv(
+        &self,
+        peer: usize,
+        expect: &FrameHeader,
+        timeout: Duration,
+    ) -> std::result::Result<Payload, TransportError> {
+        let source = self.members[peer];
+        let key = (source, expect.ctx, expect.space, expect.seq, expect.step);
+        let start = Instant::now();
+        let deadline = start + timeout;
+        let mut backoff = Backoff::new();
+        loop {
+            {
+                let mut fabric = self.shared.lock();
+                fabric.note_entered(expect);
+                if fabric.progress() {
+                    backoff.reset();
+                }
+                if let Some((header, payload)) = fabric.arrived.remove(&key) {
+                    fabric
+                        .consumed
+                        .insert((expect.ctx, expect.space, source), expect.seq);
+                    return check_match(&header, expect).map(|()| payload);
+                }
+                if self.shared.aborted.load(Ordering::SeqCst) {
+                    return Err(TransportError::Aborted);
+                }
+                fabric.check_liveness();
+                if let Some(e) = self.failure(&fabric, peer, Some(expect)) {
+                    return Err(e);
+                }
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(TransportError::Timeout(now - start));
+            }
+            backoff.wait(&self.shared, deadline);
+        }
+    }
+
+    /// Waits until everything this communicator queued for its members has
+    /// been handed to the links, still receiving meanwhile. On failure
+    /// returns the communicator rank concerned.
+    pub fn flush(&self, timeout: Duration) -> std::result::Result<(), (usize, TransportError)> {
+        let start = Instant::now();
+        let deadline = start + timeout;
+        let mut backoff = Backoff::new();
+        loop {
+            let waiting_for = {
+                let mut fabric = self.shared.lock();
+                if fabric.progress() {
+                    backoff.reset();
+                }
+                let Some(peer) =
+                    (0..self.members.len()).find(|&m| fabric.has_queued(self.members[m]))
+                else {
+                    return Ok(());
+                };
+                if self.shared.aborted.load(Ordering::SeqCst) {
+                    return Err((peer, TransportError::Aborted));
+                }
+                fabric.check_liveness();
+                if let Some(e) = self.failure(&fabric, peer, None) {
+                    return Err((peer, e));
+                }
+                peer
+            };
+            let now = Instant::now();
+            if now >= deadline {
+                return Err((waiting_for, TransportError::Timeout(now - start)));
+            }
+            backoff.wait(&self.shared, deadline);
+        }
+    }
+}
+
+fn check_match(
+    header: &FrameHeader,
+    expect: &FrameHeader,
+) -> std::result::Result<(), TransportError> {
+    if header.op != expect.op {
+        return Err(TransportError::Mismatch(format!(
+            "peer is running {} but this rank is running {}",
+            header.op, expect.op
+        )));
+    }
+    if header.bytes != expect.bytes {
+        return Err(TransportError::Mismatch(format!(
+            "peer sent {} bytes where {} were expected (counts differ between ranks?)",
+            header.bytes, expect.bytes
+        )));
+    }
+    Ok(())
+}
+
+impl Drop for Fabric {
+    /// Says goodbye: queues a goodbye frame to every peer, hands over what is
+    /// still queued (briefly, still reading so nobody blocks on us), and
+    /// flags the shared-memory inbox as departed.
+    fn drop(&mut self) {
+        let mut entered = Vec::with_capacity(16 * self.entered.len());
+        for (ctx, next) in &self.entered {
+            entered.extend_from_slice(&ctx.to_le_bytes());
+            entered.extend_from_slice(&next.to_le_bytes());
+        }
+        let goodbye = FrameHeader {
+            ctx: 0,
+            space: Space::Collective,
+            seq: 0,
+            step: 0,
+            op: OpKind::Barrier,
+            bytes: entered.len(),
+        };
+        for peer in self.peers.iter_mut().flatten() {
+            if peer.gone.is_none() || matches!(peer.gone, Some(Gone::Departed(_))) {
+                peer.out.push_back(Outgoing {
+                    header: encode(KIND_GOODBYE, &goodbye),
+                    payload: Payload::from_bytes(&entered),
+                    written: 0,
+                });
+            }
+        }
+        let deadline = Instant::now() + GOODBYE_FLUSH;
+        loop {
+            self.progress();
+            self.check_liveness();
+            let pending = self.peers.iter().flatten().any(|p| {
+                !p.out.is_empty() && !matches!(p.gone, Some(Gone::Died(_)) | Some(Gone::Corrupt(_)))
+            });
+            if !pending || Instant::now() >= deadline {
+                break;
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        if let Some(segment) = &self.own_segment {
+            segment.set_departed();
+        }
+    }
+}
+
+/// Which links to use between pairs of ranks (`OXCCL_TRANSPORT`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum TransportKind {
+    /// Shared memory between ranks on the same host, TCP between hosts.
+    #[default]
+    Auto,
+    /// Shared memory for every pair (an error if ranks span hosts).
+    Shm,
+    /// TCP for every pair, also on one host.
+    Tcp,
+}
+
+impl TransportKind {
+    /// Parses `auto`, `shm` or `tcp`.
+    pub fn from_name(name: &str) -> Option<TransportKind> {
+        match name.trim().to_ascii_lowercase().as_str() {
+            "auto" | "" => Some(TransportKind::Auto),
+            "shm" => Some(TransportKind::Shm),
+            "tcp" | "socket" => Some(TransportKind::Tcp),
+            _ => None,
+        }
+    }
+}
+
+/// Everything [`connect`] needs to join a job.
+pub(crate) struct Setup {
+    pub rank: Rank,
+    pub world: usize,
+    pub store: Arc<dyn Store>,
+    pub timeout: Duration,
+    pub transport: TransportKind,
+    pub socket_ifname: Option<String>,
+    /// The master's address, to pick the interface that reaches it.
+    pub toward: Option<IpAddr>,
+    pub job_id: Option<String>,
+    pub shm_ring_bytes: usize,
+}
+
+/// What each rank publishes at rendezvous.
+struct RankInfo {
+    host: String,
+    addr: SocketAddr,
+}
+
+fn rank_key(r: usize) -> String {
+    format!("oxccl/rank/{r}")
+}
+
+fn random_token() -> Token {
+    use std::io::Read;
+    let mut token = [0u8; 16];
+    let read = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut token));
+    if read.is_err() {
+        // No /dev/urandom: time and pid still separate concurrent jobs.
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or_default();
+        token[..8].copy_from_slice(&(nanos as u64).to_le_bytes());
+        token[8..12].copy_from_slice(&std::process::id().to_le_bytes());
+    }
+    token
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn bootstrap_error(rank: usize, what: &str, detail: impl Into<String>) -> Error {
+    Error::Bootstrap {
+        context: format!("rank {rank}: {what}"),
+        detail: detail.into(),
+    }
+}
+
+/// Waits for `keys` (one per rank in `ranks`) and turns missing keys into
+/// the error that names the ranks.
+fn wait_for_ranks(
+    store: &dyn Store,
+    ranks: &[usize],
+    key: impl Fn(usize) -> String,
+    deadline: Instant,
+) -> Result<()> {
+    let keys: Vec<String> = ranks.iter().map(|&r| key(r)).collect();
+    let start = Instant::now();
+    let missing = store.wait(&keys, deadline.saturating_duration_since(start))?;
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let missing: Vec<usize> = ranks
+        .iter()
+        .zip(&keys)
+        .filter(|(_, k)| missing.contains(k))
+        .map(|(&r, _)| r)
+        .collect();
+    Err(Error::RendezvousTimeout {
+        store: store.describe(),
+        waited: start.elapsed(),
+        missing,
+    })
+}
+
+/// Joins the job: rendezvous through the store, then one link per peer.
+pub(crate) fn connect(setup: Setup) -> Result<NetEndpoint> {
+    let Setup {
+        rank,
+        world,
+        store,
+        timeout,
+        transport,
+        socket_ifname,
+        toward,
+        job_id,
+        shm_ring_bytes,
+    } = setup;
+    let deadline = Instant::now() + timeout;
+    let all: Vec<usize> = (0..world).collect();
+
+    // 1. Rank 0 makes the job's token before announcing itself, so the token
+    //    exists once rank 0's key does.
+    if rank == 0 {
+        store.set("oxccl/token", &random_token())?;
+    }
+    let need_tcp_listener = world > 1;
+    let (listener, interface) = if need_tcp_listener {
+        let iface = super::iface::select_interface(socket_ifname.as_deref(), toward)?;
+        let listener = TcpListener::bind((iface.addr, 0)).map_err(|e| {
+            bootstrap_error(
+                rank,
+                "listening for peers",
+                format!("{} ({}): {e}", iface.addr, iface.name),
+            )
+        })?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| bootstrap_error(rank, "listening for peers", e.to_string()))?;
+        (
+            Some((listener, addr)),
+            Some(format!("{} {}", iface.name, iface.addr)),
+        )
+    } else {
+        (None, None)
+    };
+    let my_addr = listener
+        .as_ref()
+        .map(|(_, a)| a.to_string())
+        .unwrap_or_else(|| "-".into());
+    let host = shm::host_identity();
+    store.set(
+        &rank_key(rank),
+        format!("host={host}\npid={}\naddr={my_addr}\n", std::process::id()).as_bytes(),
+    )?;
+
+    // 2. Rendezvous: every rank's key, or the list of those that never came.
+    wait_for_ranks(&*store, &all, rank_key, deadline)?;
+    let token: Token = {
+        let bytes = store.get(
+            "oxccl/token",
+            deadline.saturating_duration_since(Instant::now()),
+        )?;
+        bytes.try_into().map_err(|_| {
+            bootstrap_error(
+                rank,
+                "rendezvous",
+                "the job token in the store is malformed",
+            )
+        })?
+    };
+    let mut infos = Vec::with_capacity(world);
+    for r in 0..world {
+        let text = store.try_get(&rank_key(r))?.unwrap_or_default();
+        let text = String::from_utf8_lossy(&text);
+        let field = |name: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix('=')))
+                .map(str::to_string)
+        };
+        let host = field("host");
+        let addr = field("addr");
+        let (Some(host), Some(addr)) = (host, addr) else {
+            return Err(bootstrap_error(
+                rank,
+                "rendezvous",
+                format!("rank {r}'s entry in the store is malformed"),
+            ));
+        };
+        let addr = if addr == "-" {
+            SocketAddr::from(([0, 0, 0, 0], 0))
+        } else {
+            addr.parse().map_err(|_| {
+                bootstrap_error(
+                    rank,
+                    "rendezvous",
+                    format!("rank {r} published a bad address {addr:?}"),
+                )
+            })?
+        };
+        infos.push(RankInfo { host, addr });
+    }
+
+    // 3. Which link for each pair.
+    let local: Vec<usize> = all
+        .iter()
+        .copied()
+        .filter(|&r| infos[r].host == infos[rank].host)
+        .collect();
+    let use_shm = |peer: usize| transport != TransportKind::Tcp && local.contains(&peer);
+    if transport == TransportKind::Shm {
+        if let Some(far) = all.iter().find(|&&r| !local.contains(&r)) {
+            return Err(Error::Config {
+                name: "OXCCL_TRANSPORT".into(),
+                value: "shm".into(),
+                reason: format!(
+                    "rank {far} runs on another host than rank {rank}; shared memory \
+                     only links ranks of one host (use auto or tcp)"
+                ),
+            });
+        }
+    }
+    let mut peers: Vec<Option<Peer>> = (0..world).map(|_| None).collect();
+    let new_peer = |link| Peer {
+        link,
+        out: VecDeque::new(),
+        incoming: Incoming::new(),
+        gone: None,
+        logged: false,
+    };
+
+    // 4. Shared memory among local ranks.
+    let shm_peers: Vec<usize> = local
+        .iter()
+        .copied()
+        .filter(|&r| r != rank && use_shm(r))
+        .collect();
+    let mut own_segment = None;
+    if !shm_peers.is_empty() {
+        let job = job_id
+            .as_deref()
+            .map(sanitize_job_id)
+            .unwrap_or_else(|| hex(&token[..6]));
+        let nonce = hex(&token[12..16]);
+        let slot = |r: usize| local.iter().position(|&x| x == r).unwrap_or(0);
+        let name = shm::segment_name(&job, &nonce, rank);
+        let mut segment = Segment::create(&name, local.len(), shm_ring_bytes).map_err(|e| {
+            bootstrap_error(rank, "creating its shared-memory inbox", e.to_string())
+        })?;
+        let shm_key = |r: usize| format!("oxccl/shm/{r}");
+        store.set(&shm_key(rank), name.as_bytes())?;
+        wait_for_ranks(&*store, &shm_peers, shm_key, deadline)?;
+        for &p in &shm_peers {
+            let peer_name = store.try_get(&shm_key(p))?.unwrap_or_default();
+            let peer_name = String::from_utf8_lossy(&peer_name).into_owned();
+            let peer_segment = Segment::open(&peer_name).map_err(|e| {
+                bootstrap_error(
+                    rank,
+                    &format!("mapping rank {p}'s shared-memory inbox"),
+                    e.to_string(),
+                )
+            })?;
+            let link = ShmLink::new(peer_segment, slot(rank), &segment, slot(p)).map_err(|e| {
+                bootstrap_error(rank, &format!("linking to rank {p}"), e.to_string())
+            })?;
+            peers[p] = Some(new_peer(Link::Shm(link)));
+        }
+        let mapped_key = |r: usize| format!("oxccl/shm-mapped/{r}");
+        store.set(&mapped_key(rank), b"1")?;
+        wait_for_ranks(&*store, &shm_peers, mapped_key, deadline)?;
+        // Every local peer has mapped our inbox: remove its name now, so
+        // nothing is left in /dev/shm however this process ends.
+        segment.unlink();
+        own_segment = Some(segment);
+    }
+
+    // 5. TCP for the other pairs: connect to lower ranks, accept higher ones.
+    let tcp_peers: Vec<usize> = all
+        .iter()
+        .copied()
+        .filter(|&r| r != rank && !use_shm(r))
+        .collect();
+    if let Some((listener, _)) = &listener {
+        for &p in tcp_peers.iter().filter(|&&p| p < rank) {
+            let stream = tcp::connect(infos[p].addr, &token, rank, p, deadline)
+                .map_err(|e| bootstrap_error(rank, &format!("connecting to rank {p}"), e))?;
+            peers[p] = Some(new_peer(Link::Tcp(TcpLink::new(stream))));
+        }
+        let higher: Vec<usize> = tcp_peers.iter().copied().filter(|&p| p > rank).collect();
+        let accepted =
+            tcp::accept(listener, &token, rank, &higher, deadline).map_err(|missing| {
+                Error::RendezvousTimeout {
+                    store: format!(
+                        "{} (rank {rank} accepting peer connections)",
+                        infos[rank].addr
+                    ),
+                    waited: timeout,
+                    missing,
+                }
+            })?;
+        for (p, stream) in accepted {
+            peers[p] = Some(new_peer(Link::Tcp(TcpLink::new(stream))));
+        }
+    }
+    let interface = if tcp_peers.is_empty() {
+        None
+    } else {
+        interface
+    };
+    let fabric = Fabric {
+        rank,
+        peers,
+        arrived: HashMap::new(),
+        consumed: HashMap::new(),
+        entered: HashMap::new(),
+        next_liveness_check: Instant::now(),
+        own_segment,
+        _store: store,
+        interface,
+    };
+    Ok(NetEndpoint {
+        shared: Arc::new(NetShared {
+            fabric: Mutex::new(fabric),
+            aborted: AtomicBool::new(false),
+        }),
+        ctx: 0,
+        members: all,
+    })
+}
+
+/// Keeps a job id usable in a file name.
+fn sanitize_job_id(id: &str) -> String {
+    id.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '_' || c == '.' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .take(64)
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_round_trip_and_garbage_is_rejected() {
+        let h = FrameHeader {
+            ctx: 0xdead_beef_0123,
+            space: Space::PointToPoint,
+            seq: 77,
+            step: 5,
+            op: OpKind::ReduceScatter,
+            bytes: 4096,
+        };
+        let (kind, back) = decode(&encode(KIND_DATA, &h)).unwrap();
+        assert_eq!(kind, KIND_DATA);
+        assert_eq!(back, h);
+        let mut bad = encode(KIND_DATA, &h);
+        bad[0] ^= 1;
+        assert!(decode(&bad).unwrap_err().contains("magic"));
+        let mut huge = encode(KIND_DATA, &h);
+        huge[32..40].copy_from_slice(&u64::MAX.to_le_bytes());
+        assert!(decode(&huge).is_err());
+        let mut op = encode(KIND_DATA, &h);
+        op[6] = 200;
+        assert!(decode(&op).is_err());
+    }
+
+    #[test]
+    fn transport_names_parse() {
+        assert_eq!(TransportKind::from_name("SHM"), Some(TransportKind::Shm));
+        assert_eq!(TransportKind::from_name("tcp"), Some(TransportKind::Tcp));
+        assert_eq!(TransportKind::from_name("auto"), Some(TransportKind::Auto));
+        assert_eq!(TransportKind::from_name("ib"), None);
+        assert_eq!(sanitize_job_id("a/b c"), "a_b_c");
+    }
+}

@@ -1,0 +1,484 @@
+//! Shared-memory links between ranks on the same host.
+//!
+//! Every rank that has local peers owns one segment, its *inbox*: a header
+//! and one single-producer single-consumer byte ring per local peer. Peer `s`
+//! writes into ring `slot(s)` of rank `r`'s segment; only `r` reads it. A
+//! ring is a byte stream (frames are laid on it by [`super::net`]), so a
+//! frame larger than the ring simply streams through it.
+//!
+//! # Lifetime (nothing is left in `/dev/shm`)
+//!
+//! A segment is created with `O_EXCL`, sized with `posix_fallocate` (so a
+//! full `/dev/shm` is an error at set-up, not a `SIGBUS` later), mapped, and
+//! announced through the store. Once every local peer has mapped it, its
+//! owner unlinks the name: the memory lives on while mapped and vanishes when
+//! the last process that maps it exits, however it exits. A set-up that fails
+//! part way unlinks in `Drop`; `oxccl-run` also removes `oxccl-<job>-*`
+//! names after its ranks exit, for ranks killed inside that window.
+//!
+//! # Ring protocol
+//!
+//! `head` and `tail` are byte counters that only grow (wrapping at 2^64,
+//! never reached). The producer writes bytes at `tail % cap`, then publishes
+//! them with a release store of `tail`; the consumer reads up to `tail`
+//! (acquire) and releases space with a release store of `head`. Each counter
+//! has one writer and sits on its own cache line.
+
+use std::ffi::CString;
+use std::io;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Written at the start of every segment; a mapping without it is not ours.
+const SEGMENT_MAGIC: u64 = 0x6f78_6363_6c73_686d; // "oxcclshm"
+/// Owner states in the segment header.
+pub(crate) const STATE_ALIVE: u64 = 1;
+pub(crate) const STATE_DEPARTED: u64 = 2;
+
+const LINE: usize = 128; // two cache lines: no false sharing with prefetch pairs
+const HEADER_BYTES: usize = 4096;
+
+/// The segment header, at offset 0.
+#[repr(C)]
+struct Header {
+    magic: AtomicU64,
+    owner_pid: AtomicU64,
+    state: AtomicU64,
+    slots: AtomicU64,
+    ring_bytes: AtomicU64,
+}
+
+/// Where a ring's control words and data live within the segment.
+fn ring_offset(slot: usize, ring_bytes: usize) -> usize {
+    HEADER_BYTES + slot * (2 * LINE + ring_bytes)
+}
+
+fn segment_bytes(slots: usize, ring_bytes: usize) -> usize {
+    ring_offset(slots, ring_bytes)
+}
+
+/// The name of rank `rank`'s segment (POSIX shm names start with one `/`).
+/// `oxccl-run` removes leftovers by the `oxccl-<job>-` prefix.
+pub(crate) fn segment_name(job: &str, nonce: &str, rank: usize) -> String {
+    format!("/oxccl-{job}-{nonce}-{rank}")
+}
+
+/// A mapped segment. The creator unlinks the name in `Drop` if it has not
+/// done so already; every holder unmaps.
+pub(crate) struct Segment {
+    base: *mut u8,
+    len: usize,
+    slots: usize,
+    ring_bytes: usize,
+    /// `Some(name)` while this process still has to unlink the name.
+    unlink_on_drop: Option<CString>,
+}
+
+// SAFETY: the mapping is plain shared memory; all access to it goes through
+// atomics (control words) or through the ring protocol, which gives each byte
+// range a single writer at a time. Moving the handle between threads is fine.
+unsafe impl Send for Segment {}
+
+fn os_error(what: &str, name: &str) -> io::Error {
+    let e = io::Error::last_os_error();
+    io::Error::new(e.kind(), format!("{what} {name}: {e}"))
+}
+
+impl Segment {
+    /// Creates, sizes and maps a new segment with `slots` rings of
+    /// `ring_bytes` each (`ring_bytes` a power of two).
+    pub fn create(name: &str, slots: usize, ring_bytes: usize) -> io::Result<Segment> {
+        debug_assert!(ring_bytes.is_power_of_two());
+        let cname = CString::new(name).map_err(|_| io::Error::other("bad segment name"))?;
+        let len = segment_bytes(slots, ring_bytes);
+        // SAFETY: plain FFI calls with a valid C string; the fd is closed below.
+        let fd = unsafe {
+            libc::shm_open(
+                cname.as_ptr(),
+                libc::O_CREAT | libc::O_EXCL | libc::O_RDWR,
+                0o600,
+            )
+        };
+        if fd < 0 {
+            return Err(os_error("shm_open", name));
+        }
+        // From here on, failure must unlink the name.
+        let unlink = |e: io::Error| {
+            // SAFETY: valid C string.
+            unsafe { libc::shm_unlink(cname.as_ptr()) };
+            e
+        };
+        // SAFETY: fd is a valid descriptor we own.
+        let rc = unsafe { libc::ftruncate(fd, len as libc::off_t) };
+        if rc != 0 {
+            let e = os_error("ftruncate", name);
+            unsafe { libc::close(fd) };
+            return Err(unlink(e));
+        }
+        // Reserve the pages now: on a tmpfs too small for the segment this
+        // fails with ENOSPC here instead of raising SIGBUS on first touch.
+        // SAFETY: fd is valid; posix_fallocate returns an errno value.
+        let rc = unsafe { libc::posix_fallocate(fd, 0, len as libc::off_t) };
+        if rc != 0 {
+            let e = io::Error::from_raw_os_error(rc);
+            unsafe { libc::close(fd) };
+            return Err(unlink(io::Error::new(
+                e.kind(),
+                format!(
+                    "cannot reserve {len} bytes for {name} in /dev/shm: {e} \
+                     (is /dev/shm too small? containers often default to 64 MiB: \
+                     enlarge it, e.g. docker --shm-size, lower OXCCL_SHM_RING_BYTES, \
+                     or use OXCCL_TRANSPORT=tcp)"
+                ),
+            )));
+        }
+        let base = map(fd, len, name).map_err(unlink)?;
+        let segment = Segment {
+            base,
+            len,
+            slots,
+            ring_bytes,
+            unlink_on_drop: Some(cname),
+        };
+        let header = segment.header();
+        header
+            .owner_pid
+            .store(std::process::id().into(), Ordering::Relaxed);
+        header.slots.store(slots as u64, Ordering::Relaxed);
+        header
+            .ring_bytes
+            .store(ring_bytes as u64, Ordering::Relaxed);
+        header.state.store(STATE_ALIVE, Ordering::Relaxed);
+        header.magic.store(SEGMENT_MAGIC, Ordering::Release);
+        Ok(segment)
+    }
+
+    /// Maps a peer's existing segment and checks its header.
+    pub fn open(name: &str) -> io::Result<Segment> {
+        let cname = CString::new(name).map_err(|_| io::Error::other("bad segment name"))?;
+        // SAFETY: FFI with a valid C string.
+        let fd = unsafe { libc::shm_open(cname.as_ptr(), libc::O_RDWR, 0) };
+        if fd < 0 {
+            return Err(os_error("shm_open", name));
+        }
+        // SAFETY: zeroed stat is a valid out-parameter.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        if unsafe { libc::fstat(fd, &mut st) } != 0 {
+            let e = os_error("fstat", name);
+            unsafe { libc::close(fd) };
+            return Err(e);
+        }
+        let len = st.st_size as usize;
+        if len < HEADER_BYTES {
+            unsafe { libc::close(fd) };
+            return Err(io::Error::other(format!(
+                "{name} is {len} bytes, too small"
+            )));
+        }
+        let base = map(fd, len, name)?;
+        let mut segment = Segment {
+            base,
+            len,
+            slots: 0,
+            ring_bytes: 0,
+            unlink_on_drop: None,
+        };
+        let header = segment.header();
+        let (slots, ring_bytes) = (
+            header.slots.load(Ordering::Relaxed) as usize,
+            header.ring_bytes.load(Ordering::Relaxed) as usize,
+        );
+        if header.magic.load(Ordering::Acquire) != SEGMENT_MAGIC
+            || !ring_bytes.is_power_of_two()
+            || segment_bytes(slots, ring_bytes) > len
+        {
+            return Err(io::Error::other(format!(
+                "{name} is not an oxccl segment (bad header)"
+            )));
+        }
+        segment.slots = slots;
+        segment.ring_bytes = ring_bytes;
+        Ok(segment)
+    }
+
+    fn header(&self) -> &Header {
+        // SAFETY: the mapping is at least HEADER_BYTES long and page aligned.
+        unsafe { &*(self.base as *const Header) }
+    }
+
+    /// Removes the name now (the mapping stays valid).
+    pub fn unlink(&mut self) {
+        if let Some(name) = self.unlink_on_drop.take() {
+            // SAFETY: valid C string.
+            unsafe { libc::shm_unlink(name.as_ptr()) };
+        }
+    }
+
+    /// Marks the owner as gone, so peers stop waiting for it at once.
+    pub fn set_departed(&self) {
+        self.header().state.store(STATE_DEPARTED, Ordering::Release);
+    }
+
+    /// Whether the owner has left (dropped its communicator).
+    pub fn departed(&self) -> bool {
+        self.header().state.load(Ordering::Acquire) == STATE_DEPARTED
+    }
+
+    /// The owner's process id, for liveness checks.
+    pub fn owner_pid(&self) -> u32 {
+        self.header().owner_pid.load(Ordering::Relaxed) as u32
+    }
+
+    /// The ring in `slot`, or `None` if the segment has no such slot.
+    fn ring(&self, slot: usize) -> Option<RingPtr> {
+        if slot >= self.slots {
+            return None;
+        }
+        let offset = ring_offset(slot, self.ring_bytes);
+        // SAFETY: slot < slots, so the ring lies within the mapping.
+        unsafe {
+            Some(RingPtr {
+                head: self.base.add(offset) as *const AtomicU64,
+                tail: self.base.add(offset + LINE) as *const AtomicU64,
+                data: self.base.add(offset + 2 * LINE),
+                cap: self.ring_bytes,
+            })
+        }
+    }
+}
+
+fn map(fd: libc::c_int, len: usize, name: &str) -> io::Result<*mut u8> {
+    // SAFETY: fd is valid and len > 0; the result is checked.
+    let base = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd,
+            0,
+        )
+    };
+    // The mapping keeps the memory alive; the descriptor is no longer needed.
+    unsafe { libc::close(fd) };
+    if base == libc::MAP_FAILED {
+        return Err(os_error("mmap", name));
+    }
+    Ok(base as *mut u8)
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        self.unlink();
+        // SAFETY: base/len are the mapping made in create/open.
+        unsafe { libc::munmap(self.base as *mut libc::c_void, self.len) };
+    }
+}
+
+/// Raw pointers to one ring inside a segment; valid while the segment is.
+#[derive(Clone, Copy)]
+struct RingPtr {
+    head: *const AtomicU64,
+    tail: *const AtomicU64,
+    data: *mut u8,
+    cap: usize,
+}
+
+/// One direction of a shared-memory link: this rank writes into ring `slot`
+/// of the peer's segment and reads ring `slot` of its own segment.
+pub(crate) struct ShmLink {
+    /// The peer's inbox (mapped here); we produce into it.
+    peer: Segment,
+    out: RingPtr,
+    /// Our own inbox's ring for this peer; we consume from it. The segment
+    /// itself is owned by the fabric (shared by all links).
+    inp: RingPtr,
+}
+
+// SAFETY: see `Segment`; the raw ring pointers point into mappings that the
+// link (peer segment) or the fabric (own segment, dropped after every link)
+// keeps alive.
+unsafe impl Send for ShmLink {}
+
+impl ShmLink {
+    /// A link that writes into `peer`'s ring `slot_in_peer` and reads
+    /// `own`'s ring `slot_in_own`. `own` must outlive the link.
+    pub fn new(
+        peer: Segment,
+        slot_in_peer: usize,
+        own: &Segment,
+        slot_in_own: usize,
+    ) -> io::Result<ShmLink> {
+        let bad = || io::Error::other("segment has too few rings for this job");
+        let out = peer.ring(slot_in_peer).ok_or_else(bad)?;
+        let inp = own.ring(slot_in_own).ok_or_else(bad)?;
+        Ok(ShmLink { peer, out, inp })
+    }
+
+    /// Copies as much of `data` as fits into the peer's ring.
+    pub fn write_some(&mut self, data: &[u8]) -> usize {
+        let r = self.out;
+        // SAFETY: the control words are valid atomics for the ring's lifetime.
+        let (head, tail) = unsafe { (&*r.head, &*r.tail) };
+        let t = tail.load(Ordering::Relaxed); // we are the only writer of tail
+        let free = r.cap - (t - head.load(Ordering::Acquire)) as usize;
+        let n = free.min(data.len());
+        if n == 0 {
+            return 0;
+        }
+        let at = (t as usize) & (r.cap - 1);
+        let first = n.min(r.cap - at);
+        // SAFETY: [at, at+first) and [0, n-first) lie in the ring's data, and
+        // the consumer does not read them until `tail` is published below.
+        unsafe {
+            std::ptr::copy_nonoverlapping(data.as_ptr(), r.data.add(at), first);
+            std::ptr::copy_nonoverlapping(data.as_ptr().add(first), r.data, n - first);
+        }
+        tail.store(t + n as u64, Ordering::Release);
+        n
+    }
+
+    /// Copies as many available bytes as fit into `buf`.
+    pub fn read_some(&mut self, buf: &mut [u8]) -> usize {
+        let r = self.inp;
+        // SAFETY: as in write_some.
+        let (head, tail) = unsafe { (&*r.head, &*r.tail) };
+        let h = head.load(Ordering::Relaxed); // we are the only writer of head
+        let avail = (tail.load(Ordering::Acquire) - h) as usize;
+        let n = avail.min(buf.len());
+        if n == 0 {
+            return 0;
+        }
+        let at = (h as usize) & (r.cap - 1);
+        let first = n.min(r.cap - at);
+        // SAFETY: the producer published these bytes (acquire above) and
+        // will not overwrite them until `head` moves past them.
+        unsafe {
+            std::ptr::copy_nonoverlapping(r.data.add(at), buf.as_mut_ptr(), first);
+            std::ptr::copy_nonoverlapping(r.data, buf.as_mut_ptr().add(first), n - first);
+        }
+        head.store(h + n as u64, Ordering::Release);
+        n
+    }
+
+    /// Whether the peer dropped its communicator (a clean exit).
+    pub fn peer_departed(&self) -> bool {
+        self.peer.departed()
+    }
+
+    /// Whether the peer's process still runs.
+    pub fn peer_alive(&self) -> bool {
+        process_alive(self.peer.owner_pid())
+    }
+
+    /// The peer's process id.
+    pub fn peer_pid(&self) -> u32 {
+        self.peer.owner_pid()
+    }
+}
+
+/// Whether process `pid` exists and is not a zombie (a killed rank whose
+/// parent has not reaped it yet must still count as dead).
+pub(crate) fn process_alive(pid: u32) -> bool {
+    // SAFETY: signal 0 only checks for existence and permission.
+    let rc = unsafe { libc::kill(pid as libc::pid_t, 0) };
+    if rc != 0 && io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH) {
+        return false;
+    }
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state is the first field after the parenthesised command name.
+        Ok(stat) => !matches!(
+            stat.rsplit_once(')')
+                .and_then(|(_, rest)| rest.trim_start().chars().next()),
+            Some('Z') | Some('X')
+        ),
+        Err(_) => true, // no /proc: trust kill(2)
+    }
+}
+
+/// What makes two ranks "on the same host" for shared memory: the same
+/// kernel boot, hostname, and the same IPC, mount, PID and network
+/// namespaces (so containers and network-namespace test hosts sharing one
+/// kernel count as different hosts, as they should). Compared as text.
+pub(crate) fn host_identity() -> String {
+    let read = |path: &str| {
+        std::fs::read_to_string(path)
+            .map(|s| s.trim().to_string())
+            .unwrap_or_default()
+    };
+    let link = |path: &str| {
+        std::fs::read_link(path)
+            .map(|p| p.display().to_string())
+            .unwrap_or_default()
+    };
+    format!(
+        "{}|{}|{}|{}|{}|{}",
+        read("/proc/sys/kernel/hostname"),
+        read("/proc/sys/kernel/random/boot_id"),
+        link("/proc/self/ns/ipc"),
+        link("/proc/self/ns/mnt"),
+        link("/proc/self/ns/pid"),
+        link("/proc/self/ns/net"),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn unique(tag: &str) -> String {
+        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        segment_name("test", &format!("{tag}{}", std::process::id()), n)
+    }
+
+    #[test]
+    fn bytes_stream_through_a_small_ring_in_order() {
+        let a_name = unique("a");
+        let b_name = unique("b");
+        let a = Segment::create(&a_name, 1, 64).unwrap();
+        let b = Segment::create(&b_name, 1, 64).unwrap();
+        let mut a_to_b = ShmLink::new(Segment::open(&b_name).unwrap(), 0, &a, 0).unwrap();
+        let mut b_to_a = ShmLink::new(Segment::open(&a_name).unwrap(), 0, &b, 0).unwrap();
+        let data: Vec<u8> = (0..1000u32).map(|i| (i * 7) as u8).collect();
+        let (mut sent, mut got) = (0, Vec::new());
+        while got.len() < data.len() {
+            sent += a_to_b.write_some(&data[sent..]);
+            let mut buf = [0u8; 37];
+            let n = b_to_a.read_some(&mut buf);
+            got.extend_from_slice(&buf[..n]);
+        }
+        assert_eq!(got, data);
+        assert!(a_to_b.peer_alive() && !a_to_b.peer_departed());
+        b.set_departed();
+        assert!(a_to_b.peer_departed());
+    }
+
+    #[test]
+    fn names_are_removed_on_unlink_and_drop() {
+        let name = unique("c");
+        let path = format!("/dev/shm{name}");
+        let mut s = Segment::create(&name, 2, 4096).unwrap();
+        assert!(std::path::Path::new(&path).exists());
+        assert!(Segment::create(&name, 2, 4096).is_err(), "O_EXCL");
+        let opened = Segment::open(&name).unwrap();
+        s.unlink();
+        assert!(!std::path::Path::new(&path).exists());
+        drop(opened);
+        drop(s);
+        let name = unique("d");
+        drop(Segment::create(&name, 1, 4096).unwrap());
+        assert!(!std::path::Path::new(&format!("/dev/shm{name}")).exists());
+    }
+
+    #[test]
+    fn liveness() {
+        assert!(process_alive(std::process::id()));
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        assert!(!process_alive(pid), "an unreaped zombie counts as dead");
+        child.wait().unwrap();
+        assert!(!process_alive(pid));
+        assert!(host_identity().contains('|'));
+    }
+}

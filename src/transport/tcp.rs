@@ -1,0 +1,372 @@
+//! TCP links between ranks on different hosts (or on one host with
+//! `OXCCL_TRANSPORT=tcp`).
+//!
+//! Set-up: every rank listens on an ephemeral port of the interface chosen
+//! by `OXCCL_SOCKET_IFNAME` and publishes `addr:port` at rendezvous. For each
+//! pair that uses TCP the higher rank connects to the lower one and presents
+//! a handshake: magic, protocol version, the job's 16-byte token (derived at
+//! rendezvous), its own rank and the rank it wants. The acceptor answers only
+//! a handshake with the right token and an expected rank; anything else (a
+//! port scanner, another job, a stray process) is logged and closed, and can
+//! never place data into a collective. Accepting multiplexes all pending
+//! connections without blocking, so a stray connection that sends nothing
+//! cannot stall the real ones.
+//!
+//! Once connected a link is a non-blocking byte stream; frames are laid on
+//! it by [`super::net`].
+
+use std::collections::HashMap;
+use std::io::{self, ErrorKind, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::time::{Duration, Instant};
+
+/// A job's shared secret: links presenting another token are refused.
+pub(crate) type Token = [u8; 16];
+
+const HELLO_MAGIC: u32 = 0x5348_584f; // "OXHS"
+const ACK_MAGIC: u32 = 0x4b4f_584f; // "OXOK"
+const PROTOCOL_VERSION: u32 = 1;
+const HELLO_BYTES: usize = 32;
+
+/// Socket buffer size asked for on every link: a ring step's piece should
+/// not wait for the receiver to wake up (the kernel caps it at
+/// `net.core.{w,r}mem_max`).
+const SOCKET_BUFFER_BYTES: libc::c_int = 4 << 20;
+
+fn hello(token: &Token, from: usize, to: usize) -> [u8; HELLO_BYTES] {
+    let mut b = [0u8; HELLO_BYTES];
+    b[0..4].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
+    b[4..8].copy_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+    b[8..24].copy_from_slice(token);
+    b[24..28].copy_from_slice(&(from as u32).to_le_bytes());
+    b[28..32].copy_from_slice(&(to as u32).to_le_bytes());
+    b
+}
+
+/// Why a handshake was refused (logged by the acceptor).
+fn check_hello(
+    b: &[u8; HELLO_BYTES],
+    token: &Token,
+    me: usize,
+    expected: &[usize],
+) -> Result<usize, String> {
+    let word = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+    if word(0) != HELLO_MAGIC {
+        return Err("not an oxccl handshake".into());
+    }
+    if word(4) != PROTOCOL_VERSION {
+        return Err(format!(
+            "protocol version {} (this build speaks {PROTOCOL_VERSION})",
+            word(4)
+        ));
+    }
+    if b[8..24] != token[..] {
+        return Err("wrong job token (a process of another job?)".into());
+    }
+    let (from, to) = (word(24) as usize, word(28) as usize);
+    if to != me {
+        return Err(format!("it asked for rank {to}, this is rank {me}"));
+    }
+    if !expected.contains(&from) {
+        return Err(format!("rank {from} is not expected to connect here"));
+    }
+    Ok(from)
+}
+
+/// Makes a link fast and non-blocking.
+fn tune(stream: &TcpStream) -> io::Result<()> {
+    stream.set_nodelay(true)?;
+    for opt in [libc::SO_SNDBUF, libc::SO_RCVBUF] {
+        // SAFETY: setsockopt with a valid fd and a c_int option value.
+        // Failure only leaves the kernel's default size, so it is ignored.
+        unsafe {
+            libc::setsockopt(
+                stream.as_raw_fd(),
+                libc::SOL_SOCKET,
+                opt,
+                &SOCKET_BUFFER_BYTES as *const libc::c_int as *const libc::c_void,
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            );
+        }
+    }
+    stream.set_nonblocking(true)
+}
+
+/// Connects to rank `to` at `addr` as rank `from`, retrying refused
+/// connections until `deadline`, and waits for the acceptor's answer.
+pub(crate) fn connect(
+    addr: SocketAddr,
+    token: &Token,
+    from: usize,
+    to: usize,
+    deadline: Instant,
+) -> Result<TcpStream, String> {
+    let mut last_error = String::from("no attempt made");
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(format!("could not connect to {addr}: {last_error}"));
+        }
+        match TcpStream::connect_timeout(&addr, left.min(Duration::from_secs(5))) {
+            Ok(mut stream) => {
+                let answer = (|| {
+                    stream.set_write_timeout(Some(left))?;
+                    stream.write_all(&hello(token, from, to))?;
+                    stream.set_read_timeout(Some(left))?;
+                    let mut ack = [0u8; 4];
+                    stream.read_exact(&mut ack)?;
+                    Ok::<_, io::Error>(u32::from_le_bytes(ack))
+                })();
+                return match answer {
+                    Ok(ACK_MAGIC) => {
+                        tune(&stream).map_err(|e| format!("configuring the link: {e}"))?;
+                        Ok(stream)
+                    }
+                    Ok(_) => Err(format!("{addr} is not an oxccl rank (bad answer)")),
+                    Err(e) => Err(format!(
+                        "rank {to} at {addr} refused the handshake or did not answer ({e}); \
+                         is it a rank of this job?"
+                    )),
+                };
+            }
+            Err(e) => {
+                last_error = e.to_string();
+                std::thread::sleep(Duration::from_millis(20).min(left));
+            }
+        }
+    }
+}
+
+/// A connection accepted but not yet verified.
+struct Pending {
+    stream: TcpStream,
+    from_addr: SocketAddr,
+    hello: [u8; HELLO_BYTES],
+    filled: usize,
+}
+
+/// Accepts one verified connection from each rank in `expected`, refusing
+/// (and logging) anything else, until `deadline`. On expiry returns the
+/// ranks that never connected.
+pub(crate) fn accept(
+    listener: &TcpListener,
+    token: &Token,
+    me: usize,
+    expected: &[usize],
+    deadline: Instant,
+) -> Result<HashMap<usize, TcpStream>, Vec<usize>> {
+    let mut done: HashMap<usize, TcpStream> = HashMap::new();
+    let mut pending: Vec<Pending> = Vec::new();
+    if listener.set_nonblocking(true).is_err() {
+        return Err(expected.to_vec());
+    }
+    while done.len() < expected.len() {
+        let mut progressed = false;
+        loop {
+            match listener.accept() {
+                Ok((stream, from_addr)) => {
+                    progressed = true;
+                    if stream.set_nonblocking(true).is_ok() {
+                        pending.push(Pending {
+                            stream,
+                            from_addr,
+                            hello: [0; HELLO_BYTES],
+                            filled: 0,
+                        });
+                    }
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(_) => break, // e.g. ECONNABORTED: the peer gave up
+            }
+        }
+        let mut i = 0;
+        while i < pending.len() {
+            let p = &mut pending[i];
+            let outcome = match p.stream.read(&mut p.hello[p.filled..]) {
+                Ok(0) => Some(Err("closed before completing the handshake".to_string())),
+                Ok(n) => {
+                    progressed = true;
+                    p.filled += n;
+                    (p.filled == HELLO_BYTES).then(|| {
+                        let remaining: Vec<usize> = expected
+                            .iter()
+                            .copied()
+                            .filter(|r| !done.contains_key(r))
+                            .collect();
+                        check_hello(&p.hello, token, me, &remaining)
+                    })
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => None,
+                Err(e) if e.kind() == ErrorKind::Interrupted => None,
+                Err(e) => Some(Err(e.to_string())),
+            };
+            match outcome {
+                None => i += 1,
+                Some(result) => {
+                    let p = pending.swap_remove(i);
+                    match result {
+                        Ok(from) => match acknowledge(p.stream) {
+                            Ok(stream) => {
+                                done.insert(from, stream);
+                            }
+                            Err(e) => log_refusal(me, p.from_addr, &format!("ack failed: {e}")),
+                        },
+                        Err(why) => log_refusal(me, p.from_addr, &why),
+                    }
+                }
+            }
+        }
+        if done.len() == expected.len() {
+            break;
+        }
+        if Instant::now() >= deadline {
+            return Err(expected
+                .iter()
+                .copied()
+                .filter(|r| !done.contains_key(r))
+                .collect());
+        }
+        if !progressed {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    Ok(done)
+}
+
+fn acknowledge(mut stream: TcpStream) -> io::Result<TcpStream> {
+    stream.set_nonblocking(false)?;
+    stream.set_write_timeout(Some(Duration::from_secs(5)))?;
+    stream.write_all(&ACK_MAGIC.to_le_bytes())?;
+    tune(&stream)?;
+    Ok(stream)
+}
+
+fn log_refusal(me: usize, from: SocketAddr, why: &str) {
+    eprintln!("oxccl: rank {me}: refused a connection from {from}: {why}");
+}
+
+/// One TCP link as a non-blocking byte stream.
+pub(crate) struct TcpLink {
+    stream: TcpStream,
+}
+
+impl TcpLink {
+    pub fn new(stream: TcpStream) -> TcpLink {
+        TcpLink { stream }
+    }
+
+    pub fn fd(&self) -> libc::c_int {
+        self.stream.as_raw_fd()
+    }
+
+    /// Writes what the socket takes now; `Err` means the peer is gone.
+    pub fn write_some(&mut self, data: &[u8]) -> io::Result<usize> {
+        loop {
+            match self.stream.write(data) {
+                Ok(n) => return Ok(n),
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(0),
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Writes a prefix of `a ++ b` in one system call.
+    pub fn write_two(&mut self, a: &[u8], b: &[u8]) -> io::Result<usize> {
+        let slices = [io::IoSlice::new(a), io::IoSlice::new(b)];
+        loop {
+            match self.stream.write_vectored(&slices) {
+                Ok(n) => return Ok(n),
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(0),
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Reads what has arrived; `Err` (including end of stream) means the
+    /// peer is gone.
+    pub fn read_some(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        loop {
+            match self.stream.read(buf) {
+                Ok(0) if !buf.is_empty() => {
+                    return Err(io::Error::new(
+                        ErrorKind::UnexpectedEof,
+                        "connection closed by the peer",
+                    ))
+                }
+                Ok(n) => return Ok(n),
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(0),
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::{IpAddr, Ipv4Addr};
+
+    #[test]
+    fn handshake_accepts_the_job_and_refuses_strangers() {
+        let listener = TcpListener::bind((IpAddr::V4(Ipv4Addr::LOCALHOST), 0)).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let token = [7u8; 16];
+        let deadline = Instant::now() + Duration::from_secs(10);
+        // Strangers first: garbage, a wrong token, and one that sends nothing.
+        let mut garbage = TcpStream::connect(addr).unwrap();
+        garbage
+            .write_all(b"GET / HTTP/1.1\r\n\r\n12345678901234")
+            .unwrap();
+        let mut wrong = TcpStream::connect(addr).unwrap();
+        wrong.write_all(&hello(&[9u8; 16], 2, 0)).unwrap();
+        let _silent = TcpStream::connect(addr).unwrap();
+        let peers = std::thread::spawn(move || {
+            let a = connect(addr, &token, 1, 0, deadline).unwrap();
+            let b = connect(addr, &token, 2, 0, deadline).unwrap();
+            (a, b)
+        });
+        let accepted = accept(&listener, &token, 0, &[1, 2], deadline).unwrap();
+        assert_eq!(accepted.len(), 2);
+        let (mut a, _b) = peers.join().unwrap();
+        // The refused ones were closed without an acknowledgement.
+        let mut buf = [0u8; 4];
+        wrong
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        assert!(matches!(wrong.read(&mut buf), Ok(0) | Err(_)));
+        // The accepted link carries bytes.
+        let mut link = TcpLink::new(accepted.into_iter().find(|(r, _)| *r == 1).unwrap().1);
+        a.set_nonblocking(false).unwrap();
+        a.write_all(b"hello").unwrap();
+        let mut got = Vec::new();
+        while got.len() < 5 {
+            let mut b = [0u8; 8];
+            let n = link.read_some(&mut b).unwrap();
+            got.extend_from_slice(&b[..n]);
+        }
+        assert_eq!(got, b"hello");
+        drop(a);
+        let end = Instant::now() + Duration::from_secs(5);
+        loop {
+            match link.read_some(&mut [0u8; 8]) {
+                Err(_) => break,
+                Ok(_) => assert!(Instant::now() < end, "EOF not seen"),
+            }
+        }
+    }
+
+    #[test]
+    fn accept_names_the_ranks_that_never_came() {
+        let listener = TcpListener::bind((IpAddr::V4(Ipv4Addr::LOCALHOST), 0)).unwrap();
+        let deadline = Instant::now() + Duration::from_millis(100);
+        assert_eq!(
+            accept(&listener, &[0; 16], 0, &[3, 5], deadline).unwrap_err(),
+            vec![3, 5]
+        );
+    }
+}

@@ -1,0 +1,155 @@
+//! The multi-process transport with ranks as threads of this process: the
+//! full collective matrix over shared memory and over TCP (loopback), small
+//! rings and tiny pieces to force frames to stream through full buffers, and
+//! abort/lost-peer behaviour. Real processes are in `tests/multiprocess.rs`.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::run_ranks_net;
+use oxccl::check::{edge_counts, every_collective_every_dtype};
+use oxccl::{Communicator, Error, ReduceOp, TransportKind};
+
+fn fail(what: String) -> Error {
+    Error::Config {
+        name: "test".into(),
+        value: String::new(),
+        reason: what,
+    }
+}
+
+fn matrix(kind: TransportKind, chunk_bytes: usize) {
+    for world in [1, 2, 3, 4] {
+        let builder = Communicator::builder()
+            .timeout(Duration::from_secs(30))
+            .chunk_bytes(chunk_bytes);
+        run_ranks_net(world, builder, kind, |comm| {
+            let counts = edge_counts(comm.world_size());
+            every_collective_every_dtype(comm, &counts).map_err(|e| fail(e.to_string()))
+        })
+        .unwrap_or_else(|e| panic!("{kind:?} world {world}: {e}"));
+    }
+}
+
+#[test]
+fn every_collective_over_shm() {
+    matrix(TransportKind::Shm, oxccl::DEFAULT_CHUNK_BYTES);
+}
+
+#[test]
+fn every_collective_over_tcp() {
+    matrix(TransportKind::Tcp, oxccl::DEFAULT_CHUNK_BYTES);
+}
+
+#[test]
+fn tiny_pieces_over_shm_and_tcp() {
+    matrix(TransportKind::Shm, 64);
+    matrix(TransportKind::Tcp, 64);
+}
+
+/// 64 MiB all-reduces through 1 MiB rings (and socket buffers): frames far
+/// larger than any buffer, sent eagerly by every rank at once.
+#[test]
+fn large_messages_stream_through_small_buffers() {
+    for kind in [TransportKind::Shm, TransportKind::Tcp] {
+        let builder = Communicator::builder()
+            .timeout(Duration::from_secs(60))
+            .chunk_bytes(64 << 20);
+        run_ranks_net(3, builder, kind, move |comm| {
+            let n = 16 << 20;
+            let mut v = vec![comm.rank() as f32 + 1.0; n];
+            comm.all_reduce_in_place(&mut v, ReduceOp::Sum)?;
+            if v.iter().any(|&x| x != 6.0) {
+                return Err(fail(format!("{kind:?}: wrong sum")));
+            }
+            Ok(())
+        })
+        .unwrap_or_else(|e| panic!("{kind:?}: {e}"));
+    }
+}
+
+#[test]
+fn splits_share_the_links() {
+    for kind in [TransportKind::Shm, TransportKind::Tcp] {
+        run_ranks_net(4, Communicator::builder(), kind, |comm| {
+            let rank = comm.rank();
+            let mut pair = comm.split((rank / 2) as u32, rank as i64)?;
+            let mut v = vec![rank as i32; 100];
+            pair.all_reduce_in_place(&mut v, ReduceOp::Sum)?;
+            let expected = if rank < 2 { 1 } else { 5 };
+            if v.iter().any(|&x| x != expected) {
+                return Err(fail(format!("rank {rank}: {:?}", &v[..3])));
+            }
+            comm.barrier()?;
+            Ok(pair.transport_description())
+        })
+        .unwrap_or_else(|e| panic!("{kind:?}: {e}"));
+    }
+}
+
+#[test]
+fn a_dropped_peer_is_reported_not_waited_for() {
+    for kind in [TransportKind::Shm, TransportKind::Tcp] {
+        let builder = Communicator::builder().timeout(Duration::from_secs(30));
+        let result = run_ranks_net(3, builder, kind, |comm| {
+            if comm.rank() == 2 {
+                return Ok(Duration::ZERO); // leaves without joining the collective
+            }
+            let start = Instant::now();
+            let mut v = vec![1.0f32; 1000];
+            match comm.all_reduce_in_place(&mut v, ReduceOp::Sum) {
+                Err(Error::PeerLost { peer: 2, .. }) => Ok(start.elapsed()),
+                other => Err(fail(format!("rank {}: {other:?}", comm.rank()))),
+            }
+        })
+        .unwrap_or_else(|e| panic!("{kind:?}: {e}"));
+        for waited in &result[..2] {
+            assert!(
+                *waited < Duration::from_secs(10),
+                "{kind:?}: waited {waited:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn abort_unblocks_a_waiting_call() {
+    let builder = Communicator::builder().timeout(Duration::from_secs(60));
+    let result = run_ranks_net(2, builder, TransportKind::Tcp, |comm| {
+        if comm.rank() == 1 {
+            // Rank 1 never joins; rank 0 is aborted from another thread.
+            std::thread::sleep(Duration::from_secs(1));
+            return Ok(());
+        }
+        let handle = comm.abort_handle();
+        let aborter = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(200));
+            handle.abort();
+        });
+        let mut v = [0u8; 4];
+        let start = Instant::now();
+        let r = comm.recv(&mut v, 1);
+        let _ = aborter.join();
+        match r {
+            Err(Error::Aborted { .. }) if start.elapsed() < Duration::from_secs(5) => Ok(()),
+            other => Err(fail(format!("{other:?} after {:?}", start.elapsed()))),
+        }
+    });
+    result.unwrap();
+}
+
+#[test]
+fn rendezvous_names_the_ranks_that_never_joined() {
+    let store = std::sync::Arc::new(oxccl::bootstrap::MemoryStore::new());
+    let builder = Communicator::builder().timeout(Duration::from_millis(300));
+    let err = match builder.init(0, 6, store) {
+        Err(e) => e,
+        Ok(_) => panic!("rendezvous of one rank out of six succeeded"),
+    };
+    let text = err.to_string();
+    assert!(
+        text.contains("ranks 1, 2, 3, 4 and 5 never joined"),
+        "{text}"
+    );
+}
