@@ -38,6 +38,7 @@ mod comm;
 mod desc;
 mod error;
 pub mod host;
+pub mod launch;
 pub mod schedule;
 mod transport;
 pub mod types;
