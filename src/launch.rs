@@ -50,6 +50,11 @@ pub const JOB_ID_VAR: &str = "OXCCL_JOB_ID";
 
 /// How often the supervisor checks its children and pending signals.
 const POLL_INTERVAL: Duration = Duration::from_millis(10);
+/// Longer kill graces are treated as this (a year).
+const MAX_KILL_GRACE: Duration = Duration::from_secs(365 * 24 * 3600);
+/// A line longer than this is printed in pieces (progress bars that redraw
+/// with `\r` never end a line).
+const MAX_LINE: usize = 64 * 1024;
 
 /// What to start, and how, on this node.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -410,7 +415,8 @@ impl Job {
             readers: Vec::new(),
             output_done: Arc::new(AtomicBool::new(false)),
             first_failure: None,
-            kill_grace: spec.kill_grace,
+            // Capped so that `now + grace` cannot overflow.
+            kill_grace: spec.kill_grace.min(MAX_KILL_GRACE),
         }
     }
 
@@ -691,6 +697,11 @@ fn spawn_reader(
                         let rest = pending.split_off(last_nl + 1);
                         emit(stream, &prefix, &pending);
                         pending = rest;
+                    }
+                    if pending.len() >= MAX_LINE {
+                        pending.push(b'\n');
+                        emit(stream, &prefix, &pending);
+                        pending.clear();
                     }
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
