@@ -12,6 +12,7 @@
 //! | schedules (pure data) | [`schedule`] — ring and chain plans as lists of [`schedule::Step`] |
 //! | host executor | runs plans over a transport with the CPU reductions in [`host::reduce`] |
 //! | transports | in-process (threads) |
+//! | launcher | [`launch`] — `oxccl-run` starts, supervises and stops one node's ranks |
 //!
 //! | backend | memory | status |
 //! |---|---|---|
@@ -38,6 +39,7 @@ mod comm;
 mod desc;
 mod error;
 pub mod host;
+pub mod launch;
 pub mod schedule;
 mod transport;
 pub mod types;

@@ -1,0 +1,872 @@
+//! Starting the ranks of a job on one node: the library behind `oxccl-run`.
+//!
+//! [`launch`] does on one node what `torchrun --no-python` or `mpirun` does:
+//! it starts [`LaunchSpec::nproc_per_node`] copies of a program with the
+//! environment the [`bootstrap`](crate::bootstrap) reads (torchrun's
+//! names: `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
+//! `GROUP_RANK`, `NODE_RANK`, `MASTER_ADDR`, `MASTER_PORT`, plus
+//! `OXCCL_JOB_ID`), prefixes their output with `[rank R] `, and supervises
+//! them: when one rank fails, the others are stopped (`SIGTERM`, then
+//! `SIGKILL` after [`LaunchSpec::kill_grace`]), so a job never hangs on a
+//! dead peer. `SIGINT`, `SIGTERM` and `SIGHUP` sent to the launcher are
+//! forwarded to every rank. Children are killed by the kernel if the
+//! launcher dies (`PR_SET_PDEATHSIG`).
+//!
+//! ```no_run
+//! use oxccl::launch::{launch, LaunchSpec};
+//! let mut spec = LaunchSpec::new("./train");
+//! spec.nproc_per_node = 4;
+//! let report = launch(&spec)?;
+//! std::process::exit(report.exit_code());
+//! # Ok::<(), oxccl::Error>(())
+//! ```
+
+use std::ffi::{OsStr, OsString};
+use std::fmt;
+use std::fs::File;
+use std::io::{self, Read, Write};
+use std::net::TcpListener;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use crate::error::{Error, Result};
+use crate::types::Rank;
+
+/// torchrun's default rendezvous port.
+pub const DEFAULT_MASTER_PORT: u16 = 29500;
+/// Default rendezvous address (a single-node job).
+pub const DEFAULT_MASTER_ADDR: &str = "127.0.0.1";
+/// Default time the ranks get between `SIGTERM` and `SIGKILL` when a job is stopped.
+pub const DEFAULT_KILL_GRACE: Duration = Duration::from_secs(5);
+
+/// The environment variable that names a job; inherited by the ranks, and
+/// used to name (and clean up) the job's shared-memory segments.
+pub const JOB_ID_VAR: &str = "OXCCL_JOB_ID";
+
+/// How often the supervisor checks its children and pending signals.
+const POLL_INTERVAL: Duration = Duration::from_millis(10);
+/// Longer kill graces are treated as this (a year).
+const MAX_KILL_GRACE: Duration = Duration::from_secs(365 * 24 * 3600);
+/// A line longer than this is printed in pieces (progress bars that redraw
+/// with `\r` never end a line).
+const MAX_LINE: usize = 64 * 1024;
+
+/// What to start, and how, on this node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LaunchSpec {
+    /// Ranks started on this node (at least 1).
+    pub nproc_per_node: usize,
+    /// Nodes in the job (at least 1); every node runs `nproc_per_node` ranks.
+    pub nnodes: usize,
+    /// This node's index, below `nnodes`; its ranks are
+    /// `node_rank * nproc_per_node ..` `(node_rank + 1) * nproc_per_node`.
+    pub node_rank: usize,
+    /// Address of node 0, where rank 0 hosts the rendezvous store.
+    pub master_addr: String,
+    /// Port of the rendezvous store on node 0 (1..=65535).
+    pub master_port: u16,
+    /// The program every rank runs (looked up on `PATH` if it has no `/`).
+    pub program: OsString,
+    /// Its arguments.
+    pub args: Vec<OsString>,
+    /// Variables set for every rank after the launcher's own (they win).
+    pub extra_env: Vec<(OsString, OsString)>,
+    /// Pipe each rank's stdout and stderr and re-print every line prefixed
+    /// with `[rank R] `; when false the ranks write straight to the
+    /// launcher's stdout and stderr.
+    pub prefix_output: bool,
+    /// How long stopped ranks get between `SIGTERM` (or a forwarded signal)
+    /// and `SIGKILL`.
+    pub kill_grace: Duration,
+}
+
+impl LaunchSpec {
+    /// One rank of `program` on one node, with the defaults of `oxccl-run`:
+    /// `127.0.0.1:29500`, prefixed output, a 5 s kill grace.
+    pub fn new(program: impl Into<OsString>) -> Self {
+        LaunchSpec {
+            nproc_per_node: 1,
+            nnodes: 1,
+            node_rank: 0,
+            master_addr: DEFAULT_MASTER_ADDR.into(),
+            master_port: DEFAULT_MASTER_PORT,
+            program: program.into(),
+            args: Vec::new(),
+            extra_env: Vec::new(),
+            prefix_output: true,
+            kill_grace: DEFAULT_KILL_GRACE,
+        }
+    }
+
+    /// Ranks in the whole job: `nnodes * nproc_per_node`.
+    pub fn world_size(&self) -> usize {
+        self.nnodes.saturating_mul(self.nproc_per_node)
+    }
+
+    /// The global rank of local rank `local_rank` on this node.
+    pub fn global_rank(&self, local_rank: usize) -> Rank {
+        self.node_rank * self.nproc_per_node + local_rank
+    }
+
+    /// Checks the layout and the program.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] naming the field when `nproc_per_node` or `nnodes`
+    /// is 0, `node_rank >= nnodes`, `master_port` is 0, the world size
+    /// overflows, or `program` is empty.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |name: &str, value: String, reason: &str| {
+            Err(Error::Config {
+                name: name.into(),
+                value,
+                reason: reason.into(),
+            })
+        };
+        if self.nproc_per_node == 0 {
+            return bad(
+                "nproc_per_node",
+                "0".into(),
+                "expected at least 1 rank per node",
+            );
+        }
+        if self.nnodes == 0 {
+            return bad("nnodes", "0".into(), "expected at least 1 node");
+        }
+        if self.node_rank >= self.nnodes {
+            return bad(
+                "node_rank",
+                self.node_rank.to_string(),
+                &format!("must be below nnodes ({})", self.nnodes),
+            );
+        }
+        if self.nnodes.checked_mul(self.nproc_per_node).is_none() {
+            return bad(
+                "nproc_per_node",
+                self.nproc_per_node.to_string(),
+                "nnodes * nproc_per_node overflows",
+            );
+        }
+        if self.master_port == 0 {
+            return bad("master_port", "0".into(), "expected a port in 1..=65535");
+        }
+        if self.program.is_empty() {
+            return bad("program", String::new(), "no program to run");
+        }
+        Ok(())
+    }
+
+    /// The job id the ranks will see: `OXCCL_JOB_ID` from `extra_env`, else
+    /// from the launcher's environment, else (several nodes) a hash of
+    /// `master_addr:master_port`, which every node computes alike, else
+    /// (one node) a random 16-hex-digit id.
+    pub fn job_id(&self) -> String {
+        if let Some((_, v)) = self
+            .extra_env
+            .iter()
+            .rev()
+            .find(|(k, _)| k.as_os_str() == OsStr::new(JOB_ID_VAR))
+        {
+            return v.to_string_lossy().into_owned();
+        }
+        if let Some(v) = std::env::var_os(JOB_ID_VAR) {
+            return v.to_string_lossy().into_owned();
+        }
+        if self.nnodes > 1 {
+            let key = format!("{}:{}", self.master_addr, self.master_port);
+            format!("{:016x}", fnv1a(key.as_bytes()))
+        } else {
+            format!("{:016x}", random_u64())
+        }
+    }
+}
+
+/// How a rank ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RankExit {
+    /// It exited with this status.
+    Code(i32),
+    /// It was killed by this signal.
+    Signal(i32),
+}
+
+impl RankExit {
+    /// Whether it exited with status 0.
+    pub fn success(self) -> bool {
+        self == RankExit::Code(0)
+    }
+
+    /// The shell's exit code for it: the status, or `128 + signal`, in 0..=255.
+    pub fn shell_code(self) -> i32 {
+        match self {
+            RankExit::Code(0) => 0,
+            RankExit::Code(c) if (1..=255).contains(&c) => c,
+            RankExit::Code(_) => 1,
+            RankExit::Signal(s) => (128 + s).clamp(1, 255),
+        }
+    }
+
+    fn from_status(status: ExitStatus) -> Self {
+        match (status.code(), status.signal()) {
+            (Some(code), _) => RankExit::Code(code),
+            (None, Some(sig)) => RankExit::Signal(sig),
+            (None, None) => RankExit::Code(1),
+        }
+    }
+}
+
+impl fmt::Display for RankExit {
+    /// `exited with status 3` / `was killed by signal 9 (SIGKILL)`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            RankExit::Code(code) => write!(f, "exited with status {code}"),
+            RankExit::Signal(sig) => match signal_name(sig) {
+                Some(name) => write!(f, "was killed by signal {sig} ({name})"),
+                None => write!(f, "was killed by signal {sig}"),
+            },
+        }
+    }
+}
+
+/// `SIGKILL` for 9 and so on, for the signals a job commonly dies of.
+pub fn signal_name(sig: i32) -> Option<&'static str> {
+    Some(match sig {
+        libc::SIGHUP => "SIGHUP",
+        libc::SIGINT => "SIGINT",
+        libc::SIGQUIT => "SIGQUIT",
+        libc::SIGILL => "SIGILL",
+        libc::SIGTRAP => "SIGTRAP",
+        libc::SIGABRT => "SIGABRT",
+        libc::SIGBUS => "SIGBUS",
+        libc::SIGFPE => "SIGFPE",
+        libc::SIGKILL => "SIGKILL",
+        libc::SIGUSR1 => "SIGUSR1",
+        libc::SIGSEGV => "SIGSEGV",
+        libc::SIGUSR2 => "SIGUSR2",
+        libc::SIGPIPE => "SIGPIPE",
+        libc::SIGALRM => "SIGALRM",
+        libc::SIGTERM => "SIGTERM",
+        libc::SIGXCPU => "SIGXCPU",
+        libc::SIGXFSZ => "SIGXFSZ",
+        libc::SIGSYS => "SIGSYS",
+        _ => return None,
+    })
+}
+
+/// One rank of a finished launch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RankReport {
+    /// Its global rank.
+    pub rank: Rank,
+    /// Its rank on this node.
+    pub local_rank: usize,
+    /// Its process id.
+    pub pid: u32,
+    /// How it ended.
+    pub exit: RankExit,
+}
+
+/// The outcome of [`launch`]: every rank started on this node has ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LaunchReport {
+    /// The job id the ranks saw (`OXCCL_JOB_ID`).
+    pub job_id: String,
+    /// Every local rank, in local-rank order.
+    pub ranks: Vec<RankReport>,
+    /// The first rank seen to fail (non-zero status or a signal), before
+    /// the launcher stopped the others; `None` if none failed on its own.
+    pub first_failure: Option<(Rank, RankExit)>,
+    /// The first of `SIGINT`, `SIGTERM`, `SIGHUP` the launcher received and
+    /// forwarded, if any.
+    pub interrupted: Option<i32>,
+}
+
+impl LaunchReport {
+    /// The launcher's exit code: `128 + signal` if it was interrupted, else
+    /// 0 if every rank exited 0, else the first failing rank's status (or
+    /// `128 + signal` if a signal killed it).
+    pub fn exit_code(&self) -> i32 {
+        if let Some(sig) = self.interrupted {
+            return RankExit::Signal(sig).shell_code();
+        }
+        if let Some((_, exit)) = self.first_failure {
+            return exit.shell_code();
+        }
+        self.ranks
+            .iter()
+            .map(|r| r.exit.shell_code())
+            .find(|&c| c != 0)
+            .unwrap_or(0)
+    }
+
+    /// Whether every rank exited 0 and the launcher was not interrupted.
+    pub fn success(&self) -> bool {
+        self.exit_code() == 0
+    }
+}
+
+/// Runs a job's ranks on this node and waits until every one has ended.
+///
+/// In order: validates `spec`; on node 0, checks that `master_port` is free
+/// (rank 0 will host the rendezvous store there); installs handlers that
+/// forward `SIGINT`, `SIGTERM` and `SIGHUP` to the ranks; starts the ranks;
+/// supervises them (see the [module docs](self)); removes the job's leftover
+/// shared-memory segments (`/dev/shm/oxccl-{job_id}-*`); restores the
+/// signal handlers. Progress and failures are reported on stderr, prefixed
+/// `oxccl-run: `.
+///
+/// Call it from a thread that outlives the job (the main thread):
+/// `PR_SET_PDEATHSIG` fires when the *thread* that started a child exits.
+/// Only one launch should run in a process at a time (the signal handlers
+/// are process-wide).
+///
+/// # Errors
+///
+/// - [`Error::Config`] when `spec` fails [`LaunchSpec::validate`].
+/// - [`Error::Bootstrap`] when the port is in use on node 0 (nothing is
+///   started), or when a rank cannot be started (the program is missing or
+///   not executable; the ranks already started are stopped first).
+///
+/// A rank that fails is not an error: it is in the [`LaunchReport`].
+pub fn launch(spec: &LaunchSpec) -> Result<LaunchReport> {
+    spec.validate()?;
+    if spec.node_rank == 0 {
+        check_port_free(spec.master_port)?;
+    }
+    let job_id = spec.job_id();
+    let _signals = SignalGuard::install();
+    let mut job = Job::new(spec);
+
+    let outcome = job.spawn_all(spec, &job_id).map(|()| job.supervise());
+    if outcome.is_err() {
+        job.stop_all();
+    }
+    job.finish_output();
+    remove_shm_segments(&job_id);
+    let interrupted = outcome?;
+
+    Ok(LaunchReport {
+        job_id,
+        ranks: job
+            .procs
+            .iter()
+            .map(|p| RankReport {
+                rank: p.rank,
+                local_rank: p.local_rank,
+                pid: p.pid,
+                exit: p.exit.unwrap_or(RankExit::Code(1)),
+            })
+            .collect(),
+        first_failure: job.first_failure,
+        interrupted,
+    })
+}
+
+/// Fails if `port` cannot be bound on all interfaces.
+fn check_port_free(port: u16) -> Result<()> {
+    let context = format!("oxccl-run: node 0 hosts the rendezvous store on port {port}");
+    match TcpListener::bind(("0.0.0.0", port)) {
+        Ok(listener) => {
+            drop(listener);
+            Ok(())
+        }
+        Err(e) if e.kind() == io::ErrorKind::AddrInUse => Err(Error::Bootstrap {
+            context,
+            detail: format!(
+                "port {port} is already in use (another job, or an earlier run still \
+                 exiting?); choose another --master-port"
+            ),
+        }),
+        Err(e) => Err(Error::Bootstrap {
+            context,
+            detail: format!("cannot listen on port {port}: {e}; choose another --master-port"),
+        }),
+    }
+}
+
+/// One started rank.
+struct Proc {
+    rank: Rank,
+    local_rank: usize,
+    pid: u32,
+    child: Child,
+    exit: Option<RankExit>,
+}
+
+/// The ranks of one launch and their output readers.
+struct Job {
+    procs: Vec<Proc>,
+    readers: Vec<JoinHandle<()>>,
+    /// Set once every rank has been reaped: readers drain what is buffered and stop.
+    output_done: Arc<AtomicBool>,
+    first_failure: Option<(Rank, RankExit)>,
+    kill_grace: Duration,
+}
+
+impl Job {
+    fn new(spec: &LaunchSpec) -> Self {
+        Job {
+            procs: Vec::with_capacity(spec.nproc_per_node),
+            readers: Vec::new(),
+            output_done: Arc::new(AtomicBool::new(false)),
+            first_failure: None,
+            // Capped so that `now + grace` cannot overflow.
+            kill_grace: spec.kill_grace.min(MAX_KILL_GRACE),
+        }
+    }
+
+    fn spawn_all(&mut self, spec: &LaunchSpec, job_id: &str) -> Result<()> {
+        let launcher_pid = std::process::id() as libc::pid_t;
+        let world = spec.world_size().to_string();
+        let local_world = spec.nproc_per_node.to_string();
+        let node_rank = spec.node_rank.to_string();
+        let port = spec.master_port.to_string();
+        for local_rank in 0..spec.nproc_per_node {
+            let rank = spec.global_rank(local_rank);
+            let mut cmd = Command::new(&spec.program);
+            cmd.args(&spec.args)
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", &world)
+                .env("LOCAL_RANK", local_rank.to_string())
+                .env("LOCAL_WORLD_SIZE", &local_world)
+                .env("GROUP_RANK", &node_rank)
+                .env("NODE_RANK", &node_rank)
+                .env("MASTER_ADDR", &spec.master_addr)
+                .env("MASTER_PORT", &port)
+                .env(JOB_ID_VAR, job_id);
+            for (k, v) in &spec.extra_env {
+                cmd.env(k, v);
+            }
+            if spec.prefix_output {
+                cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+            }
+            // SAFETY: the closure runs in the forked child before exec and
+            // calls only async-signal-safe functions (prctl, getppid, _exit).
+            unsafe {
+                cmd.pre_exec(move || {
+                    if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) != 0 {
+                        return Err(io::Error::last_os_error());
+                    }
+                    // The launcher may have died before the prctl took effect.
+                    if libc::getppid() != launcher_pid {
+                        libc::_exit(1);
+                    }
+                    Ok(())
+                });
+            }
+            let mut child = cmd.spawn().map_err(|e| Error::Bootstrap {
+                context: format!("oxccl-run: starting rank {rank}"),
+                detail: format!(
+                    "cannot run `{}`: {e}{}",
+                    spec.program.to_string_lossy(),
+                    if e.kind() == io::ErrorKind::NotFound && !has_slash(&spec.program) {
+                        " (is it on PATH?)"
+                    } else {
+                        ""
+                    }
+                ),
+            })?;
+            let prefix = format!("[rank {rank}] ");
+            if let Some(out) = child.stdout.take() {
+                self.readers.push(spawn_reader(
+                    out.into(),
+                    prefix.clone(),
+                    Stream::Stdout,
+                    self.output_done.clone(),
+                ));
+            }
+            if let Some(err) = child.stderr.take() {
+                self.readers.push(spawn_reader(
+                    err.into(),
+                    prefix,
+                    Stream::Stderr,
+                    self.output_done.clone(),
+                ));
+            }
+            self.procs.push(Proc {
+                rank,
+                local_rank,
+                pid: child.id(),
+                child,
+                exit: None,
+            });
+        }
+        Ok(())
+    }
+
+    fn running(&self) -> usize {
+        self.procs.iter().filter(|p| p.exit.is_none()).count()
+    }
+
+    /// Sends `sig` to every rank not yet reaped (its pid cannot have been reused).
+    fn signal_running(&mut self, sig: i32) {
+        for p in self.procs.iter_mut().filter(|p| p.exit.is_none()) {
+            if sig == libc::SIGKILL {
+                let _ = p.child.kill();
+            } else {
+                // SAFETY: kill has no memory-safety preconditions.
+                unsafe {
+                    libc::kill(p.pid as libc::pid_t, sig);
+                }
+            }
+        }
+    }
+
+    /// Reaps every rank that has ended; returns the newly failed ones.
+    fn reap(&mut self) -> Vec<(Rank, u32, RankExit)> {
+        let mut failed = Vec::new();
+        for p in self.procs.iter_mut().filter(|p| p.exit.is_none()) {
+            let exit = match p.child.try_wait() {
+                Ok(Some(status)) => RankExit::from_status(status),
+                Ok(None) => continue,
+                // Cannot happen for our own unreaped child; count it as failed.
+                Err(_) => RankExit::Code(1),
+            };
+            p.exit = Some(exit);
+            if !exit.success() {
+                failed.push((p.rank, p.pid, exit));
+            }
+        }
+        failed
+    }
+
+    /// Watches the ranks until every one has ended. Returns the first signal
+    /// the launcher received, if any.
+    fn supervise(&mut self) -> Option<i32> {
+        let mut interrupted = None;
+        // When set, the ranks still running at that instant get SIGKILL.
+        let mut kill_at: Option<Instant> = None;
+        let mut killed = false;
+        loop {
+            let sig = PENDING_SIGNAL.swap(0, Ordering::SeqCst);
+            if sig != 0 {
+                interrupted.get_or_insert(sig);
+                let running = self.running();
+                say(&format!(
+                    "interrupted by {}; forwarding it to the {running} running rank{}",
+                    signal_name(sig).unwrap_or("a signal"),
+                    plural(running)
+                ));
+                self.signal_running(sig);
+                kill_at.get_or_insert_with(|| Instant::now() + self.kill_grace);
+            }
+
+            for (rank, pid, exit) in self.reap() {
+                if self.first_failure.is_none() {
+                    self.first_failure = Some((rank, exit));
+                    say(&format!("rank {rank} (pid {pid}) {exit}"));
+                }
+                if kill_at.is_none() {
+                    let running = self.running();
+                    if running > 0 {
+                        say(&format!(
+                            "stopping the other {running} rank{}",
+                            plural(running)
+                        ));
+                        self.signal_running(libc::SIGTERM);
+                    }
+                    kill_at = Some(Instant::now() + self.kill_grace);
+                }
+            }
+
+            if self.running() == 0 {
+                return interrupted;
+            }
+            if let Some(at) = kill_at.filter(|_| !killed) {
+                if Instant::now() >= at {
+                    let running = self.running();
+                    say(&format!(
+                        "{running} rank{} still running after {:?}; killing {}",
+                        plural(running),
+                        self.kill_grace,
+                        if running == 1 { "it" } else { "them" }
+                    ));
+                    self.signal_running(libc::SIGKILL);
+                    killed = true;
+                }
+            }
+            std::thread::sleep(POLL_INTERVAL);
+        }
+    }
+
+    /// Stops every running rank: `SIGTERM`, then `SIGKILL` after the grace;
+    /// reaps them all.
+    fn stop_all(&mut self) {
+        self.reap();
+        if self.running() == 0 {
+            return;
+        }
+        self.signal_running(libc::SIGTERM);
+        let deadline = Instant::now() + self.kill_grace;
+        while self.running() > 0 && Instant::now() < deadline {
+            std::thread::sleep(POLL_INTERVAL);
+            self.reap();
+        }
+        if self.running() > 0 {
+            self.signal_running(libc::SIGKILL);
+        }
+        for p in self.procs.iter_mut().filter(|p| p.exit.is_none()) {
+            p.exit = Some(match p.child.wait() {
+                Ok(status) => RankExit::from_status(status),
+                Err(_) => RankExit::Code(1),
+            });
+        }
+    }
+
+    /// Lets the readers print what the ranks wrote before they ended, then
+    /// joins them. Output of processes the ranks left behind is not waited for.
+    fn finish_output(&mut self) {
+        self.output_done.store(true, Ordering::SeqCst);
+        for reader in self.readers.drain(..) {
+            let _ = reader.join();
+        }
+    }
+}
+
+fn plural(n: usize) -> &'static str {
+    if n == 1 {
+        ""
+    } else {
+        "s"
+    }
+}
+
+fn has_slash(program: &OsStr) -> bool {
+    program.as_encoded_bytes().contains(&b'/')
+}
+
+/// Prints `oxccl-run: {msg}` on stderr as one write.
+fn say(msg: &str) {
+    let line = format!("oxccl-run: {msg}\n");
+    let mut err = io::stderr().lock();
+    let _ = err.write_all(line.as_bytes());
+    let _ = err.flush();
+}
+
+#[derive(Clone, Copy)]
+enum Stream {
+    Stdout,
+    Stderr,
+}
+
+/// Copies `fd` to the launcher's stdout or stderr line by line, each line
+/// prefixed, until end of file, or until `done` is set and nothing more is
+/// buffered (a process the rank left behind may hold the pipe open).
+fn spawn_reader(
+    fd: OwnedFd,
+    prefix: String,
+    stream: Stream,
+    done: Arc<AtomicBool>,
+) -> JoinHandle<()> {
+    std::thread::spawn(move || {
+        let raw = fd.as_raw_fd();
+        let mut file = File::from(fd);
+        let mut pending: Vec<u8> = Vec::new();
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            let finishing = done.load(Ordering::SeqCst);
+            let mut pfd = libc::pollfd {
+                fd: raw,
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd, owned by `file` for the whole call.
+            let ready = unsafe { libc::poll(&mut pfd, 1, if finishing { 0 } else { 50 }) };
+            if ready < 0 {
+                if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                break;
+            }
+            if ready == 0 {
+                if finishing {
+                    break;
+                }
+                continue;
+            }
+            match file.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => {
+                    pending.extend_from_slice(&buf[..n]);
+                    if let Some(last_nl) = pending.iter().rposition(|&b| b == b'\n') {
+                        let rest = pending.split_off(last_nl + 1);
+                        emit(stream, &prefix, &pending);
+                        pending = rest;
+                    }
+                    if pending.len() >= MAX_LINE {
+                        pending.push(b'\n');
+                        emit(stream, &prefix, &pending);
+                        pending.clear();
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => break,
+            }
+        }
+        if !pending.is_empty() {
+            pending.push(b'\n');
+            emit(stream, &prefix, &pending);
+        }
+    })
+}
+
+/// Writes complete lines (`text` ends with a newline), each prefixed, in
+/// one locked write per line so lines of different ranks never mix.
+fn emit(stream: Stream, prefix: &str, text: &[u8]) {
+    let mut line = Vec::with_capacity(prefix.len() + 128);
+    let write = |line: &[u8]| match stream {
+        Stream::Stdout => {
+            let mut out = io::stdout().lock();
+            let _ = out.write_all(line);
+            let _ = out.flush();
+        }
+        Stream::Stderr => {
+            let mut err = io::stderr().lock();
+            let _ = err.write_all(line);
+            let _ = err.flush();
+        }
+    };
+    for piece in text.split_inclusive(|&b| b == b'\n') {
+        line.clear();
+        line.extend_from_slice(prefix.as_bytes());
+        line.extend_from_slice(piece);
+        write(&line);
+    }
+}
+
+/// Removes `/dev/shm/oxccl-{job_id}-*`: segments ranks that crashed during
+/// setup could not unlink. Errors are ignored.
+fn remove_shm_segments(job_id: &str) {
+    let prefix = format!("oxccl-{job_id}-");
+    let Ok(entries) = std::fs::read_dir("/dev/shm") else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        if name.as_encoded_bytes().starts_with(prefix.as_bytes()) {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+}
+
+/// 64-bit FNV-1a: stable across builds and platforms, so every node of a
+/// job derives the same id.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+fn random_u64() -> u64 {
+    let mut bytes = [0u8; 8];
+    if File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut bytes))
+        .is_ok()
+    {
+        return u64::from_ne_bytes(bytes);
+    }
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    fnv1a(&(nanos ^ u64::from(std::process::id()).rotate_left(32)).to_le_bytes())
+}
+
+/// The last signal received and not yet forwarded (0: none).
+static PENDING_SIGNAL: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn on_signal(sig: libc::c_int) {
+    PENDING_SIGNAL.store(sig, Ordering::SeqCst);
+}
+
+const FORWARDED: [libc::c_int; 3] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP];
+
+/// The forwarding handlers, installed for one launch; the previous ones are
+/// restored on drop.
+struct SignalGuard {
+    previous: Vec<(libc::c_int, libc::sigaction)>,
+}
+
+impl SignalGuard {
+    fn install() -> Self {
+        PENDING_SIGNAL.store(0, Ordering::SeqCst);
+        let mut previous = Vec::new();
+        for sig in FORWARDED {
+            // SAFETY: the sigaction structs are zero-initialised plain data,
+            // and the handler only stores to an atomic (async-signal-safe).
+            unsafe {
+                let mut action: libc::sigaction = std::mem::zeroed();
+                action.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as usize;
+                action.sa_flags = libc::SA_RESTART;
+                libc::sigemptyset(&mut action.sa_mask);
+                let mut old: libc::sigaction = std::mem::zeroed();
+                if libc::sigaction(sig, &action, &mut old) == 0 {
+                    previous.push((sig, old));
+                }
+            }
+        }
+        SignalGuard { previous }
+    }
+}
+
+impl Drop for SignalGuard {
+    fn drop(&mut self) {
+        for (sig, old) in &self.previous {
+            // SAFETY: restores an action that sigaction itself returned.
+            unsafe {
+                libc::sigaction(*sig, old, std::ptr::null_mut());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exit_codes_follow_the_shell() {
+        assert_eq!(RankExit::Code(0).shell_code(), 0);
+        assert_eq!(RankExit::Code(3).shell_code(), 3);
+        assert_eq!(RankExit::Signal(9).shell_code(), 137);
+        assert_eq!(
+            RankExit::Signal(9).to_string(),
+            "was killed by signal 9 (SIGKILL)"
+        );
+        assert_eq!(RankExit::Code(3).to_string(), "exited with status 3");
+    }
+
+    #[test]
+    fn spec_validation_names_the_field() {
+        let mut spec = LaunchSpec::new("true");
+        assert!(spec.validate().is_ok());
+        spec.nnodes = 2;
+        spec.node_rank = 2;
+        let e = spec.validate().unwrap_err().to_string();
+        assert!(e.contains("node_rank"), "{e}");
+        spec.node_rank = 1;
+        assert_eq!(spec.global_rank(1), 2);
+        assert_eq!(spec.world_size(), 2);
+    }
+
+    #[test]
+    fn multi_node_job_id_is_deterministic() {
+        let mut spec = LaunchSpec::new("true");
+        spec.nnodes = 2;
+        spec.extra_env.push((JOB_ID_VAR.into(), "given".into()));
+        assert_eq!(spec.job_id(), "given");
+        spec.extra_env.clear();
+        if std::env::var_os(JOB_ID_VAR).is_none() {
+            let id = spec.job_id();
+            assert_eq!(id, spec.job_id());
+            assert_eq!(id.len(), 16);
+            spec.master_port += 1;
+            assert_ne!(id, spec.job_id());
+        }
+    }
+}

@@ -1,0 +1,453 @@
+//! `oxccl-run` end to end: environment, output prefixes, failure handling,
+//! signal forwarding, the port pre-check and shared-memory cleanup.
+//!
+//! Every test runs the launcher as a child with a deadline, and uses its own
+//! `--master-port` so the tests can run in parallel.
+
+use std::io::Read;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+const LAUNCHER: &str = env!("CARGO_BIN_EXE_oxccl-run");
+const DEADLINE: Duration = Duration::from_secs(30);
+
+struct Run {
+    code: Option<i32>,
+    stdout: String,
+    stderr: String,
+    elapsed: Duration,
+}
+
+fn launcher(args: &[&str]) -> Command {
+    let mut cmd = Command::new(LAUNCHER);
+    cmd.args(args)
+        .env_remove("OXCCL_JOB_ID")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    cmd
+}
+
+fn collect(mut pipe: impl Read + Send + 'static) -> mpsc::Receiver<String> {
+    let (tx, rx) = mpsc::channel();
+    thread::spawn(move || {
+        let mut bytes = Vec::new();
+        let _ = pipe.read_to_end(&mut bytes);
+        let _ = tx.send(String::from_utf8_lossy(&bytes).into_owned());
+    });
+    rx
+}
+
+/// Waits for the launcher, killing it and failing past the deadline.
+fn finish(mut child: Child, started: Instant) -> Run {
+    let out = collect(child.stdout.take().unwrap());
+    let err = collect(child.stderr.take().unwrap());
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if started.elapsed() > DEADLINE {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("oxccl-run still running after {DEADLINE:?}; killed it");
+        }
+        thread::sleep(Duration::from_millis(10));
+    };
+    let elapsed = started.elapsed();
+    let grace = Duration::from_secs(5);
+    let run = Run {
+        code: status.code(),
+        stdout: out.recv_timeout(grace).expect("launcher stdout still open"),
+        stderr: err.recv_timeout(grace).expect("launcher stderr still open"),
+        elapsed,
+    };
+    eprintln!(
+        "--- exit {:?} after {:?}\n--- stdout\n{}--- stderr\n{}",
+        run.code, run.elapsed, run.stdout, run.stderr
+    );
+    run
+}
+
+fn run(args: &[&str]) -> Run {
+    let started = Instant::now();
+    finish(launcher(args).spawn().unwrap(), started)
+}
+
+/// `[rank R] rest` lines of `text`, as (R, rest), sorted by rank.
+fn rank_lines(text: &str) -> Vec<(usize, String)> {
+    let mut lines: Vec<(usize, String)> = text
+        .lines()
+        .map(|line| {
+            let rest = line
+                .strip_prefix("[rank ")
+                .unwrap_or_else(|| panic!("unprefixed line {line:?}"));
+            let (rank, rest) = rest.split_once("] ").unwrap();
+            (rank.parse().unwrap(), rest.to_string())
+        })
+        .collect();
+    lines.sort();
+    lines
+}
+
+fn scratch_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("oxccl-launcher-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn wait_for_files(dir: &Path, names: &[&str]) {
+    let start = Instant::now();
+    while !names.iter().all(|n| dir.join(n).exists()) {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "ranks never became ready"
+        );
+        thread::sleep(Duration::from_millis(10));
+    }
+}
+
+const PRINT_ENV: &str = "echo $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $GROUP_RANK \
+                         $NODE_RANK $MASTER_ADDR $MASTER_PORT $OXCCL_JOB_ID";
+
+fn is_job_id(id: &str) -> bool {
+    id.len() == 16 && id.chars().all(|c| c.is_ascii_hexdigit())
+}
+
+#[test]
+fn three_ranks_get_torchrun_environment() {
+    let r = run(&[
+        "--nproc-per-node",
+        "3",
+        "--master-port",
+        "29601",
+        "--",
+        "/bin/sh",
+        "-c",
+        PRINT_ENV,
+    ]);
+    assert_eq!(r.code, Some(0));
+    let lines = rank_lines(&r.stdout);
+    assert_eq!(lines.len(), 3);
+    let job_id = lines[0].1.split(' ').next_back().unwrap().to_string();
+    assert!(is_job_id(&job_id), "{job_id:?}");
+    for (i, (rank, rest)) in lines.iter().enumerate() {
+        assert_eq!(*rank, i);
+        assert_eq!(*rest, format!("{i} 3 {i} 3 0 0 127.0.0.1 29601 {job_id}"));
+    }
+}
+
+#[test]
+fn second_node_of_two_gets_its_ranks_and_a_shared_job_id() {
+    let args = [
+        "--nnodes=2",
+        "--node_rank=1",
+        "--nproc_per_node=2",
+        "--master_addr=10.1.2.3",
+        "--master_port=29602",
+        "--",
+        "/bin/sh",
+        "-c",
+        PRINT_ENV,
+    ];
+    let first = run(&args);
+    assert_eq!(first.code, Some(0));
+    let lines = rank_lines(&first.stdout);
+    assert_eq!(lines.len(), 2);
+    let job_id = lines[0].1.split(' ').next_back().unwrap().to_string();
+    assert!(is_job_id(&job_id), "{job_id:?}");
+    assert_eq!(
+        lines[0],
+        (2, format!("2 4 0 2 1 1 10.1.2.3 29602 {job_id}"))
+    );
+    assert_eq!(
+        lines[1],
+        (3, format!("3 4 1 2 1 1 10.1.2.3 29602 {job_id}"))
+    );
+    // Every node derives the same id from the master address and port.
+    let again = run(&args);
+    assert_eq!(rank_lines(&again.stdout), lines);
+}
+
+#[test]
+fn inherited_job_id_is_passed_on() {
+    let started = Instant::now();
+    let child = launcher(&[
+        "-np",
+        "2",
+        "--master-port",
+        "29603",
+        "--",
+        "/bin/sh",
+        "-c",
+        "echo $OXCCL_JOB_ID",
+    ])
+    .env("OXCCL_JOB_ID", "myjob42")
+    .spawn()
+    .unwrap();
+    let r = finish(child, started);
+    assert_eq!(r.code, Some(0));
+    assert_eq!(
+        rank_lines(&r.stdout),
+        vec![(0, "myjob42".to_string()), (1, "myjob42".to_string())]
+    );
+}
+
+#[test]
+fn output_lines_are_prefixed_on_stdout_and_stderr() {
+    let r = run(&[
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        "29604",
+        "--",
+        "/bin/sh",
+        "-c",
+        "echo out one; echo err one >&2; echo out two; printf 'no newline' >&2",
+    ]);
+    assert_eq!(r.code, Some(0));
+    let out = rank_lines(&r.stdout);
+    assert_eq!(
+        out,
+        vec![
+            (0, "out one".into()),
+            (0, "out two".into()),
+            (1, "out one".into()),
+            (1, "out two".into()),
+        ]
+    );
+    let err = rank_lines(&r.stderr);
+    assert_eq!(
+        err,
+        vec![
+            (0, "err one".into()),
+            (0, "no newline".into()),
+            (1, "err one".into()),
+            (1, "no newline".into()),
+        ]
+    );
+}
+
+#[test]
+fn no_prefix_passes_output_through() {
+    let r = run(&[
+        "--no-prefix",
+        "--master-port",
+        "29605",
+        "--",
+        "/bin/sh",
+        "-c",
+        "echo plain",
+    ]);
+    assert_eq!(r.code, Some(0));
+    assert_eq!(r.stdout, "plain\n");
+}
+
+#[test]
+fn failing_rank_stops_the_others_and_sets_the_exit_code() {
+    let r = run(&[
+        "--nproc-per-node",
+        "3",
+        "--master-port",
+        "29606",
+        "--kill-grace",
+        "2",
+        "--",
+        "/bin/sh",
+        "-c",
+        "if [ \"$RANK\" = 1 ]; then sleep 0.2; exit 3; fi; exec sleep 30",
+    ]);
+    assert_eq!(r.code, Some(3));
+    assert!(r.elapsed < Duration::from_secs(2 + 5), "{:?}", r.elapsed);
+    assert!(
+        r.stderr.contains("oxccl-run: rank 1 (pid ") && r.stderr.contains(") exited with status 3"),
+        "{}",
+        r.stderr
+    );
+    assert!(
+        r.stderr.contains("oxccl-run: stopping the other 2 ranks"),
+        "{}",
+        r.stderr
+    );
+}
+
+#[test]
+fn ranks_that_ignore_sigterm_are_killed_after_the_grace() {
+    let dir = scratch_dir("ignore-term");
+    // Rank 0 fails only once rank 1 ignores SIGTERM.
+    let script = format!(
+        "if [ \"$RANK\" = 0 ]; then while [ ! -e {0}/ready ]; do sleep 0.01; done; exit 5; fi; \
+         trap '' TERM; touch {0}/ready; exec sleep 30",
+        dir.display()
+    );
+    let r = run(&[
+        "-np",
+        "2",
+        "--master-port",
+        "29607",
+        "--kill-grace=1",
+        "--",
+        "/bin/sh",
+        "-c",
+        &script,
+    ]);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(r.code, Some(5));
+    assert!(r.elapsed >= Duration::from_millis(900), "{:?}", r.elapsed);
+    assert!(r.elapsed < Duration::from_secs(1 + 5), "{:?}", r.elapsed);
+    assert!(r.stderr.contains("killing it"), "{}", r.stderr);
+}
+
+#[test]
+fn rank_killed_by_a_signal_is_reported_by_name() {
+    let r = run(&[
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        "29608",
+        "--kill-grace",
+        "2",
+        "--",
+        "/bin/sh",
+        "-c",
+        "if [ \"$RANK\" = 0 ]; then kill -9 $$; fi; exec sleep 30",
+    ]);
+    assert_eq!(r.code, Some(128 + 9));
+    assert!(
+        r.stderr.contains("oxccl-run: rank 0 (pid ")
+            && r.stderr.contains(") was killed by signal 9 (SIGKILL)"),
+        "{}",
+        r.stderr
+    );
+}
+
+#[test]
+fn sigterm_to_the_launcher_is_forwarded() {
+    let dir = scratch_dir("sigterm");
+    let script = format!(
+        "trap 'echo got TERM; exit 0' TERM; touch {}/ready.$RANK; \
+         while :; do sleep 0.05; done",
+        dir.display()
+    );
+    let started = Instant::now();
+    let child = launcher(&[
+        "-np",
+        "2",
+        "--master-port",
+        "29609",
+        "--kill-grace",
+        "5",
+        "--",
+        "/bin/sh",
+        "-c",
+        &script,
+    ])
+    .spawn()
+    .unwrap();
+    wait_for_files(&dir, &["ready.0", "ready.1"]);
+    // SAFETY: kill has no memory-safety preconditions.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
+    let r = finish(child, started);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(r.code, Some(128 + libc::SIGTERM));
+    assert_eq!(
+        rank_lines(&r.stdout),
+        vec![(0, "got TERM".into()), (1, "got TERM".into())]
+    );
+    assert!(r.stderr.contains("interrupted by SIGTERM"), "{}", r.stderr);
+    assert!(r.elapsed < Duration::from_secs(5), "{:?}", r.elapsed);
+}
+
+#[test]
+fn port_in_use_on_node_0_is_a_clear_error_and_starts_nothing() {
+    let dir = scratch_dir("port");
+    let _holder = TcpListener::bind(("0.0.0.0", 29610)).unwrap();
+    let script = format!("touch {}/ran", dir.display());
+    let r = run(&["--master-port", "29610", "--", "/bin/sh", "-c", &script]);
+    let ran = dir.join("ran").exists();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(r.code, Some(1));
+    assert!(
+        r.stderr.contains(
+            "oxccl-run: node 0 hosts the rendezvous store on port 29610: port 29610 is already in use"
+        ) && r.stderr.contains("--master-port"),
+        "{}",
+        r.stderr
+    );
+    assert!(!ran, "a rank ran although the port check failed");
+}
+
+#[test]
+fn missing_program_is_a_clear_error() {
+    let r = run(&[
+        "-np",
+        "2",
+        "--master-port",
+        "29611",
+        "--",
+        "oxccl-no-such-program",
+    ]);
+    assert_eq!(r.code, Some(1));
+    assert!(
+        r.stderr.contains("oxccl-no-such-program") && r.stderr.contains("cannot run"),
+        "{}",
+        r.stderr
+    );
+}
+
+#[test]
+fn bad_usage_exits_2() {
+    for args in [
+        &["--nnodes", "2", "--node-rank", "2", "--", "true"][..],
+        &["--nproc-per-node", "0", "--", "true"],
+        &["--master-port", "70000", "--", "true"],
+        &["--bogus", "--", "true"],
+        &["--master-port", "29612"],
+    ] {
+        let r = run(args);
+        assert_eq!(r.code, Some(2), "{args:?}");
+        assert!(r.stderr.starts_with("oxccl-run: "), "{}", r.stderr);
+        assert!(r.stderr.contains("usage:"), "{}", r.stderr);
+    }
+    let help = run(&["--help"]);
+    assert_eq!(help.code, Some(0));
+    assert!(help.stdout.starts_with("usage: oxccl-run"));
+}
+
+#[test]
+fn leftover_shared_memory_of_the_job_is_removed() {
+    let job = format!("launchtest{}", std::process::id());
+    let other = format!("/dev/shm/oxccl-{job}x-keep");
+    std::fs::write(&other, b"").unwrap();
+    let started = Instant::now();
+    let child = launcher(&[
+        "-np",
+        "2",
+        "--master-port",
+        "29613",
+        "--",
+        "/bin/sh",
+        "-c",
+        "touch /dev/shm/oxccl-$OXCCL_JOB_ID-seg$RANK && echo made",
+    ])
+    .env("OXCCL_JOB_ID", &job)
+    .spawn()
+    .unwrap();
+    let r = finish(child, started);
+    let kept = Path::new(&other).exists();
+    let _ = std::fs::remove_file(&other);
+    assert_eq!(r.code, Some(0));
+    assert_eq!(
+        rank_lines(&r.stdout),
+        vec![(0, "made".into()), (1, "made".into())]
+    );
+    for rank in 0..2 {
+        let seg = format!("/dev/shm/oxccl-{job}-seg{rank}");
+        assert!(!Path::new(&seg).exists(), "{seg} left behind");
+    }
+    assert!(kept, "a segment of another job was removed");
+}
