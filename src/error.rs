@@ -169,14 +169,17 @@ mod tests {
     fn missing_ranks_read_as_english() {
         assert_eq!(describe_missing(&[3]), "rank 3 never joined");
         assert_eq!(describe_missing(&[2, 5]), "ranks 2 and 5 never joined");
-        assert_eq!(describe_missing(&[1, 2, 4]), "ranks 1, 2 and 4 never joined");
+        assert_eq!(
+            describe_missing(&[1, 2, 4]),
+            "ranks 1, 2 and 4 never joined"
+        );
         let e = Error::RendezvousTimeout {
             store: "10.0.0.1:29500".into(),
             waited: Duration::from_secs(30),
             missing: vec![2, 5],
         };
-        assert!(e
-            .to_string()
-            .starts_with("rendezvous at 10.0.0.1:29500 timed out after 30s: ranks 2 and 5 never joined"));
+        assert!(e.to_string().starts_with(
+            "rendezvous at 10.0.0.1:29500 timed out after 30s: ranks 2 and 5 never joined"
+        ));
     }
 }

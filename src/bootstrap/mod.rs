@@ -11,12 +11,14 @@
 //! MPI, Slurm, and our own `oxccl-run`).
 
 mod memory;
+mod tcp;
 
 use std::time::Duration;
 
 use crate::error::Result;
 
 pub use memory::MemoryStore;
+pub use tcp::TcpStore;
 
 /// A key-value store shared by the ranks of one job, used only while
 /// communicators are set up (never on a collective's hot path).
