@@ -10,6 +10,7 @@
 //! [`LaunchEnv`] reads the variables launchers already set (torchrun, Open
 //! MPI, Slurm, and our own `oxccl-run`).
 
+mod env;
 mod file;
 mod memory;
 mod tcp;
@@ -18,6 +19,7 @@ use std::time::Duration;
 
 use crate::error::Result;
 
+pub use env::{LaunchEnv, LaunchSource};
 pub use file::FileStore;
 pub use memory::MemoryStore;
 pub use tcp::TcpStore;
