@@ -1,6 +1,7 @@
 //! Transports move framed bytes between ranks and nothing else: they know
 //! peers and frame headers, never a dtype or an operator.
 
+pub(crate) mod iface;
 pub(crate) mod local;
 
 use std::time::Duration;
