@@ -67,8 +67,9 @@ const MIN_IO_TIMEOUT: Duration = Duration::from_secs(1);
 /// A [`Store`] reached over TCP. Rank 0 [`host`](TcpStore::host)s it and
 /// uses the map directly; the other ranks [`connect`](TcpStore::connect).
 ///
-/// A connected store may be shared by several threads: calls are serialised
-/// on its one connection. A call never blocks longer than its timeout plus
+/// A connected store may be shared by several threads: each call uses a
+/// connection of its own (kept open for later calls), so a long wait never
+/// delays another thread. A call never blocks longer than its timeout plus
 /// the per-operation timeout given to `connect` (at least one second).
 ///
 /// Dropping the hosting store stops the server: its listener closes and every
@@ -91,8 +92,10 @@ struct Host {
 
 struct Client {
     addr: String,
-    /// `None` once a call failed mid-frame: the stream is out of step.
-    stream: Mutex<Option<TcpStream>>,
+    /// Connections not in use by a call. A call takes one (or opens a new
+    /// one), so a long wait on one thread never delays another thread's
+    /// calls; a connection that failed mid-frame is dropped, not returned.
+    idle: Mutex<Vec<TcpStream>>,
     io_timeout: Duration,
 }
 
@@ -182,45 +185,11 @@ impl TcpStore {
             }
             std::thread::sleep((deadline - now).min(Duration::from_millis(100)));
         };
-        let not_a_store = |why: String| Error::Bootstrap {
-            context: context.clone(),
-            detail: format!(
-                "the server at {addr} is not an oxccl store ({why}); is the port taken by \
-                 another program?"
-            ),
-        };
-        let _ = stream.set_nodelay(true);
-        // Give the handshake at least a moment even when the connect used up
-        // (almost) all of the timeout.
-        let hs_deadline = deadline.max(Instant::now() + Duration::from_millis(500));
-        let mut hello = Vec::with_capacity(12);
-        hello.extend_from_slice(CLIENT_MAGIC);
-        hello.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
-        write_all_deadline(&stream, &hello, hs_deadline)
-            .map_err(|e| not_a_store(format!("sending the handshake failed: {e}")))?;
-        let mut reply = [0u8; 12];
-        read_exact_deadline(&stream, &mut reply, hs_deadline)
-            .map_err(|e| not_a_store(format!("no valid handshake reply: {e}")))?;
-        if &reply[..8] != SERVER_MAGIC {
-            return Err(not_a_store(format!(
-                "it answered {:?}",
-                String::from_utf8_lossy(&reply)
-            )));
-        }
-        let version = u32::from_le_bytes([reply[8], reply[9], reply[10], reply[11]]);
-        if version != PROTOCOL_VERSION {
-            return Err(Error::Bootstrap {
-                context,
-                detail: format!(
-                    "the store speaks protocol version {version}, this rank {PROTOCOL_VERSION}: \
-                     every rank must run the same oxccl version"
-                ),
-            });
-        }
+        handshake(&stream, addr, &context, deadline)?;
         Ok(TcpStore {
             inner: Inner::Client(Client {
                 addr: addr.to_string(),
-                stream: Mutex::new(Some(stream)),
+                idle: Mutex::new(vec![stream]),
                 io_timeout: timeout.max(MIN_IO_TIMEOUT),
             }),
         })
@@ -349,9 +318,9 @@ impl Store for TcpStore {
 }
 
 impl Client {
-    fn lock(&self) -> MutexGuard<'_, Option<TcpStream>> {
-        // The guarded value is replaced whole; a panic cannot leave it torn.
-        self.stream
+    fn idle(&self) -> MutexGuard<'_, Vec<TcpStream>> {
+        // Pushes and pops only: a panic cannot leave the list torn.
+        self.idle
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
@@ -367,49 +336,104 @@ impl Client {
         self.error("the store sent a malformed reply".into())
     }
 
+    /// An idle connection, or a new one (one attempt, within the
+    /// per-operation timeout).
+    fn take_connection(&self) -> Result<TcpStream> {
+        if let Some(stream) = self.idle().pop() {
+            return Ok(stream);
+        }
+        let deadline = deadline_after(Instant::now(), self.io_timeout);
+        let stream = try_connect(&self.addr, deadline).map_err(|e| {
+            self.error(format!(
+                "cannot reach the store any more ({e}); rank 0 hosts the store: did it exit?"
+            ))
+        })?;
+        let _ = stream.set_nodelay(true);
+        handshake(
+            &stream,
+            &self.addr,
+            &format!("store {}", self.addr),
+            deadline,
+        )?;
+        Ok(stream)
+    }
+
     /// Sends one request and returns the body of the reply after its status
     /// byte. `extra` is how long the server may legitimately take (a wait's
     /// timeout) on top of the per-operation timeout.
     fn call(&self, request: &[u8], extra: Duration) -> Result<Vec<u8>> {
-        let mut guard = self.lock();
-        let Some(stream) = guard.as_ref() else {
-            return Err(self.error(
-                "the connection to the store was lost in an earlier call; rank 0 hosts the \
-                 store: did it exit?"
-                    .into(),
-            ));
-        };
+        let stream = self.take_connection()?;
         let start = Instant::now();
         let write_deadline = deadline_after(start, self.io_timeout);
         let read_deadline = deadline_after(start, self.io_timeout.saturating_add(extra));
         let mut frame = Vec::with_capacity(4 + request.len());
         frame.extend_from_slice(&(request.len() as u32).to_le_bytes());
         frame.extend_from_slice(request);
-        let exchange = write_all_deadline(stream, &frame, write_deadline)
-            .and_then(|()| read_frame_deadline(stream, read_deadline));
-        match exchange {
-            Ok(body) => match body.split_first() {
-                Some((&STATUS_OK, rest)) => Ok(rest.to_vec()),
-                Some((&STATUS_ERR, rest)) => {
-                    Err(self.error(String::from_utf8_lossy(rest).into_owned()))
-                }
-                _ => {
-                    *guard = None;
-                    Err(self.bad_reply())
-                }
-            },
+        let exchange = write_all_deadline(&stream, &frame, write_deadline)
+            .and_then(|()| read_frame_deadline(&stream, read_deadline));
+        let body = match exchange {
+            Ok(body) => body,
             Err(e) => {
                 // The stream may be in the middle of a frame: never reuse it.
-                if let Some(stream) = guard.take() {
-                    let _ = stream.shutdown(Shutdown::Both);
-                }
-                Err(self.error(format!(
+                let _ = stream.shutdown(Shutdown::Both);
+                return Err(self.error(format!(
                     "lost the connection to the store ({e}); rank 0 hosts the store: did it \
                      exit or stall?"
-                )))
+                )));
             }
-        }
+        };
+        let result = match body.split_first() {
+            Some((&STATUS_OK, rest)) => Ok(rest.to_vec()),
+            Some((&STATUS_ERR, rest)) => {
+                Err(self.error(String::from_utf8_lossy(rest).into_owned()))
+            }
+            _ => {
+                let _ = stream.shutdown(Shutdown::Both);
+                return Err(self.bad_reply());
+            }
+        };
+        self.idle().push(stream);
+        result
     }
+}
+
+/// Sends our magic and version and checks the server's answer.
+fn handshake(stream: &TcpStream, addr: &str, context: &str, deadline: Instant) -> Result<()> {
+    let not_a_store = |why: String| Error::Bootstrap {
+        context: context.to_string(),
+        detail: format!(
+            "the server at {addr} is not an oxccl store ({why}); is the port taken by \
+             another program?"
+        ),
+    };
+    // Give the handshake at least a moment even when the connect used up
+    // (almost) all of the timeout.
+    let deadline = deadline.max(deadline_after(Instant::now(), Duration::from_millis(500)));
+    let mut hello = Vec::with_capacity(12);
+    hello.extend_from_slice(CLIENT_MAGIC);
+    hello.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+    write_all_deadline(stream, &hello, deadline)
+        .map_err(|e| not_a_store(format!("sending the handshake failed: {e}")))?;
+    let mut reply = [0u8; 12];
+    read_exact_deadline(stream, &mut reply, deadline)
+        .map_err(|e| not_a_store(format!("no valid handshake reply: {e}")))?;
+    if &reply[..8] != SERVER_MAGIC {
+        return Err(not_a_store(format!(
+            "it answered {:?}",
+            String::from_utf8_lossy(&reply)
+        )));
+    }
+    let version = u32::from_le_bytes([reply[8], reply[9], reply[10], reply[11]]);
+    if version != PROTOCOL_VERSION {
+        return Err(Error::Bootstrap {
+            context: context.to_string(),
+            detail: format!(
+                "the store speaks protocol version {version}, this rank {PROTOCOL_VERSION}: \
+                 every rank must run the same oxccl version"
+            ),
+        });
+    }
+    Ok(())
 }
 
 fn not_a_counter(key: &str) -> String {
@@ -1058,8 +1082,24 @@ mod tests {
         std::thread::sleep(Duration::from_millis(300));
         let e = client.try_get("k").unwrap_err().to_string();
         assert!(e.contains("lost the connection"), "{e}");
+        // The next call tries a new connection, which is refused.
         let e = client.try_get("k").unwrap_err().to_string();
-        assert!(e.contains("earlier call"), "{e}");
+        assert!(e.contains("cannot reach the store any more"), "{e}");
+    }
+
+    #[test]
+    fn a_long_wait_does_not_delay_other_threads() {
+        let (host, addr) = host();
+        let client = Arc::new(TcpStore::connect(&addr, Duration::from_secs(5)).unwrap());
+        let waiter = Arc::clone(&client);
+        let t = std::thread::spawn(move || waiter.get("go", Duration::from_secs(10)).unwrap());
+        std::thread::sleep(Duration::from_millis(100));
+        let start = Instant::now();
+        client.set("go", b"1").unwrap();
+        assert_eq!(client.add("n", 1).unwrap(), 1);
+        assert!(start.elapsed() < Duration::from_secs(2));
+        assert_eq!(t.join().unwrap(), b"1");
+        drop(host);
     }
 
     #[test]
