@@ -62,7 +62,8 @@ impl Store for MemoryStore {
     }
 
     fn wait(&self, keys: &[String], timeout: Duration) -> Result<Vec<String>> {
-        let deadline = Instant::now() + timeout;
+        // A timeout too large to add (Duration::MAX) waits as good as forever.
+        let deadline = Instant::now().checked_add(timeout);
         let mut map = self.lock();
         loop {
             let missing: Vec<String> = keys
@@ -71,13 +72,17 @@ impl Store for MemoryStore {
                 .cloned()
                 .collect();
             let now = Instant::now();
-            if missing.is_empty() || now >= deadline {
+            let left = match deadline {
+                Some(deadline) => deadline.saturating_duration_since(now),
+                None => Duration::from_secs(3600),
+            };
+            if missing.is_empty() || left.is_zero() {
                 return Ok(missing);
             }
             map = self
                 .inner
                 .changed
-                .wait_timeout(map, deadline - now)
+                .wait_timeout(map, left)
                 .map(|(guard, _)| guard)
                 .unwrap_or_else(|poisoned| poisoned.into_inner().0);
         }
@@ -121,5 +126,6 @@ mod tests {
         assert_eq!(store.get("late", Duration::from_secs(5)).unwrap(), b"v");
         t.join().unwrap();
         assert!(store.get("never", Duration::from_millis(10)).is_err());
+        assert!(store.wait(&["a".into()], Duration::MAX).unwrap().is_empty());
     }
 }

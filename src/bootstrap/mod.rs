@@ -10,13 +10,19 @@
 //! [`LaunchEnv`] reads the variables launchers already set (torchrun, Open
 //! MPI, Slurm, and our own `oxccl-run`).
 
+mod env;
+mod file;
 mod memory;
+mod tcp;
 
 use std::time::Duration;
 
 use crate::error::Result;
 
+pub use env::{LaunchEnv, LaunchSource};
+pub use file::FileStore;
 pub use memory::MemoryStore;
+pub use tcp::TcpStore;
 
 /// A key-value store shared by the ranks of one job, used only while
 /// communicators are set up (never on a collective's hot path).

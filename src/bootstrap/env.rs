@@ -1,0 +1,837 @@
+//! What the launcher told this process: its rank, the job's size, where the
+//! rendezvous store is.
+
+use std::path::PathBuf;
+
+use crate::error::{Error, Result};
+use crate::types::Rank;
+
+/// torch's default `MASTER_PORT`.
+const DEFAULT_MASTER_PORT: u16 = 29500;
+
+/// Which launcher's variables gave the rank and world size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LaunchSource {
+    /// `RANK` and `WORLD_SIZE`: torchrun, `oxccl-run`, or set by hand.
+    Torchrun,
+    /// `OMPI_COMM_WORLD_*`: Open MPI's `mpirun`.
+    OpenMpi,
+    /// `SLURM_PROCID` and `SLURM_NTASKS`: Slurm's `srun`.
+    Slurm,
+}
+
+/// The launch environment of this rank, read from the variables that
+/// launchers set.
+///
+/// # Sources
+///
+/// | launcher | rank, world size | local rank, local size |
+/// |---|---|---|
+/// | torchrun, `oxccl-run` | `RANK`, `WORLD_SIZE` | `LOCAL_RANK`, `LOCAL_WORLD_SIZE` |
+/// | Open MPI | `OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE` | `OMPI_COMM_WORLD_LOCAL_RANK`, `OMPI_COMM_WORLD_LOCAL_SIZE` |
+/// | Slurm | `SLURM_PROCID`, `SLURM_NTASKS` | `SLURM_LOCALID`, see below |
+///
+/// When several are present, torchrun's win over Open MPI's, which win over
+/// Slurm's. If `RANK`/`WORLD_SIZE` disagree with Open MPI's or Slurm's
+/// variables, that is an error (usually a stale `export RANK=...`), except
+/// when torchrun or `oxccl-run` started this process (`TORCHELASTIC_RUN_ID`
+/// or `OXCCL_JOB_ID` is set): then the outer launcher started the launcher,
+/// not this rank, and its variables describe the launcher. Slurm's variables
+/// are ignored under Open MPI, since `mpirun` inside an allocation sees the
+/// batch script's `SLURM_PROCID`.
+///
+/// A missing local rank defaults to `rank % local_size` when the local size
+/// is known, else to `rank`; a missing local size defaults to the world size
+/// (every rank on one node). Under Slurm the local size is this node's entry
+/// (`SLURM_NODEID`) of `SLURM_STEP_TASKS_PER_NODE` or `SLURM_TASKS_PER_NODE`
+/// (`4`, `4(x2)`, `2,1`), else `SLURM_NTASKS_PER_NODE`, else the world size
+/// when `SLURM_NNODES` is 1.
+///
+/// # The store's address
+///
+/// `MASTER_ADDR` defaults to `127.0.0.1` when every rank is on this node, and
+/// under Slurm to the first host of `SLURM_STEP_NODELIST` (or
+/// `SLURM_JOB_NODELIST`), where task 0 runs. `MASTER_PORT` defaults to 29500.
+/// When `TORCHELASTIC_USE_AGENT_STORE` is `True`, torchrun's own store
+/// already listens on `MASTER_PORT`, so oxccl's store uses `MASTER_PORT + 1`
+/// (and [`master_port`](LaunchEnv::master_port) holds that port).
+///
+/// Empty variables count as unset.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LaunchEnv {
+    /// This process's rank in the job.
+    pub rank: Rank,
+    /// The number of ranks in the job.
+    pub world_size: usize,
+    /// This process's rank among the ranks on its node.
+    pub local_rank: usize,
+    /// The number of ranks on this node.
+    pub local_world_size: usize,
+    /// The host of the rendezvous store (rank 0's node).
+    pub master_addr: String,
+    /// The port of the rendezvous store.
+    pub master_port: u16,
+    /// Which launcher's variables gave the rank and world size.
+    pub source: LaunchSource,
+    /// `OXCCL_STORE=file:/dir` selects a [`FileStore`](super::FileStore) in
+    /// that directory instead of the TCP store.
+    pub file_store: Option<PathBuf>,
+    /// `OXCCL_JOB_ID` (set by `oxccl-run`), used to name shared-memory
+    /// segments.
+    pub job_id: Option<String>,
+}
+
+/// The variable names of one launcher.
+struct Names {
+    source: LaunchSource,
+    rank: &'static str,
+    size: &'static str,
+    local_rank: &'static str,
+    local_size: &'static str,
+}
+
+const TORCH: Names = Names {
+    source: LaunchSource::Torchrun,
+    rank: "RANK",
+    size: "WORLD_SIZE",
+    local_rank: "LOCAL_RANK",
+    local_size: "LOCAL_WORLD_SIZE",
+};
+const OMPI: Names = Names {
+    source: LaunchSource::OpenMpi,
+    rank: "OMPI_COMM_WORLD_RANK",
+    size: "OMPI_COMM_WORLD_SIZE",
+    local_rank: "OMPI_COMM_WORLD_LOCAL_RANK",
+    local_size: "OMPI_COMM_WORLD_LOCAL_SIZE",
+};
+const SLURM: Names = Names {
+    source: LaunchSource::Slurm,
+    rank: "SLURM_PROCID",
+    size: "SLURM_NTASKS",
+    local_rank: "SLURM_LOCALID",
+    local_size: "SLURM_TASKS_PER_NODE",
+};
+
+/// A launcher's rank and world size, as found.
+struct Found {
+    names: &'static Names,
+    rank: usize,
+    size: usize,
+}
+
+fn config(name: &str, value: &str, reason: impl Into<String>) -> Error {
+    Error::Config {
+        name: name.into(),
+        value: value.into(),
+        reason: reason.into(),
+    }
+}
+
+impl LaunchEnv {
+    /// Reads the launch environment of this process. See [`LaunchEnv`] for
+    /// the variables.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] naming the variable when one is malformed or out of
+    /// range, when two launchers' variables disagree, or when no launcher's
+    /// variables are present.
+    pub fn from_env() -> Result<LaunchEnv> {
+        LaunchEnv::from_vars(|name| {
+            std::env::var_os(name).map(|v| v.to_string_lossy().into_owned())
+        })
+    }
+
+    /// As [`from_env`](LaunchEnv::from_env), reading variables through `get`.
+    ///
+    /// # Errors
+    ///
+    /// As [`from_env`](LaunchEnv::from_env).
+    pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<LaunchEnv> {
+        let var = |name: &str| {
+            get(name)
+                .map(|v| v.trim().to_string())
+                .filter(|v| !v.is_empty())
+        };
+
+        let torch = find(&var, &TORCH, true)?;
+        let ompi = find(&var, &OMPI, true)?;
+        let slurm = find(&var, &SLURM, false)?;
+
+        let nested = var("TORCHELASTIC_RUN_ID").is_some() || var("OXCCL_JOB_ID").is_some();
+        if let (Some(t), false) = (&torch, nested) {
+            for other in [&ompi, &slurm].into_iter().flatten() {
+                check_agree(t, other)?;
+            }
+        }
+
+        let Some(found) = torch.or(ompi).or(slurm) else {
+            return Err(config(
+                "RANK",
+                "",
+                "no launcher variables found: set RANK and WORLD_SIZE (torchrun/oxccl-run), or \
+                 run under mpirun (OMPI_COMM_WORLD_*) or srun (SLURM_PROCID/SLURM_NTASKS); or \
+                 build the communicator explicitly with CommBuilder",
+            ));
+        };
+        let names = found.names;
+        let (rank, world_size) = (found.rank, found.size);
+        if world_size == 0 {
+            return Err(config(names.size, "0", "the world size must be at least 1"));
+        }
+        if rank >= world_size {
+            return Err(config(
+                names.rank,
+                &rank.to_string(),
+                format!("the rank must be less than {}={world_size}", names.size),
+            ));
+        }
+
+        let (local_size_name, local_size) = match names.source {
+            LaunchSource::Slurm => slurm_local_size(&var, world_size)?,
+            _ => (
+                names.local_size,
+                var(names.local_size)
+                    .map(|v| parse_count(names.local_size, &v))
+                    .transpose()?,
+            ),
+        };
+        let local_rank = var(names.local_rank)
+            .map(|v| parse_count(names.local_rank, &v))
+            .transpose()?;
+        let (local_rank, local_world_size) = match (local_rank, local_size) {
+            (Some(r), Some(s)) => (r, s),
+            (None, Some(s)) => (if s == 0 { 0 } else { rank % s }, s),
+            (Some(r), None) => (r, world_size),
+            (None, None) => (rank, world_size),
+        };
+        if local_world_size == 0 {
+            return Err(config(
+                local_size_name,
+                "0",
+                "the local size must be at least 1",
+            ));
+        }
+        if local_world_size > world_size {
+            return Err(config(
+                local_size_name,
+                &local_world_size.to_string(),
+                format!(
+                    "more ranks on this node than in the job ({}={world_size})",
+                    names.size
+                ),
+            ));
+        }
+        if local_rank >= local_world_size {
+            return Err(config(
+                names.local_rank,
+                &local_rank.to_string(),
+                format!("the local rank must be less than {local_size_name}={local_world_size}"),
+            ));
+        }
+
+        let master_addr = match var("MASTER_ADDR") {
+            Some(addr) => addr,
+            None if local_world_size == world_size => "127.0.0.1".into(),
+            None if names.source == LaunchSource::Slurm => slurm_master(&var)?,
+            None => {
+                return Err(config(
+                    "MASTER_ADDR",
+                    "",
+                    format!(
+                        "required when ranks span several nodes ({local_size_name}=\
+                         {local_world_size} < {}={world_size}): set it to the host name or \
+                         address of rank 0's node",
+                        names.size
+                    ),
+                ))
+            }
+        };
+
+        let mut master_port = match var("MASTER_PORT") {
+            None => DEFAULT_MASTER_PORT,
+            Some(v) => v.parse::<u16>().ok().filter(|&p| p != 0).ok_or_else(|| {
+                config("MASTER_PORT", &v, "expected a port number from 1 to 65535")
+            })?,
+        };
+        let agent_store = var("TORCHELASTIC_USE_AGENT_STORE")
+            .is_some_and(|v| v.eq_ignore_ascii_case("true") || v == "1");
+        if agent_store {
+            master_port = master_port.checked_add(1).ok_or_else(|| {
+                config(
+                    "MASTER_PORT",
+                    &master_port.to_string(),
+                    "torchrun's agent store holds this port and oxccl's store uses the next \
+                     one, but there is none above 65535: choose a lower MASTER_PORT",
+                )
+            })?;
+        }
+
+        let file_store = match var("OXCCL_STORE") {
+            None => None,
+            Some(v) => match v.strip_prefix("file:") {
+                Some(dir) if !dir.is_empty() => Some(PathBuf::from(dir)),
+                _ => {
+                    return Err(config(
+                        "OXCCL_STORE",
+                        &v,
+                        "expected file:/shared/dir (a directory every rank can see); unset it \
+                         to use the TCP store at MASTER_ADDR:MASTER_PORT",
+                    ))
+                }
+            },
+        };
+
+        Ok(LaunchEnv {
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+            master_addr,
+            master_port,
+            source: names.source,
+            file_store,
+            job_id: var("OXCCL_JOB_ID"),
+        })
+    }
+}
+
+fn parse_count(name: &str, value: &str) -> Result<usize> {
+    value
+        .parse()
+        .map_err(|_| config(name, value, "expected a non-negative integer"))
+}
+
+/// One launcher's rank and world size. A lone half is an error when
+/// `strict`, and means "absent" otherwise (a Slurm batch script outside
+/// `srun` has `SLURM_NTASKS` but no `SLURM_PROCID`).
+fn find(
+    var: &impl Fn(&str) -> Option<String>,
+    names: &'static Names,
+    strict: bool,
+) -> Result<Option<Found>> {
+    match (var(names.rank), var(names.size)) {
+        (Some(rank), Some(size)) => Ok(Some(Found {
+            names,
+            rank: parse_count(names.rank, &rank)?,
+            size: parse_count(names.size, &size)?,
+        })),
+        (Some(rank), None) if strict => Err(config(
+            names.rank,
+            &rank,
+            format!(
+                "{} is set but {} is not: set both, or neither",
+                names.rank, names.size
+            ),
+        )),
+        (None, Some(size)) if strict => Err(config(
+            names.size,
+            &size,
+            format!(
+                "{} is set but {} is not: set both, or neither",
+                names.size, names.rank
+            ),
+        )),
+        _ => Ok(None),
+    }
+}
+
+fn check_agree(a: &Found, b: &Found) -> Result<()> {
+    let disagree = |an: &str, av: usize, bn: &str, bv: usize| {
+        config(
+            an,
+            &av.to_string(),
+            format!("{an}={av} but {bn}={bv}: two launchers' variables disagree; unset one"),
+        )
+    };
+    if a.rank != b.rank {
+        return Err(disagree(a.names.rank, a.rank, b.names.rank, b.rank));
+    }
+    if a.size != b.size {
+        return Err(disagree(a.names.size, a.size, b.names.size, b.size));
+    }
+    Ok(())
+}
+
+/// Slurm's ranks on this node: the variable it came from and its value.
+fn slurm_local_size(
+    var: &impl Fn(&str) -> Option<String>,
+    world_size: usize,
+) -> Result<(&'static str, Option<usize>)> {
+    let node = var("SLURM_NODEID").and_then(|v| v.parse::<usize>().ok());
+    for name in ["SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"] {
+        if let Some(v) = var(name) {
+            let counts = parse_tasks_per_node(&v)
+                .ok_or_else(|| config(name, &v, "expected a list such as 4, 4(x2) or 2(x3),1"))?;
+            let here = node
+                .and_then(|n| nth_count(&counts, n))
+                .or_else(|| counts.first().map(|&(c, _)| c));
+            return Ok((name, here));
+        }
+    }
+    if let Some(v) = var("SLURM_NTASKS_PER_NODE") {
+        let counts = parse_tasks_per_node(&v)
+            .ok_or_else(|| config("SLURM_NTASKS_PER_NODE", &v, "expected a number such as 4"))?;
+        return Ok(("SLURM_NTASKS_PER_NODE", counts.first().map(|&(c, _)| c)));
+    }
+    match var("SLURM_NNODES").as_deref() {
+        Some("1") => Ok(("SLURM_NNODES", Some(world_size))),
+        other => Err(config(
+            "SLURM_TASKS_PER_NODE",
+            "",
+            format!(
+                "unset, and SLURM_NNODES is {}: cannot tell how many ranks share this node; \
+                 set LOCAL_RANK, LOCAL_WORLD_SIZE, RANK and WORLD_SIZE instead",
+                other.unwrap_or("unset")
+            ),
+        )),
+    }
+}
+
+/// `2(x3),1` → `[(2, 3), (1, 1)]`: (tasks, number of nodes with that many).
+fn parse_tasks_per_node(value: &str) -> Option<Vec<(usize, usize)>> {
+    value
+        .split(',')
+        .map(|part| {
+            let part = part.trim();
+            match part.split_once('(') {
+                None => Some((part.parse().ok()?, 1)),
+                Some((count, rest)) => {
+                    let times = rest.strip_prefix('x')?.strip_suffix(')')?;
+                    Some((count.trim().parse().ok()?, times.trim().parse().ok()?))
+                }
+            }
+        })
+        .collect()
+}
+
+/// The task count of node `n` in a run-length list.
+fn nth_count(counts: &[(usize, usize)], mut n: usize) -> Option<usize> {
+    for &(count, times) in counts {
+        if n < times {
+            return Some(count);
+        }
+        n -= times;
+    }
+    None
+}
+
+fn slurm_master(var: &impl Fn(&str) -> Option<String>) -> Result<String> {
+    for name in ["SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"] {
+        if let Some(list) = var(name) {
+            return first_host(&list).ok_or_else(|| {
+                config(
+                    name,
+                    &list,
+                    "cannot read the first host of this node list; set MASTER_ADDR",
+                )
+            });
+        }
+    }
+    Err(config(
+        "MASTER_ADDR",
+        "",
+        "required when ranks span several nodes, and SLURM_STEP_NODELIST/SLURM_JOB_NODELIST \
+         are unset: set it to the host name or address of rank 0's node",
+    ))
+}
+
+/// The first host of a Slurm host list: `node[01-04],gpu5` → `node01`.
+fn first_host(list: &str) -> Option<String> {
+    let list = list.trim();
+    let mut depth = 0usize;
+    let mut end = list.len();
+    for (i, c) in list.char_indices() {
+        match c {
+            '[' => depth += 1,
+            ']' => depth = depth.checked_sub(1)?,
+            ',' if depth == 0 => {
+                end = i;
+                break;
+            }
+            _ => {}
+        }
+    }
+    let mut rest = &list[..end];
+    let mut host = String::new();
+    while let Some(open) = rest.find('[') {
+        host.push_str(&rest[..open]);
+        let close = open + rest[open..].find(']')?;
+        let first = rest[open + 1..close].split([',', '-']).next()?.trim();
+        if first.is_empty() || !first.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        host.push_str(first);
+        rest = &rest[close + 1..];
+    }
+    if rest.contains(']') {
+        return None;
+    }
+    host.push_str(rest);
+    (!host.is_empty()).then_some(host)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn env(pairs: &[(&str, &str)]) -> Result<LaunchEnv> {
+        let map: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        LaunchEnv::from_vars(|k| map.get(k).cloned())
+    }
+
+    /// The variable an `Error::Config` names, and its message.
+    fn config_err(pairs: &[(&str, &str)]) -> (String, String) {
+        match env(pairs) {
+            Err(e) => match &e {
+                Error::Config { name, .. } => (name.clone(), e.to_string()),
+                _ => panic!("expected a configuration error, got {e}"),
+            },
+            Ok(v) => panic!("expected a configuration error, got {v:?}"),
+        }
+    }
+
+    #[test]
+    fn torchrun() {
+        let e = env(&[
+            ("RANK", "3"),
+            ("WORLD_SIZE", "8"),
+            ("LOCAL_RANK", "1"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "node7"),
+            ("MASTER_PORT", "1234"),
+        ])
+        .unwrap();
+        assert_eq!(
+            e,
+            LaunchEnv {
+                rank: 3,
+                world_size: 8,
+                local_rank: 1,
+                local_world_size: 2,
+                master_addr: "node7".into(),
+                master_port: 1234,
+                source: LaunchSource::Torchrun,
+                file_store: None,
+                job_id: None,
+            }
+        );
+    }
+
+    #[test]
+    fn single_node_defaults() {
+        let e = env(&[("RANK", "2"), ("WORLD_SIZE", "4")]).unwrap();
+        assert_eq!((e.local_rank, e.local_world_size), (2, 4));
+        assert_eq!(e.master_addr, "127.0.0.1");
+        assert_eq!(e.master_port, 29500);
+        // Only the local size given: block placement.
+        let e = env(&[
+            ("RANK", "5"),
+            ("WORLD_SIZE", "8"),
+            ("LOCAL_WORLD_SIZE", "4"),
+            ("MASTER_ADDR", "h"),
+        ])
+        .unwrap();
+        assert_eq!((e.local_rank, e.local_world_size), (1, 4));
+        // Empty values count as unset.
+        let e = env(&[("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "")]).unwrap();
+        assert_eq!(e.master_addr, "127.0.0.1");
+    }
+
+    #[test]
+    fn open_mpi() {
+        let e = env(&[
+            ("OMPI_COMM_WORLD_RANK", "5"),
+            ("OMPI_COMM_WORLD_SIZE", "8"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "4"),
+            ("MASTER_ADDR", "10.0.0.1"),
+        ])
+        .unwrap();
+        assert_eq!(e.source, LaunchSource::OpenMpi);
+        assert_eq!(
+            (e.rank, e.world_size, e.local_rank, e.local_world_size),
+            (5, 8, 1, 4)
+        );
+        // Multi-node without MASTER_ADDR is an error that says why.
+        let (name, msg) = config_err(&[
+            ("OMPI_COMM_WORLD_RANK", "5"),
+            ("OMPI_COMM_WORLD_SIZE", "8"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "4"),
+        ]);
+        assert_eq!(name, "MASTER_ADDR");
+        assert!(msg.contains("span several nodes"), "{msg}");
+        assert!(msg.contains("OMPI_COMM_WORLD_LOCAL_SIZE=4"), "{msg}");
+    }
+
+    #[test]
+    fn slurm() {
+        let base = [
+            ("SLURM_PROCID", "5"),
+            ("SLURM_NTASKS", "6"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_NODEID", "1"),
+            ("SLURM_TASKS_PER_NODE", "4,2"),
+            ("SLURM_JOB_NODELIST", "gpu[07-08]"),
+        ];
+        let e = env(&base).unwrap();
+        assert_eq!(e.source, LaunchSource::Slurm);
+        assert_eq!(
+            (e.rank, e.world_size, e.local_rank, e.local_world_size),
+            (5, 6, 1, 2)
+        );
+        assert_eq!(e.master_addr, "gpu07");
+        // The step's node list wins over the job's.
+        let mut v = base.to_vec();
+        v.push(("SLURM_STEP_NODELIST", "cpu3,gpu[07-08]"));
+        assert_eq!(env(&v).unwrap().master_addr, "cpu3");
+        // Run-length lists and SLURM_NTASKS_PER_NODE.
+        let e = env(&[
+            ("SLURM_PROCID", "9"),
+            ("SLURM_NTASKS", "10"),
+            ("SLURM_LOCALID", "0"),
+            ("SLURM_NODEID", "3"),
+            ("SLURM_TASKS_PER_NODE", "3(x3),1"),
+            ("MASTER_ADDR", "h"),
+        ])
+        .unwrap();
+        assert_eq!(e.local_world_size, 1);
+        let (name, _) = config_err(&[
+            ("SLURM_PROCID", "8"),
+            ("SLURM_NTASKS", "10"),
+            ("SLURM_LOCALID", "3"),
+            ("SLURM_NODEID", "2"),
+            ("SLURM_TASKS_PER_NODE", "3(x3),1"),
+            ("MASTER_ADDR", "h"),
+        ]);
+        assert_eq!(name, "SLURM_LOCALID");
+        let e = env(&[
+            ("SLURM_PROCID", "3"),
+            ("SLURM_NTASKS", "8"),
+            ("SLURM_LOCALID", "3"),
+            ("SLURM_NTASKS_PER_NODE", "4"),
+            ("MASTER_ADDR", "h"),
+        ])
+        .unwrap();
+        assert_eq!(e.local_world_size, 4);
+        // One node: the local size is the world size.
+        let e = env(&[
+            ("SLURM_PROCID", "1"),
+            ("SLURM_NTASKS", "2"),
+            ("SLURM_NNODES", "1"),
+        ])
+        .unwrap();
+        assert_eq!((e.local_rank, e.local_world_size), (1, 2));
+        assert_eq!(e.master_addr, "127.0.0.1");
+        // Several nodes and no layout: an error naming the missing variable.
+        let (name, _) = config_err(&[("SLURM_PROCID", "1"), ("SLURM_NTASKS", "2")]);
+        assert_eq!(name, "SLURM_TASKS_PER_NODE");
+        // A batch script outside srun (no SLURM_PROCID) is no launcher.
+        let (name, msg) = config_err(&[("SLURM_NTASKS", "2")]);
+        assert_eq!(name, "RANK");
+        assert!(msg.contains("no launcher variables found"), "{msg}");
+        let (name, _) = config_err(&[
+            ("SLURM_PROCID", "1"),
+            ("SLURM_NTASKS", "2"),
+            ("SLURM_TASKS_PER_NODE", "two"),
+        ]);
+        assert_eq!(name, "SLURM_TASKS_PER_NODE");
+        let (name, _) = config_err(&[
+            ("SLURM_PROCID", "1"),
+            ("SLURM_NTASKS", "4"),
+            ("SLURM_TASKS_PER_NODE", "2(x2)"),
+            ("SLURM_JOB_NODELIST", "node[01"),
+        ]);
+        assert_eq!(name, "SLURM_JOB_NODELIST");
+    }
+
+    #[test]
+    fn precedence_and_disagreement() {
+        let ompi = [("OMPI_COMM_WORLD_RANK", "1"), ("OMPI_COMM_WORLD_SIZE", "2")];
+        let mut v = ompi.to_vec();
+        v.extend([("RANK", "1"), ("WORLD_SIZE", "2")]);
+        assert_eq!(env(&v).unwrap().source, LaunchSource::Torchrun);
+
+        let mut v = ompi.to_vec();
+        v.extend([("RANK", "0"), ("WORLD_SIZE", "2")]);
+        let (name, msg) = config_err(&v);
+        assert_eq!(name, "RANK");
+        assert!(
+            msg.contains(
+                "RANK=0 but OMPI_COMM_WORLD_RANK=1: two launchers' variables disagree; unset one"
+            ),
+            "{msg}"
+        );
+        let mut v = ompi.to_vec();
+        v.extend([("RANK", "1"), ("WORLD_SIZE", "3")]);
+        let (name, msg) = config_err(&v);
+        assert_eq!(name, "WORLD_SIZE");
+        assert!(
+            msg.contains("WORLD_SIZE=3 but OMPI_COMM_WORLD_SIZE=2"),
+            "{msg}"
+        );
+
+        let slurm = [
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "2"),
+            ("SLURM_NNODES", "1"),
+        ];
+        let mut v = slurm.to_vec();
+        v.extend([("RANK", "1"), ("WORLD_SIZE", "2")]);
+        let (_, msg) = config_err(&v);
+        assert!(msg.contains("RANK=1 but SLURM_PROCID=0"), "{msg}");
+        // torchrun under srun: torchrun's variables describe this process.
+        v.push(("TORCHELASTIC_RUN_ID", "job"));
+        assert_eq!(env(&v).unwrap().rank, 1);
+
+        // Open MPI wins over Slurm, whose batch variables it inherits.
+        let mut v = ompi.to_vec();
+        v.extend(slurm);
+        let e = env(&v).unwrap();
+        assert_eq!((e.source, e.rank), (LaunchSource::OpenMpi, 1));
+    }
+
+    #[test]
+    fn each_error_names_its_variable() {
+        let cases: &[(&[(&str, &str)], &str)] = &[
+            (&[("RANK", "x"), ("WORLD_SIZE", "2")], "RANK"),
+            (&[("RANK", "0"), ("WORLD_SIZE", "-2")], "WORLD_SIZE"),
+            (&[("RANK", "0"), ("WORLD_SIZE", "0")], "WORLD_SIZE"),
+            (&[("RANK", "2"), ("WORLD_SIZE", "2")], "RANK"),
+            (&[("RANK", "0")], "RANK"),
+            (&[("WORLD_SIZE", "2")], "WORLD_SIZE"),
+            (
+                &[
+                    ("RANK", "0"),
+                    ("WORLD_SIZE", "4"),
+                    ("LOCAL_RANK", "2"),
+                    ("LOCAL_WORLD_SIZE", "2"),
+                ],
+                "LOCAL_RANK",
+            ),
+            (
+                &[
+                    ("RANK", "0"),
+                    ("WORLD_SIZE", "4"),
+                    ("LOCAL_WORLD_SIZE", "5"),
+                ],
+                "LOCAL_WORLD_SIZE",
+            ),
+            (
+                &[
+                    ("RANK", "0"),
+                    ("WORLD_SIZE", "4"),
+                    ("LOCAL_WORLD_SIZE", "0"),
+                ],
+                "LOCAL_WORLD_SIZE",
+            ),
+            (
+                &[("RANK", "0"), ("WORLD_SIZE", "4"), ("LOCAL_RANK", "z")],
+                "LOCAL_RANK",
+            ),
+            (
+                &[("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_PORT", "0")],
+                "MASTER_PORT",
+            ),
+            (
+                &[("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_PORT", "70000")],
+                "MASTER_PORT",
+            ),
+            (
+                &[("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_PORT", "http")],
+                "MASTER_PORT",
+            ),
+            (
+                &[("RANK", "0"), ("WORLD_SIZE", "1"), ("OXCCL_STORE", "tcp")],
+                "OXCCL_STORE",
+            ),
+            (
+                &[("RANK", "0"), ("WORLD_SIZE", "1"), ("OXCCL_STORE", "file:")],
+                "OXCCL_STORE",
+            ),
+            (&[("OMPI_COMM_WORLD_RANK", "1")], "OMPI_COMM_WORLD_RANK"),
+            (&[], "RANK"),
+        ];
+        for (vars, expected) in cases {
+            let (name, msg) = config_err(vars);
+            assert_eq!(&name, expected, "{vars:?}: {msg}");
+            if let Some((_, value)) = vars.iter().find(|(k, _)| k == expected) {
+                assert!(msg.contains(&format!("{expected}={value:?}")), "{msg}");
+            }
+        }
+        let (_, msg) = config_err(&[("RANK", "4"), ("WORLD_SIZE", "4")]);
+        assert!(msg.contains("less than WORLD_SIZE=4"), "{msg}");
+        let (_, msg) = config_err(&[("RANK", "0")]);
+        assert!(msg.contains("RANK is set but WORLD_SIZE is not"), "{msg}");
+    }
+
+    #[test]
+    fn store_selection_and_job_id() {
+        let e = env(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "1"),
+            ("OXCCL_STORE", "file:/shared/job"),
+            ("OXCCL_JOB_ID", "j42"),
+        ])
+        .unwrap();
+        assert_eq!(e.file_store, Some(PathBuf::from("/shared/job")));
+        assert_eq!(e.job_id.as_deref(), Some("j42"));
+    }
+
+    #[test]
+    fn agent_store_shifts_the_port() {
+        let base = [("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_PORT", "29400")];
+        assert_eq!(env(&base).unwrap().master_port, 29400);
+        let mut v = base.to_vec();
+        v.push(("TORCHELASTIC_USE_AGENT_STORE", "True"));
+        assert_eq!(env(&v).unwrap().master_port, 29401);
+        let mut v = base.to_vec();
+        v.push(("TORCHELASTIC_USE_AGENT_STORE", "False"));
+        assert_eq!(env(&v).unwrap().master_port, 29400);
+        let (name, _) = config_err(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "1"),
+            ("MASTER_PORT", "65535"),
+            ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+        ]);
+        assert_eq!(name, "MASTER_PORT");
+    }
+
+    #[test]
+    fn slurm_node_lists() {
+        assert_eq!(first_host("node01").as_deref(), Some("node01"));
+        assert_eq!(first_host("node[01-04]").as_deref(), Some("node01"));
+        assert_eq!(first_host("node[01,03],gpu5").as_deref(), Some("node01"));
+        assert_eq!(first_host("node[03,01-02]").as_deref(), Some("node03"));
+        assert_eq!(first_host("a-b[1-2]").as_deref(), Some("a-b1"));
+        assert_eq!(first_host("gpu5,node[01-02]").as_deref(), Some("gpu5"));
+        assert_eq!(
+            first_host("rack[2-3]-n[007-009]").as_deref(),
+            Some("rack2-n007")
+        );
+        assert_eq!(first_host(" n1 ").as_deref(), Some("n1"));
+        for bad in [
+            "",
+            "node[01",
+            "node]01",
+            "node[]",
+            "node[a-b]",
+            "[[1]]",
+            ",",
+        ] {
+            assert_eq!(first_host(bad), None, "{bad:?}");
+        }
+        assert_eq!(parse_tasks_per_node("4"), Some(vec![(4, 1)]));
+        assert_eq!(parse_tasks_per_node("4(x2)"), Some(vec![(4, 2)]));
+        assert_eq!(parse_tasks_per_node("2(x3),1"), Some(vec![(2, 3), (1, 1)]));
+        assert_eq!(parse_tasks_per_node("2,1"), Some(vec![(2, 1), (1, 1)]));
+        assert_eq!(parse_tasks_per_node("2(3)"), None);
+        assert_eq!(nth_count(&[(2, 3), (1, 1)], 3), Some(1));
+        assert_eq!(nth_count(&[(2, 3), (1, 1)], 4), None);
+    }
+}
