@@ -6,7 +6,7 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::bootstrap::Store;
+use crate::bootstrap::{FileStore, LaunchEnv, Store, TcpStore};
 use crate::desc::{BufDesc, CollectiveDesc, MemoryKind};
 use crate::error::{Error, Result};
 use crate::host::executor::{self, Bufs, CallInfo};
@@ -275,6 +275,65 @@ impl CommBuilder {
         self.init_toward(rank, world_size, store, None)
     }
 
+    /// Joins the job described by the launcher's environment variables
+    /// (torchrun / `oxccl-run`, Open MPI, Slurm: see [`LaunchEnv`]). Rank 0
+    /// hosts the rendezvous store on `MASTER_PORT` (on every interface); the
+    /// others connect to `MASTER_ADDR:MASTER_PORT`, retrying until the
+    /// timeout. `OXCCL_STORE=file:/dir` uses a [`FileStore`] instead.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] naming a missing or contradictory variable;
+    /// [`Error::Bootstrap`] when the port is taken or the store cannot be
+    /// reached; [`Error::RendezvousTimeout`] naming the ranks that never
+    /// joined; as [`init`](Self::init).
+    pub fn from_env(&self) -> Result<Communicator> {
+        self.from_launch_env(&LaunchEnv::from_env()?)
+    }
+
+    /// [`from_env`](Self::from_env) with the variables already read.
+    ///
+    /// # Errors
+    ///
+    /// As [`from_env`](Self::from_env).
+    pub fn from_launch_env(&self, env: &LaunchEnv) -> Result<Communicator> {
+        let timeout = self.config()?.timeout;
+        let master = format!("{}:{}", env.master_addr, env.master_port);
+        let toward = std::net::ToSocketAddrs::to_socket_addrs(&master)
+            .ok()
+            .and_then(|mut addrs| addrs.next())
+            .map(|a| a.ip());
+        let store: Arc<dyn Store> = if let Some(dir) = &env.file_store {
+            Arc::new(FileStore::new(dir.clone())?)
+        } else if env.rank == 0 {
+            let any: std::net::IpAddr = match toward {
+                Some(std::net::IpAddr::V6(_)) => std::net::Ipv6Addr::UNSPECIFIED.into(),
+                _ => std::net::Ipv4Addr::UNSPECIFIED.into(),
+            };
+            Arc::new(TcpStore::host((any, env.master_port).into()).map_err(|e| {
+                Error::Bootstrap {
+                    context: format!("rank 0 of {}", env.world_size),
+                    detail: e.to_string(),
+                }
+            })?)
+        } else {
+            Arc::new(
+                TcpStore::connect(&master, timeout).map_err(|e| Error::Bootstrap {
+                    context: format!(
+                        "rank {} of {}: reaching the rendezvous store that rank 0 hosts",
+                        env.rank, env.world_size
+                    ),
+                    detail: e.to_string(),
+                })?,
+            )
+        };
+        let mut builder = self.clone();
+        if builder.job_id.is_none() {
+            builder.job_id = env.job_id.clone();
+        }
+        builder.init_toward(env.rank, env.world_size, store, toward)
+    }
+
     /// [`init`](Self::init), picking the network interface that reaches
     /// `toward` (the master's address) unless `OXCCL_SOCKET_IFNAME` says otherwise.
     fn init_toward(
@@ -395,6 +454,24 @@ impl Communicator {
     /// Number of ranks.
     pub fn world_size(&self) -> usize {
         self.world
+    }
+
+    /// Joins the job described by the launcher's environment variables,
+    /// with settings from the environment: see [`CommBuilder::from_env`].
+    ///
+    /// ```no_run
+    /// // oxccl-run --nproc-per-node 4 -- ./my_prog   (or torchrun, mpirun, srun)
+    /// let mut comm = oxccl::Communicator::from_env()?;
+    /// let mut grads = vec![1.0f32; 1 << 20];
+    /// comm.all_reduce_in_place(&mut grads, oxccl::ReduceOp::Avg)?;
+    /// # Ok::<(), oxccl::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// As [`CommBuilder::from_env`].
+    pub fn from_env() -> Result<Communicator> {
+        CommBuilder::default().from_env()
     }
 
     /// The settings in force.

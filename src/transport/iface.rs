@@ -17,7 +17,6 @@
 //! loopback nor a virtual bridge (`docker*`, `virbr*`, `veth*`), else a
 //! virtual bridge, else loopback — IPv4 first at each step.
 
-
 use std::ffi::CStr;
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};

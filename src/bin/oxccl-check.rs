@@ -1,0 +1,187 @@
+//! oxccl-check: is this job's communication healthy?
+//!
+//! Run one per rank under a launcher (`oxccl-run`, torchrun, mpirun, srun):
+//!
+//! ```text
+//! oxccl-run --nproc-per-node 4 -- oxccl-check
+//! ```
+//!
+//! Every rank joins through `Communicator::from_env`, then runs every
+//! collective (both variants), every dtype and op, every root, point-to-point
+//! around the ring, and a split, and checks every element against its closed
+//! form (`oxccl::check`). Each rank prints one line; the exit status is 0
+//! only if every check passed. World size 1 exercises no communication, and
+//! the output says so (the lesson of every "bare python passed" self-test).
+//!
+//! `--loop-seconds S` keeps all-reducing `--size` bytes afterwards, for
+//! fault drills: kill a rank meanwhile and the survivors must fail within
+//! the timeout, naming it.
+
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use oxccl::check::{edge_counts, every_collective, every_collective_every_dtype};
+use oxccl::{Communicator, ReduceOp};
+
+const USAGE: &str = "\
+usage: oxccl-check [options]      (one process per rank, under a launcher)
+  --quick               f32, i32 and bf16 only, fewer counts
+  --counts a,b,c        element counts to check (default: 0, 1, N-1, N+1, 10007)
+  --chunk-bytes n       pipeline piece size (default OXCCL_CHUNK_BYTES or 256K)
+  --loop-seconds s      afterwards, all-reduce --size bytes repeatedly for s seconds
+  --size bytes          message size of the loop (default 64M; suffixes K M G)
+  -h, --help            this text";
+
+struct Args {
+    quick: bool,
+    counts: Option<Vec<usize>>,
+    chunk_bytes: Option<usize>,
+    loop_seconds: f64,
+    loop_bytes: usize,
+}
+
+fn parse_size(s: &str) -> Option<usize> {
+    let s = s.trim();
+    let (num, mul) = match s.chars().last()?.to_ascii_uppercase() {
+        'K' => (&s[..s.len() - 1], 1usize << 10),
+        'M' => (&s[..s.len() - 1], 1 << 20),
+        'G' => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    num.parse::<usize>().ok()?.checked_mul(mul)
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut a = Args {
+        quick: false,
+        counts: None,
+        chunk_bytes: None,
+        loop_seconds: 0.0,
+        loop_bytes: 64 << 20,
+    };
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    let mut i = 0;
+    while i < argv.len() {
+        let flag = argv[i].as_str();
+        let mut value = || {
+            i += 1;
+            argv.get(i)
+                .cloned()
+                .ok_or_else(|| format!("{flag} needs a value"))
+        };
+        match flag {
+            "-h" | "--help" => return Err(String::new()),
+            "--quick" => a.quick = true,
+            "--counts" => {
+                let v = value()?;
+                let counts: Option<Vec<usize>> =
+                    v.split(',').map(|c| c.trim().parse().ok()).collect();
+                a.counts = Some(counts.ok_or_else(|| format!("--counts: bad list {v:?}"))?);
+            }
+            "--chunk-bytes" => {
+                let v = value()?;
+                a.chunk_bytes =
+                    Some(parse_size(&v).ok_or_else(|| format!("--chunk-bytes: bad size {v:?}"))?);
+            }
+            "--loop-seconds" => {
+                let v = value()?;
+                a.loop_seconds = v
+                    .parse()
+                    .ok()
+                    .filter(|s: &f64| s.is_finite() && *s >= 0.0)
+                    .ok_or_else(|| format!("--loop-seconds: bad number {v:?}"))?;
+            }
+            "--size" => {
+                let v = value()?;
+                a.loop_bytes = parse_size(&v).ok_or_else(|| format!("--size: bad size {v:?}"))?;
+            }
+            other => return Err(format!("unknown option {other}")),
+        }
+        i += 1;
+    }
+    Ok(a)
+}
+
+fn run(a: &Args) -> Result<String, String> {
+    let mut builder = Communicator::builder();
+    if let Some(chunk) = a.chunk_bytes {
+        builder = builder.chunk_bytes(chunk);
+    }
+    let mut comm = builder.from_env().map_err(|e| e.to_string())?;
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let transport = comm.transport_description();
+    let counts = a.counts.clone().unwrap_or_else(|| {
+        if a.quick {
+            vec![0, 1, world + 1, 4099]
+        } else {
+            edge_counts(world)
+        }
+    });
+    let checked = if a.quick {
+        every_collective::<f32>(&mut comm, &counts)
+            .and_then(|()| every_collective::<i32>(&mut comm, &counts))
+            .and_then(|()| every_collective::<oxccl::bf16>(&mut comm, &counts))
+    } else {
+        every_collective_every_dtype(&mut comm, &counts)
+    };
+    checked.map_err(|e| e.to_string())?;
+
+    // A split into two halves, used side by side with the parent.
+    let color = u32::from(rank >= world.div_ceil(2));
+    let mut half = comm.split(color, rank as i64).map_err(|e| e.to_string())?;
+    let mut v = vec![1u64; 1000];
+    half.all_reduce_in_place(&mut v, ReduceOp::Sum)
+        .map_err(|e| e.to_string())?;
+    if v.iter().any(|&x| x != half.world_size() as u64) {
+        return Err(format!(
+            "split: all_reduce gave {} not {}",
+            v[0],
+            half.world_size()
+        ));
+    }
+    comm.barrier().map_err(|e| e.to_string())?;
+
+    if a.loop_seconds > 0.0 {
+        let mut buf = vec![1.0f32; a.loop_bytes / 4];
+        println!("rank {rank}: pid {} looping", std::process::id());
+        let until = Instant::now() + Duration::from_secs_f64(a.loop_seconds);
+        let mut rounds = 0u64;
+        while Instant::now() < until {
+            comm.all_reduce_in_place(&mut buf, ReduceOp::Max)
+                .map_err(|e| e.to_string())?;
+            rounds += 1;
+        }
+        println!("rank {rank}: looped {rounds} all-reduces");
+    }
+    let note = if world == 1 {
+        " (world size 1: no communication was exercised)"
+    } else {
+        ""
+    };
+    Ok(format!(
+        "rank {rank}/{world}: every collective correct over {transport}, counts {counts:?}{note}"
+    ))
+}
+
+fn main() -> ExitCode {
+    let a = match parse_args() {
+        Ok(a) => a,
+        Err(e) => {
+            if !e.is_empty() {
+                eprintln!("oxccl-check: {e}");
+            }
+            eprintln!("{USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+    match run(&a) {
+        Ok(line) => {
+            println!("oxccl-check: {line}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("oxccl-check: FAILED: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
