@@ -556,9 +556,17 @@ impl Job {
                 kill_at.get_or_insert_with(|| Instant::now() + self.kill_grace);
             }
 
-            for (rank, pid, exit) in self.reap() {
+            let mut failed = self.reap();
+            // Ranks that find a dead peer exit within milliseconds of it, so
+            // one pass can reap the victim and its witnesses together: a
+            // rank killed by a signal is the likelier cause, so it goes first.
+            failed.sort_by_key(|(rank, _, exit)| (matches!(exit, RankExit::Code(_)), *rank));
+            let stopping = kill_at.is_some();
+            for (rank, pid, exit) in failed {
                 if self.first_failure.is_none() {
                     self.first_failure = Some((rank, exit));
+                }
+                if !stopping {
                     say(&format!("rank {rank} (pid {pid}) {exit}"));
                 }
                 if kill_at.is_none() {

@@ -735,7 +735,12 @@ impl NetEndpoint {
                 }
                 fabric.check_liveness();
                 if let Some(e) = self.failure(&fabric, peer, Some(expect)) {
-                    return Err(e);
+                    // A peer that left in the middle of a call usually left
+                    // because another rank died: look again now, and blame
+                    // the dead rank rather than the messenger.
+                    fabric.next_liveness_check = Instant::now();
+                    fabric.check_liveness();
+                    return Err(self.failure(&fabric, peer, Some(expect)).unwrap_or(e));
                 }
             }
             let now = Instant::now();
@@ -1001,7 +1006,15 @@ pub(crate) fn connect(setup: Setup) -> Result<NetEndpoint> {
     )?;
 
     // 2. Rendezvous: every rank's key, or the list of those that never came.
-    wait_for_ranks(&*store, &all, rank_key, deadline)?;
+    //    Rank 0 usually hosts the store, and its exit takes the store down:
+    //    it waits a little longer, so that ranks which started with it time
+    //    out first and print the list themselves, instead of "lost the store".
+    let rendezvous_deadline = if rank == 0 {
+        deadline + Duration::from_secs(1)
+    } else {
+        deadline
+    };
+    wait_for_ranks(&*store, &all, rank_key, rendezvous_deadline)?;
     let token: Token = {
         let bytes = store.get(
             "oxccl/token",

@@ -219,6 +219,9 @@ pub(crate) fn accept(
             }
         }
         if done.len() == expected.len() {
+            for p in &pending {
+                log_refusal(me, p.from_addr, "it did not complete a handshake");
+            }
             break;
         }
         if Instant::now() >= deadline {

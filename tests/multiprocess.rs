@@ -1,0 +1,448 @@
+//! Real processes: every collective across ranks launched by `oxccl-run`
+//! over shared memory and TCP (world sizes 2, 3, 4), and the fault drills —
+//! a rank killed mid-collective, a rank that never starts, a stranger with
+//! the wrong token, a taken port, and bad launcher variables.
+//!
+//! Every child process runs under a wall-clock deadline: a hang fails the
+//! test instead of stalling CI.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+const RUN: &str = env!("CARGO_BIN_EXE_oxccl-run");
+const CHECK: &str = env!("CARGO_BIN_EXE_oxccl-check");
+
+/// Launcher and rank variables a test must not inherit from its own
+/// environment (CI could itself run under a launcher).
+const LAUNCH_VARS: &[&str] = &[
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+    "NODE_RANK",
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_LOCALID",
+    "SLURM_NNODES",
+    "SLURM_JOB_NODELIST",
+    "SLURM_STEP_NODELIST",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "OXCCL_JOB_ID",
+    "OXCCL_STORE",
+    "OXCCL_TRANSPORT",
+    "OXCCL_SOCKET_IFNAME",
+    "OXCCL_TIMEOUT",
+];
+
+fn clean(cmd: &mut Command) -> &mut Command {
+    for var in LAUNCH_VARS {
+        cmd.env_remove(var);
+    }
+    cmd
+}
+
+/// A port nobody listens on right now.
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// A running child whose output lines arrive on a channel.
+struct Running {
+    child: Child,
+    lines: mpsc::Receiver<(bool, String)>,
+    stdout: String,
+    stderr: String,
+}
+
+impl Running {
+    fn spawn(cmd: &mut Command) -> Running {
+        let mut child = cmd
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn");
+        let (tx, lines) = mpsc::channel();
+        let out = child.stdout.take().expect("stdout");
+        let err = child.stderr.take().expect("stderr");
+        for (is_err, stream) in [
+            (false, Box::new(out) as Box<dyn Read + Send>),
+            (true, Box::new(err)),
+        ] {
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(stream).lines().map_while(Result::ok) {
+                    let _ = tx.send((is_err, line));
+                }
+            });
+        }
+        Running {
+            child,
+            lines,
+            stdout: String::new(),
+            stderr: String::new(),
+        }
+    }
+
+    fn take_lines(&mut self, wait: Duration) -> bool {
+        match self.lines.recv_timeout(wait) {
+            Ok((is_err, line)) => {
+                let text = if is_err {
+                    &mut self.stderr
+                } else {
+                    &mut self.stdout
+                };
+                text.push_str(&line);
+                text.push('\n');
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// Waits until stdout contains `needle`, or panics at the deadline.
+    fn wait_for(&mut self, needle: &str, deadline: Instant) {
+        while !self.stdout.contains(needle) {
+            if Instant::now() >= deadline {
+                let _ = self.child.kill();
+                panic!(
+                    "no {needle:?} in time\nstdout:\n{}\nstderr:\n{}",
+                    self.stdout, self.stderr
+                );
+            }
+            self.take_lines(Duration::from_millis(20));
+        }
+    }
+
+    /// Waits for exit (killing the child at the deadline, which fails the
+    /// test) and returns the exit code with all output.
+    fn finish(mut self, deadline: Instant) -> (Option<i32>, String, String) {
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                // Drain what the reader threads still hold.
+                while self.take_lines(Duration::from_millis(200)) {}
+                return (status.code(), self.stdout, self.stderr);
+            }
+            if Instant::now() >= deadline {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                while self.take_lines(Duration::from_millis(100)) {}
+                panic!(
+                    "still running at the deadline\nstdout:\n{}\nstderr:\n{}",
+                    self.stdout, self.stderr
+                );
+            }
+            self.take_lines(Duration::from_millis(10));
+        }
+    }
+}
+
+/// One rank of a `world`-rank job, started directly (no launcher).
+fn rank_cmd(rank: usize, world: usize, port: u16, transport: &str) -> Command {
+    let mut cmd = Command::new(CHECK);
+    clean(&mut cmd)
+        .env("RANK", rank.to_string())
+        .env("WORLD_SIZE", world.to_string())
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port.to_string())
+        .env("OXCCL_TRANSPORT", transport)
+        .env("OXCCL_TIMEOUT", "30s");
+    cmd
+}
+
+fn launched(world: usize, transport: &str) {
+    let mut cmd = Command::new(RUN);
+    clean(&mut cmd)
+        .args(["--nproc-per-node", &world.to_string()])
+        .args(["--master-port", &free_port().to_string()])
+        .args(["--", CHECK, "--quick"])
+        .env("OXCCL_TRANSPORT", transport)
+        .env("OXCCL_TIMEOUT", "30s");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let (code, out, err) = Running::spawn(&mut cmd).finish(deadline);
+    assert_eq!(
+        code,
+        Some(0),
+        "world {world} over {transport}\n{out}\n{err}"
+    );
+    for rank in 0..world {
+        let line = format!(
+            "[rank {rank}] oxccl-check: rank {rank}/{world}: every collective correct over {transport}"
+        );
+        assert!(out.contains(&line), "missing {line:?}\n{out}\n{err}");
+    }
+}
+
+#[test]
+fn every_collective_across_processes_over_shared_memory() {
+    for world in [2, 3, 4] {
+        launched(world, "shm");
+    }
+}
+
+#[test]
+fn every_collective_across_processes_over_tcp() {
+    for world in [2, 3, 4] {
+        launched(world, "tcp");
+    }
+}
+
+/// SIGKILL one rank while all three all-reduce 16 MiB in a loop: both
+/// survivors must fail fast (well inside the 30 s timeout) naming rank 1.
+#[test]
+fn a_rank_killed_mid_collective_is_named_by_every_survivor() {
+    for transport in ["shm", "tcp"] {
+        let port = free_port();
+        let mut ranks: Vec<Running> = (0..3)
+            .map(|r| {
+                let mut cmd = rank_cmd(r, 3, port, transport);
+                cmd.args(["--quick", "--counts", "1", "--loop-seconds", "60"]);
+                cmd.args(["--size", "16M"]);
+                Running::spawn(&mut cmd)
+            })
+            .collect();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        for rank in &mut ranks {
+            rank.wait_for("looping", deadline);
+        }
+        // Let them get well into the loop, then kill rank 1.
+        std::thread::sleep(Duration::from_millis(300));
+        let killed_at = Instant::now();
+        ranks[1].child.kill().expect("SIGKILL rank 1");
+        let survivors_deadline = killed_at + Duration::from_secs(20);
+        let mut outcomes = Vec::new();
+        for (r, rank) in ranks.into_iter().enumerate() {
+            let (code, out, err) = rank.finish(survivors_deadline);
+            outcomes.push((r, code, out, err, killed_at.elapsed()));
+        }
+        for (r, code, out, err, took) in &outcomes {
+            if *r == 1 {
+                assert_eq!(*code, None, "rank 1 was killed by a signal");
+                continue;
+            }
+            assert_eq!(*code, Some(1), "{transport} rank {r}\n{out}\n{err}");
+            assert!(
+                err.contains("peer rank 1 is gone"),
+                "{transport} rank {r} must name rank 1:\n{err}"
+            );
+            assert!(
+                err.contains("all_reduce #"),
+                "{transport} rank {r} must name the call:\n{err}"
+            );
+            assert!(
+                *took < Duration::from_secs(10),
+                "{transport}: took {took:?}"
+            );
+            eprintln!("{transport} rank {r} after {took:?}:\n{err}");
+        }
+    }
+}
+
+/// Under the launcher: the job stops, and the launcher says which rank died
+/// and how, and exits non-zero.
+#[test]
+fn the_launcher_names_a_killed_rank_and_stops_the_job() {
+    let mut cmd = Command::new(RUN);
+    clean(&mut cmd)
+        .args(["--nproc-per-node", "3", "--kill-grace", "2"])
+        .args(["--master-port", &free_port().to_string()])
+        .args(["--", CHECK, "--quick", "--counts", "1"])
+        .args(["--loop-seconds", "60", "--size", "4M"])
+        .env("OXCCL_TIMEOUT", "30s");
+    let mut job = Running::spawn(&mut cmd);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    for rank in 0..3 {
+        job.wait_for(&format!("[rank {rank}] rank {rank}: pid "), deadline);
+    }
+    let pid_line = job
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("[rank 1] rank 1: pid "))
+        .expect("rank 1's pid line")
+        .to_string();
+    let pid: i32 = pid_line
+        .split_whitespace()
+        .nth(5)
+        .and_then(|p| p.parse().ok())
+        .expect("pid");
+    // SAFETY: sending SIGKILL to the rank process the launcher started.
+    assert_eq!(unsafe { libc_kill(pid, 9) }, 0);
+    let (code, out, err) = job.finish(Instant::now() + Duration::from_secs(30));
+    assert!(code.is_some_and(|c| c != 0), "{code:?}\n{out}\n{err}");
+    let expected = format!("rank 1 (pid {pid}) was killed by signal 9 (SIGKILL)");
+    assert!(err.contains(&expected), "missing {expected:?}:\n{err}");
+    eprintln!("launcher output:\n{out}\n{err}");
+}
+
+extern "C" {
+    #[link_name = "kill"]
+    fn libc_kill(pid: i32, sig: i32) -> i32;
+}
+
+#[test]
+fn a_rank_that_never_starts_is_named_at_rendezvous() {
+    let port = free_port();
+    let ranks: Vec<Running> = (0..2)
+        .map(|r| {
+            let mut cmd = rank_cmd(r, 3, port, "auto");
+            cmd.env("OXCCL_TIMEOUT", "2s").arg("--quick");
+            Running::spawn(&mut cmd)
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for (r, rank) in ranks.into_iter().enumerate() {
+        let (code, out, err) = rank.finish(deadline);
+        assert_eq!(code, Some(1), "rank {r}\n{out}\n{err}");
+        assert!(
+            err.contains("timed out after") && err.contains("rank 2 never joined"),
+            "rank {r}:\n{err}"
+        );
+    }
+    // Rank 0 (the store's host) never starting: rank 1 says whom it needs.
+    let mut cmd = rank_cmd(1, 2, free_port(), "auto");
+    cmd.env("OXCCL_TIMEOUT", "1s");
+    let (code, _, err) = Running::spawn(&mut cmd).finish(Instant::now() + Duration::from_secs(20));
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("rank 0"), "must point at rank 0:\n{err}");
+}
+
+/// A stranger connects to rank 0's peer port before the real peers — once
+/// with a wrong token, once with garbage, once saying nothing — and the job
+/// still completes correctly, rank 0 logging each refusal.
+#[test]
+fn connections_without_the_job_token_are_refused() {
+    let port = free_port();
+    let start = |r: usize| {
+        let mut cmd = rank_cmd(r, 3, port, "tcp");
+        cmd.arg("--quick");
+        Running::spawn(&mut cmd)
+    };
+    let rank0 = start(0);
+    let rank1 = start(1);
+    // Read rank 0's peer address from the store, as any process could.
+    let store =
+        oxccl::bootstrap::TcpStore::connect(&format!("127.0.0.1:{port}"), Duration::from_secs(20))
+            .expect("store");
+    let entry = oxccl::bootstrap::Store::get(&store, "oxccl/rank/0", Duration::from_secs(20))
+        .expect("rank 0's entry");
+    let entry = String::from_utf8_lossy(&entry).into_owned();
+    let addr = entry
+        .lines()
+        .find_map(|l| l.strip_prefix("addr="))
+        .expect("addr line")
+        .to_string();
+    // A well-formed handshake (magic "OXHS", version 1) with a wrong token.
+    let mut hello = Vec::new();
+    hello.extend_from_slice(&0x5348_584fu32.to_le_bytes());
+    hello.extend_from_slice(&1u32.to_le_bytes());
+    hello.extend_from_slice(&[0xAB; 16]);
+    hello.extend_from_slice(&2u32.to_le_bytes());
+    hello.extend_from_slice(&0u32.to_le_bytes());
+    let mut wrong = TcpStream::connect(&addr).expect("connect");
+    wrong.write_all(&hello).expect("send");
+    let mut garbage = TcpStream::connect(&addr).expect("connect");
+    garbage
+        .write_all(b"GET / HTTP/1.1\r\nHost: stranger.example\r\n\r\n")
+        .expect("send");
+    let _silent = TcpStream::connect(&addr).expect("connect");
+    std::thread::sleep(Duration::from_millis(200));
+    let rank2 = start(2);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut rank0_err = String::new();
+    for (r, rank) in [rank0, rank1, rank2].into_iter().enumerate() {
+        let (code, out, err) = rank.finish(deadline);
+        assert_eq!(code, Some(0), "rank {r}\n{out}\n{err}");
+        assert!(out.contains("every collective correct over tcp"), "{out}");
+        if r == 0 {
+            rank0_err = err;
+        }
+    }
+    // The wrong-token stranger got no acknowledgement: its socket is closed.
+    wrong
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    assert!(matches!(wrong.read(&mut [0u8; 4]), Ok(0) | Err(_)));
+    assert!(
+        rank0_err.contains("refused a connection") && rank0_err.contains("wrong job token"),
+        "rank 0 must log the refusal:\n{rank0_err}"
+    );
+    assert!(rank0_err.contains("not an oxccl handshake"), "{rank0_err}");
+    assert!(
+        rank0_err.contains("did not complete a handshake"),
+        "{rank0_err}"
+    );
+}
+
+#[test]
+fn a_taken_master_port_is_a_clear_error() {
+    let holder = TcpListener::bind("0.0.0.0:0").expect("bind");
+    let port = holder.local_addr().expect("addr").port();
+    let mut cmd = rank_cmd(0, 2, port, "auto");
+    let (code, _, err) = Running::spawn(&mut cmd).finish(Instant::now() + Duration::from_secs(20));
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("already in use"), "{err}");
+    assert!(err.contains(&port.to_string()), "{err}");
+}
+
+/// Variables to set, and what the error must contain.
+type EnvCase<'a> = (&'a [(&'a str, &'a str)], &'a [&'a str]);
+
+#[test]
+fn bad_launcher_variables_say_which() {
+    let cases: &[EnvCase] = &[
+        (&[], &["no launcher variables found", "RANK"]),
+        (&[("RANK", "3"), ("WORLD_SIZE", "2")], &["RANK", "3"]),
+        (&[("RANK", "1")], &["WORLD_SIZE"]),
+        (&[("RANK", "x"), ("WORLD_SIZE", "2")], &["RANK", "\"x\""]),
+        (
+            &[
+                ("RANK", "1"),
+                ("WORLD_SIZE", "2"),
+                ("OMPI_COMM_WORLD_RANK", "0"),
+                ("OMPI_COMM_WORLD_SIZE", "2"),
+            ],
+            &["RANK=1", "OMPI_COMM_WORLD_RANK=0"],
+        ),
+        (
+            &[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "99999")],
+            &["MASTER_PORT"],
+        ),
+        (
+            &[
+                ("RANK", "0"),
+                ("WORLD_SIZE", "2"),
+                ("OXCCL_TRANSPORT", "pigeon"),
+            ],
+            &["OXCCL_TRANSPORT", "pigeon"],
+        ),
+    ];
+    for (vars, needles) in cases {
+        let mut cmd = Command::new(CHECK);
+        clean(&mut cmd);
+        for (k, v) in *vars {
+            cmd.env(k, v);
+        }
+        let (code, _, err) =
+            Running::spawn(&mut cmd).finish(Instant::now() + Duration::from_secs(20));
+        assert_eq!(code, Some(1), "{vars:?}: {err}");
+        for needle in *needles {
+            assert!(
+                err.contains(needle),
+                "{vars:?}: expected {needle:?} in\n{err}"
+            );
+        }
+    }
+}
