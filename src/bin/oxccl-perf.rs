@@ -1,7 +1,10 @@
 //! oxccl-perf: an nccl-tests-style benchmark of oxccl's collectives.
 //!
 //! Same flags, columns and bus-bandwidth formulas as nccl-tests
-//! (`all_reduce_perf` and friends); ranks are threads of one in-process group.
+//! (`all_reduce_perf` and friends). Ranks are threads of one process
+//! (`-t N`), or processes: one per rank under a launcher (`oxccl-run`,
+//! torchrun, mpirun, srun), or `-np N` to start N copies of itself through
+//! `oxccl::launch`. The header says which transport carried the traffic.
 
 use std::process::ExitCode;
 use std::time::Instant;
@@ -21,6 +24,8 @@ usage: oxccl-perf [options]
   -o, --op <op>           sum prod max min avg (default sum)
   -r, --root <rank>       root of broadcast and reduce (default 0)
   -t, --nthreads <n>      ranks, one thread each (default 2)
+      -np <n>             ranks, one process each (shared memory or TCP, see
+                          OXCCL_TRANSPORT); under a launcher, one rank per process
       --collective <name> all_reduce all_gather reduce_scatter broadcast reduce sendrecv all_to_all
                           (default all_reduce)
   -h, --help              this text";
@@ -86,6 +91,8 @@ struct Args {
     op: ReduceOp,
     root: usize,
     ranks: usize,
+    /// `-np`: start this many processes.
+    processes: Option<usize>,
     coll: Coll,
 }
 
@@ -114,6 +121,7 @@ fn parse_args() -> Result<Args, String> {
         op: ReduceOp::Sum,
         root: 0,
         ranks: 2,
+        processes: None,
         coll: Coll::AllReduce,
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
@@ -147,6 +155,7 @@ fn parse_args() -> Result<Args, String> {
             }
             "-r" | "--root" => a.root = num()?,
             "-t" | "--nthreads" => a.ranks = num()?,
+            "-np" => a.processes = Some(num()?),
             "--collective" => {
                 a.coll =
                     Coll::parse(value).ok_or_else(|| format!("unknown collective {value:?}"))?
@@ -154,6 +163,9 @@ fn parse_args() -> Result<Args, String> {
             _ => return Err(format!("unknown option {flag}")),
         }
         i += 2;
+    }
+    if let Some(n) = a.processes {
+        a.ranks = n;
     }
     if a.ranks == 0 || a.factor < 2 || a.min_bytes > a.max_bytes || a.iters == 0 {
         return Err("need -t >= 1, -f >= 2, -b <= -e and -n >= 1".into());
@@ -397,7 +409,48 @@ fn bench<T: Element>(comm: &mut Communicator, a: &Args) -> oxccl::Result<(u64, f
     Ok((wrong_total, busbw_sum, rows))
 }
 
+/// Whether a launcher started this process as one rank of a job.
+fn under_launcher() -> bool {
+    let set = |v: &str| std::env::var_os(v).is_some();
+    set("RANK") || set("OMPI_COMM_WORLD_RANK") || (set("SLURM_PROCID") && set("SLURM_STEP_ID"))
+}
+
+/// The table's header, printed by rank 0 once it knows the transport.
+fn print_header(a: &Args, ranks: usize, what: &str, transport: &str) {
+    println!(
+        "# oxccl-perf: collective {:?}, {ranks} ranks ({what}), backend host, transport {transport}",
+        a.coll
+    );
+    println!(
+        "#  minBytes {} maxBytes {} step: {}(factor) warmup iters: {} iters: {} validation: {}",
+        a.min_bytes,
+        a.max_bytes,
+        a.factor,
+        a.warmup,
+        a.iters,
+        u8::from(a.check)
+    );
+    println!("#");
+    println!("#{:>61}{:>35}", "out-of-place", "in-place");
+    println!("#{:>11}  {:>12}  {:>8}  {:>6}  {:>6}  {:>7}  {:>6}  {:>6}  {:>5}  {:>7}  {:>6}  {:>6}  {:>5}", "size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong", "time", "algbw", "busbw", "#wrong");
+    println!("#{:>11}  {:>12}  {:>8}  {:>6}  {:>6}  {:>7}  {:>6}  {:>6}  {:>5}  {:>7}  {:>6}  {:>6}  {:>5}", "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", "");
+}
+
+/// This process is one rank of a launched job.
+fn run_as_rank<T: Element>(a: &Args) -> Result<(u64, f64, usize), String> {
+    let mut comm = Communicator::from_env().map_err(|e| e.to_string())?;
+    if comm.rank() == 0 {
+        let transport = comm.transport_description();
+        print_header(a, comm.world_size(), "processes", &transport);
+    }
+    bench::<T>(&mut comm, a).map_err(|e| format!("rank {}: {e}", comm.rank()))
+}
+
 fn run_typed<T: Element>(a: &Args) -> Result<(u64, f64, usize), String> {
+    if under_launcher() {
+        return run_as_rank::<T>(a);
+    }
+    print_header(a, a.ranks, "threads", "in-process");
     let comms = Communicator::local_group(a.ranks).map_err(|e| e.to_string())?;
     let handles: Vec<_> = comms
         .into_iter()
@@ -427,23 +480,9 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    println!(
-        "# oxccl-perf: collective {:?}, {} ranks (threads), backend host, transport in-process",
-        a.coll, a.ranks
-    );
-    println!(
-        "#  minBytes {} maxBytes {} step: {}(factor) warmup iters: {} iters: {} validation: {}",
-        a.min_bytes,
-        a.max_bytes,
-        a.factor,
-        a.warmup,
-        a.iters,
-        u8::from(a.check)
-    );
-    println!("#");
-    println!("#{:>61}{:>35}", "out-of-place", "in-place");
-    println!("#{:>11}  {:>12}  {:>8}  {:>6}  {:>6}  {:>7}  {:>6}  {:>6}  {:>5}  {:>7}  {:>6}  {:>6}  {:>5}", "size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong", "time", "algbw", "busbw", "#wrong");
-    println!("#{:>11}  {:>12}  {:>8}  {:>6}  {:>6}  {:>7}  {:>6}  {:>6}  {:>5}  {:>7}  {:>6}  {:>6}  {:>5}", "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", "");
+    if let Some(n) = a.processes.filter(|_| !under_launcher()) {
+        return launch_self(n);
+    }
     let result = match a.dtype {
         DType::I8 => run_typed::<i8>(&a),
         DType::U8 => run_typed::<u8>(&a),
@@ -457,7 +496,9 @@ fn main() -> ExitCode {
         DType::BF16 => run_typed::<bf16>(&a),
         _ => Err(format!("unsupported datatype {}", a.dtype)),
     };
+    let rank0 = !under_launcher() || std::env::var("RANK").map_or(true, |r| r == "0");
     match result {
+        Ok(_) if !rank0 => ExitCode::SUCCESS,
         Ok((wrong, busbw_sum, rows)) => {
             println!(
                 "# Out of bounds values : {} {}",
@@ -479,6 +520,52 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         }
+        Err(e) => {
+            eprintln!("oxccl-perf: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `-np N`: runs N copies of this program (without `-np`) as the ranks of
+/// one job on this host, through the same launcher as `oxccl-run`.
+fn launch_self(n: usize) -> ExitCode {
+    let program = match std::env::current_exe() {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("oxccl-perf: cannot find its own executable: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut args: Vec<std::ffi::OsString> = Vec::new();
+    let mut argv = std::env::args_os().skip(1);
+    while let Some(arg) = argv.next() {
+        if arg == "-np" {
+            argv.next();
+        } else {
+            args.push(arg);
+        }
+    }
+    let mut spec = oxccl::launch::LaunchSpec::new(program);
+    spec.args = args;
+    spec.nproc_per_node = n;
+    // Only rank 0 prints the table; other ranks print only errors.
+    spec.prefix_output = false;
+    if let Some(port) = std::env::var("MASTER_PORT")
+        .ok()
+        .and_then(|p| p.parse().ok())
+    {
+        spec.master_port = port;
+    } else if let Some(port) = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .ok()
+        .map(|a| a.port())
+    {
+        // A free port, so that several benchmarks can run side by side.
+        spec.master_port = port;
+    }
+    match oxccl::launch::launch(&spec) {
+        Ok(report) => ExitCode::from(report.exit_code().clamp(0, 255) as u8),
         Err(e) => {
             eprintln!("oxccl-perf: {e}");
             ExitCode::FAILURE
