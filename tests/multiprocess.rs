@@ -159,8 +159,28 @@ fn rank_cmd(rank: usize, world: usize, port: u16, transport: &str) -> Command {
         .env("MASTER_ADDR", "127.0.0.1")
         .env("MASTER_PORT", port.to_string())
         .env("OXCCL_TRANSPORT", transport)
-        .env("OXCCL_TIMEOUT", "30s");
+        .env("OXCCL_TIMEOUT", "30s")
+        .env("OXCCL_JOB_ID", job_id(port));
     cmd
+}
+
+/// The job id tests give the ranks of the job on `port`, which names its
+/// shared-memory segments (`/dev/shm/oxccl-<job>-...`).
+fn job_id(port: u16) -> String {
+    format!("test{}p{port}", std::process::id())
+}
+
+/// This job's segments still in `/dev/shm`.
+fn leftover_segments(port: u16) -> Vec<String> {
+    let prefix = format!("oxccl-{}-", job_id(port));
+    std::fs::read_dir("/dev/shm")
+        .map(|dir| {
+            dir.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|name| name.starts_with(&prefix))
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 fn launched(world: usize, transport: &str) {
@@ -228,6 +248,9 @@ fn a_rank_killed_mid_collective_is_named_by_every_survivor() {
             let (code, out, err) = rank.finish(survivors_deadline);
             outcomes.push((r, code, out, err, killed_at.elapsed()));
         }
+        // The killed rank never cleaned up, yet nothing of the job is left:
+        // each inbox was unlinked as soon as every local peer had mapped it.
+        assert_eq!(leftover_segments(port), Vec::<String>::new());
         for (r, code, out, err, took) in &outcomes {
             if *r == 1 {
                 assert_eq!(*code, None, "rank 1 was killed by a signal");

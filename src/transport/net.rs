@@ -1204,6 +1204,111 @@ fn sanitize_job_id(id: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::Write;
+
+    /// An endpoint (rank 0 of 2) whose link to rank 1 is a raw socket the
+    /// test writes into, as a confused or hostile peer would.
+    fn endpoint_with_raw_peer() -> (NetEndpoint, std::net::TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let raw = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (ours, _) = listener.accept().unwrap();
+        ours.set_nonblocking(true).unwrap();
+        let fabric = Fabric {
+            rank: 0,
+            peers: vec![
+                None,
+                Some(Peer {
+                    link: Link::Tcp(TcpLink::new(ours)),
+                    out: VecDeque::new(),
+                    incoming: Incoming::new(),
+                    gone: None,
+                    logged: false,
+                }),
+            ],
+            arrived: HashMap::new(),
+            consumed: HashMap::new(),
+            entered: HashMap::new(),
+            next_liveness_check: Instant::now(),
+            own_segment: None,
+            _store: Arc::new(crate::bootstrap::MemoryStore::new()),
+            interface: None,
+        };
+        let endpoint = NetEndpoint {
+            shared: Arc::new(NetShared {
+                fabric: Mutex::new(fabric),
+                aborted: AtomicBool::new(false),
+            }),
+            ctx: 0,
+            members: vec![0, 1],
+        };
+        (endpoint, raw)
+    }
+
+    fn frame(ctx: u64, seq: u64) -> FrameHeader {
+        FrameHeader {
+            ctx,
+            space: Space::Collective,
+            seq,
+            step: 0,
+            op: OpKind::AllReduce,
+            bytes: 8,
+        }
+    }
+
+    #[test]
+    fn stale_frames_are_reported_not_consumed() {
+        let (endpoint, mut raw) = endpoint_with_raw_peer();
+        let wait = Duration::from_secs(5);
+        raw.write_all(&encode(KIND_DATA, &frame(0, 5))).unwrap();
+        raw.write_all(&[7u8; 8]).unwrap();
+        let got = endpoint.recv(1, &frame(0, 5), wait).unwrap();
+        assert_eq!(got.as_bytes(), &[7u8; 8]);
+        // A frame of another context (a split this rank has not made yet)
+        // waits unclaimed; a receive in this context does not take it.
+        raw.write_all(&encode(KIND_DATA, &frame(99, 0))).unwrap();
+        raw.write_all(&[1u8; 8]).unwrap();
+        let short = Duration::from_millis(100);
+        assert!(matches!(
+            endpoint.recv(1, &frame(0, 6), short),
+            Err(TransportError::Timeout(_))
+        ));
+        // A frame older than one already consumed is stale.
+        raw.write_all(&encode(KIND_DATA, &frame(0, 3))).unwrap();
+        raw.write_all(&[0u8; 8]).unwrap();
+        match endpoint.recv(1, &frame(0, 6), wait) {
+            Err(TransportError::Mismatch(why)) => {
+                assert!(why.contains("stale frame") && why.contains("#3"), "{why}")
+            }
+            other => panic!("{other:?}"),
+        }
+        // The foreign-context frame is still there for its own receiver.
+        let fabric = endpoint.shared.lock();
+        assert!(fabric
+            .arrived
+            .contains_key(&(1, 99, Space::Collective, 0, 0)));
+    }
+
+    #[test]
+    fn malformed_frames_mark_the_peer_corrupt() {
+        let (endpoint, mut raw) = endpoint_with_raw_peer();
+        raw.write_all(&[0xEE; FRAME_HEADER_BYTES]).unwrap();
+        match endpoint.recv(1, &frame(0, 0), Duration::from_secs(5)) {
+            Err(TransportError::Mismatch(why)) => {
+                assert!(why.contains("rank 1 sent malformed frame"), "{why}")
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_peer_that_closes_without_goodbye_is_lost() {
+        let (endpoint, raw) = endpoint_with_raw_peer();
+        drop(raw);
+        assert!(matches!(
+            endpoint.recv(1, &frame(0, 0), Duration::from_secs(5)),
+            Err(TransportError::PeerLost { rank: Some(1) })
+        ));
+    }
 
     #[test]
     fn headers_round_trip_and_garbage_is_rejected() {
