@@ -11,13 +11,14 @@
 //! | argument check | [`CollectiveDesc::validate`] — every call, before any data moves |
 //! | schedules (pure data) | [`schedule`] — ring and chain plans as lists of [`schedule::Step`] |
 //! | host executor | runs plans over a transport with the CPU reductions in [`host::reduce`] |
-//! | transports | in-process (threads) |
+//! | transports | in-process (threads); shared memory and TCP between processes ([`TransportKind`]) |
+//! | bootstrap | [`bootstrap`] — stores for rendezvous, launcher variables ([`Communicator::from_env`]) |
 //! | launcher | [`launch`] — `oxccl-run` starts, supervises and stops one node's ranks |
 //!
 //! | backend | memory | status |
 //! |---|---|---|
 //! | host, in-process | `&[T]` | built |
-//! | host, shared memory / TCP | `&[T]` | not built yet |
+//! | host, shared memory / TCP | `&[T]` | built |
 //! | `nccl` | GPU | not built yet |
 //! | `cuda-ring` | GPU | not built yet |
 //!
