@@ -409,6 +409,29 @@ fn connections_without_the_job_token_are_refused() {
     );
 }
 
+/// `OXCCL_STORE=file:/dir`: rendezvous through a shared directory, no port.
+#[test]
+fn processes_rendezvous_through_a_file_store() {
+    let dir = std::env::temp_dir().join(format!("oxccl-mp-store-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let ranks: Vec<Running> = (0..2)
+        .map(|r| {
+            // MASTER_PORT points at nothing: the file store must not need it.
+            let mut cmd = rank_cmd(r, 2, free_port(), "auto");
+            cmd.env("OXCCL_STORE", format!("file:{}", dir.display()))
+                .args(["--quick", "--counts", "0,5"]);
+            Running::spawn(&mut cmd)
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    for (r, rank) in ranks.into_iter().enumerate() {
+        let (code, out, err) = rank.finish(deadline);
+        assert_eq!(code, Some(0), "rank {r}\n{out}\n{err}");
+        assert!(out.contains("every collective correct over shm"), "{out}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn a_taken_master_port_is_a_clear_error() {
     let holder = TcpListener::bind("0.0.0.0:0").expect("bind");

@@ -153,3 +153,27 @@ fn rendezvous_names_the_ranks_that_never_joined() {
         "{text}"
     );
 }
+
+#[test]
+fn rendezvous_through_a_file_store() {
+    let dir = std::env::temp_dir().join(format!("oxccl-filestore-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let store = std::sync::Arc::new(oxccl::bootstrap::FileStore::new(&dir).unwrap());
+    let handles: Vec<_> = (0..3)
+        .map(|rank| {
+            let store = store.clone();
+            std::thread::spawn(move || -> oxccl::Result<Vec<u32>> {
+                let mut comm = Communicator::builder()
+                    .timeout(Duration::from_secs(20))
+                    .init(rank, 3, store)?;
+                let mut v = vec![rank as u32 + 1; 7];
+                comm.all_reduce_in_place(&mut v, ReduceOp::Prod)?;
+                Ok(v)
+            })
+        })
+        .collect();
+    for h in handles {
+        assert_eq!(h.join().unwrap().unwrap(), vec![6; 7]);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
