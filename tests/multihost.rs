@@ -1,0 +1,399 @@
+//! Three "hosts" built from network namespaces, joined by a bridge, running
+//! every collective across them over TCP (and shared memory within each).
+//!
+//! Namespaces `oxh<PID>-0..2` are the hosts; `oxh<PID>-hub` holds a bridge
+//! `br0`. Host `i` has a decoy interface `aa0` (`10.214.0.<i+1>/24`, a
+//! dummy device, or a bridge without ports where the kernel has no dummy
+//! module; listed first, reaching nobody) and a veth `oxv0` (`10.213.0.<i+1>/24`)
+//! whose other end is enslaved to `br0`. The root namespace's network is
+//! never touched, and every namespace is deleted at the end, also when the
+//! test fails (a `Drop` guard).
+//!
+//! Three runs of `oxccl-run ... -- oxccl-check --quick`, one launcher per
+//! host, all started together:
+//! 1. `OXCCL_SOCKET_IFNAME=oxv`, 2 ranks per host: every rank passes over
+//!    `shm+tcp (oxv0 <its own address>)`.
+//! 2. `OXCCL_SOCKET_IFNAME==aa0` (the decoy), 1 rank per host: it must fail,
+//!    within a bounded time, saying what it could not reach.
+//! 3. No `OXCCL_SOCKET_IFNAME`, 1 rank per host: the interface toward
+//!    `MASTER_ADDR` (the veth) is chosen, and every rank passes.
+//!
+//! Needs root and `ip netns`; without them the test is skipped, unless `CI`
+//! is set, where it fails.
+
+use std::io::Read;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+const LAUNCHER: &str = env!("CARGO_BIN_EXE_oxccl-run");
+const CHECK: &str = env!("CARGO_BIN_EXE_oxccl-check");
+const HOSTS: usize = 3;
+const MASTER_ADDR: &str = "10.213.0.1";
+const MASTER_PORT: &str = "29400";
+
+/// Runs `ip ARGS`, returning its stderr on failure.
+fn ip(args: &[&str]) -> Result<(), String> {
+    let out = Command::new("ip")
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("cannot run `ip {}`: {e}", args.join(" ")))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "`ip {}` failed ({}): {}",
+            args.join(" "),
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+/// Runs `ip ARGS`, panicking on failure.
+fn ip_ok(args: &[&str]) {
+    if let Err(e) = ip(args) {
+        panic!("setting up the namespaces: {e}");
+    }
+}
+
+/// The namespaces of one test; deletes them all when dropped (deleting a
+/// namespace deletes its veth ends and its dummy and bridge devices).
+struct Net {
+    hub: String,
+    hosts: Vec<String>,
+    /// Namespaces created so far, deleted in reverse on drop.
+    created: Vec<String>,
+}
+
+impl Net {
+    fn names() -> (String, Vec<String>) {
+        let pid = std::process::id();
+        let hub = format!("oxh{pid}-hub");
+        let hosts = (0..HOSTS).map(|i| format!("oxh{pid}-{i}")).collect();
+        (hub, hosts)
+    }
+
+    /// Creates the hub namespace, or says why it cannot (no root, no
+    /// `ip`, no permission to create namespaces).
+    fn probe() -> Result<Net, String> {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            return Err("not running as root".into());
+        }
+        ip(&["netns", "list"])?;
+        let (hub, hosts) = Net::names();
+        // A namespace of this name left by a crashed run of the same pid.
+        let _ = ip(&["netns", "del", &hub]);
+        ip(&["netns", "add", &hub])?;
+        Ok(Net {
+            hub: hub.clone(),
+            hosts,
+            created: vec![hub],
+        })
+    }
+
+    fn add_ns(&mut self, name: &str) {
+        let _ = ip(&["netns", "del", name]);
+        ip_ok(&["netns", "add", name]);
+        self.created.push(name.to_string());
+    }
+
+    /// Builds the bridge, the hosts, their decoys and their veths.
+    fn build(&mut self) {
+        let hub = self.hub.clone();
+        ip_ok(&["-n", &hub, "link", "set", "lo", "up"]);
+        ip_ok(&["-n", &hub, "link", "add", "br0", "type", "bridge"]);
+        ip_ok(&["-n", &hub, "link", "set", "br0", "up"]);
+        for (i, ns) in self.hosts.clone().iter().enumerate() {
+            self.add_ns(ns);
+            ip_ok(&["-n", ns, "link", "set", "lo", "up"]);
+            // The decoy first, so the OS lists it before the veth.
+            let decoy = format!("10.214.0.{}/24", i + 1);
+            // A dummy device where the kernel has the module; else a bridge
+            // with no ports, which reaches nobody just the same.
+            if let Err(e) = ip(&["-n", ns, "link", "add", "aa0", "type", "dummy"]) {
+                if i == 0 {
+                    eprintln!("multihost: {e}; the decoy aa0 is a bridge without ports");
+                }
+                ip_ok(&["-n", ns, "link", "add", "aa0", "type", "bridge"]);
+            }
+            ip_ok(&["-n", ns, "addr", "add", &decoy, "dev", "aa0"]);
+            ip_ok(&["-n", ns, "link", "set", "aa0", "up"]);
+            // The veth is created inside the host namespace with its peer
+            // in the hub: the root namespace never holds either end.
+            let peer = format!("p{i}");
+            ip_ok(&[
+                "-n", ns, "link", "add", "oxv0", "type", "veth", "peer", "name", &peer, "netns",
+                &hub,
+            ]);
+            ip_ok(&["-n", &hub, "link", "set", &peer, "master", "br0"]);
+            ip_ok(&["-n", &hub, "link", "set", &peer, "up"]);
+            let addr = format!("10.213.0.{}/24", i + 1);
+            ip_ok(&["-n", ns, "addr", "add", &addr, "dev", "oxv0"]);
+            ip_ok(&["-n", ns, "link", "set", "oxv0", "up"]);
+        }
+    }
+}
+
+impl Drop for Net {
+    fn drop(&mut self) {
+        for ns in self.created.iter().rev() {
+            if let Err(e) = ip(&["netns", "del", ns]) {
+                eprintln!("multihost: cleanup: {e}");
+            }
+        }
+    }
+}
+
+/// The launchers of one run; any still running when this drops (a panic)
+/// are killed, and with them their ranks (`oxccl-run` gives each rank
+/// `PR_SET_PDEATHSIG`).
+struct Launchers(Vec<Option<Child>>);
+
+impl Drop for Launchers {
+    fn drop(&mut self) {
+        for child in self.0.iter_mut().flatten() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+struct NodeResult {
+    code: Option<i32>,
+    stdout: String,
+    stderr: String,
+}
+
+struct RunResult {
+    nodes: Vec<NodeResult>,
+    elapsed: Duration,
+}
+
+fn collect(mut pipe: impl Read + Send + 'static) -> mpsc::Receiver<String> {
+    let (tx, rx) = mpsc::channel();
+    thread::spawn(move || {
+        let mut bytes = Vec::new();
+        let _ = pipe.read_to_end(&mut bytes);
+        let _ = tx.send(String::from_utf8_lossy(&bytes).into_owned());
+    });
+    rx
+}
+
+/// Starts one launcher per host, all at once, with a clean environment
+/// plus `env`; waits for all of them, killing every one still running
+/// after `deadline` and failing.
+fn run_job(net: &Net, nproc: usize, env: &[(&str, &str)], deadline: Duration) -> RunResult {
+    let started = Instant::now();
+    let nproc = nproc.to_string();
+    let nnodes = HOSTS.to_string();
+    let mut launchers = Launchers(Vec::new());
+    let mut pipes = Vec::new();
+    for (i, ns) in net.hosts.iter().enumerate() {
+        let node_rank = i.to_string();
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", ns, LAUNCHER])
+            .args(["--nnodes", &nnodes, "--node-rank", &node_rank])
+            .args(["--master-addr", MASTER_ADDR, "--master-port", MASTER_PORT])
+            .args(["--nproc-per-node", &nproc, "--", CHECK, "--quick"])
+            // Nothing of the caller's job (OXCCL_*, MASTER_*, SLURM_*,
+            // TORCHELASTIC_*) leaks in.
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            // All namespaces share one /dev/shm: a job id of this test
+            // process's own keeps concurrent runs' segment names apart.
+            .env("OXCCL_JOB_ID", format!("multihost{}", std::process::id()))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start the launcher of host {i}: {e}"));
+        pipes.push((
+            collect(child.stdout.take().unwrap()),
+            collect(child.stderr.take().unwrap()),
+        ));
+        launchers.0.push(Some(child));
+    }
+    let mut codes = vec![None; HOSTS];
+    let mut done = [false; HOSTS];
+    while !done.iter().all(|&d| d) {
+        for i in 0..HOSTS {
+            if done[i] {
+                continue;
+            }
+            let child = launchers.0[i].as_mut().unwrap();
+            if let Some(status) = child.try_wait().unwrap() {
+                codes[i] = status.code();
+                done[i] = true;
+                launchers.0[i] = None;
+            }
+        }
+        if started.elapsed() > deadline {
+            let running: Vec<usize> = (0..HOSTS).filter(|&i| !done[i]).collect();
+            drop(launchers);
+            let mut outputs = String::new();
+            for (i, (out, err)) in pipes.iter().enumerate() {
+                let grace = Duration::from_secs(5);
+                outputs += &format!(
+                    "--- host {i} stdout\n{}--- host {i} stderr\n{}",
+                    out.recv_timeout(grace).unwrap_or_default(),
+                    err.recv_timeout(grace).unwrap_or_default()
+                );
+            }
+            panic!(
+                "launchers of hosts {running:?} still running after {deadline:?}; \
+                 killed them\n{outputs}"
+            );
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+    let elapsed = started.elapsed();
+    let grace = Duration::from_secs(5);
+    let nodes = pipes
+        .into_iter()
+        .zip(codes)
+        .enumerate()
+        .map(|(i, ((out, err), code))| {
+            let node = NodeResult {
+                code,
+                stdout: out
+                    .recv_timeout(grace)
+                    .unwrap_or_else(|_| panic!("host {i}: launcher stdout still open")),
+                stderr: err
+                    .recv_timeout(grace)
+                    .unwrap_or_else(|_| panic!("host {i}: launcher stderr still open")),
+            };
+            eprintln!(
+                "--- host {i}: exit {:?}\n--- stdout\n{}--- stderr\n{}",
+                node.code, node.stdout, node.stderr
+            );
+            node
+        })
+        .collect();
+    eprintln!("--- all hosts done after {elapsed:?}");
+    RunResult { nodes, elapsed }
+}
+
+/// Checks that every rank of every host passed over `transport(host)`.
+fn assert_all_correct(r: &RunResult, nproc: usize, transport: impl Fn(usize) -> String) {
+    let world = HOSTS * nproc;
+    for (i, node) in r.nodes.iter().enumerate() {
+        assert_eq!(
+            node.code,
+            Some(0),
+            "host {i}'s launcher failed\n{}{}",
+            node.stdout,
+            node.stderr
+        );
+        for local in 0..nproc {
+            let rank = i * nproc + local;
+            let want = format!(
+                "[rank {rank}] oxccl-check: rank {rank}/{world}: every collective correct over {}, counts ",
+                transport(i)
+            );
+            assert!(
+                node.stdout.lines().any(|l| l.starts_with(&want)),
+                "host {i}: no line starting {want:?} in\n{}{}",
+                node.stdout,
+                node.stderr
+            );
+        }
+    }
+}
+
+#[test]
+fn collectives_across_three_namespace_hosts() {
+    let mut net = match Net::probe() {
+        Ok(net) => net,
+        Err(why) => {
+            if std::env::var_os("CI").is_some() {
+                panic!(
+                    "multihost: needs root and `ip netns` ({why}); CI must run this test \
+                     (install iproute2 and run as root)"
+                );
+            }
+            eprintln!("\n*** SKIPPED: needs root and ip netns ({why}) ***\n");
+            return;
+        }
+    };
+    net.build();
+    let total = Instant::now();
+
+    // 1. Two ranks per host: shm within a host, TCP over the veths.
+    eprintln!("=== run 1: OXCCL_SOCKET_IFNAME=oxv, 3 hosts x 2 ranks");
+    let good = run_job(
+        &net,
+        2,
+        &[("OXCCL_SOCKET_IFNAME", "oxv"), ("OXCCL_TIMEOUT", "20s")],
+        Duration::from_secs(90),
+    );
+    assert_all_correct(&good, 2, |i| format!("shm+tcp (oxv0 10.213.0.{})", i + 1));
+
+    // 2. The decoy: it is up and has an address, but reaches nobody.
+    eprintln!("=== run 2: OXCCL_SOCKET_IFNAME==aa0 (the decoy), 3 hosts x 1 rank");
+    let decoy_deadline = Duration::from_secs(40);
+    let bad = run_job(
+        &net,
+        1,
+        &[("OXCCL_SOCKET_IFNAME", "=aa0"), ("OXCCL_TIMEOUT", "3s")],
+        decoy_deadline,
+    );
+    assert!(bad.elapsed < decoy_deadline, "{:?}", bad.elapsed);
+    for (i, node) in bad.nodes.iter().enumerate() {
+        assert!(
+            node.code.is_some_and(|c| c != 0),
+            "host {i}: the decoy run exited {:?}, not with a failure\n{}{}",
+            node.code,
+            node.stdout,
+            node.stderr
+        );
+    }
+    let said_why = bad.nodes.iter().any(|n| {
+        n.stderr.lines().chain(n.stdout.lines()).any(|l| {
+            l.contains("oxccl-check: FAILED")
+                && ["connect", "never joined", "timed out"]
+                    .iter()
+                    .any(|w| l.contains(w))
+        })
+    });
+    assert!(
+        said_why,
+        "no rank said what it could not reach: {}",
+        bad.nodes
+            .iter()
+            .map(|n| format!("{}{}", n.stdout, n.stderr))
+            .collect::<String>()
+    );
+    // The decoy was really used, not silently replaced.
+    assert!(
+        bad.nodes
+            .iter()
+            .any(|n| n.stderr.contains("10.214.0.") || n.stdout.contains("10.214.0.")),
+        "no rank's error names a decoy address"
+    );
+
+    // 3. No OXCCL_SOCKET_IFNAME: the interface toward MASTER_ADDR wins.
+    eprintln!("=== run 3: no OXCCL_SOCKET_IFNAME, 3 hosts x 1 rank");
+    let auto = run_job(
+        &net,
+        1,
+        &[("OXCCL_TIMEOUT", "20s")],
+        Duration::from_secs(60),
+    );
+    assert_all_correct(&auto, 1, |i| format!("tcp (oxv0 10.213.0.{})", i + 1));
+
+    eprintln!(
+        "=== runs took {:?}, {:?} (decoy, failing as it must), {:?}; {:?} in all",
+        good.elapsed,
+        bad.elapsed,
+        auto.elapsed,
+        total.elapsed()
+    );
+}
