@@ -123,19 +123,7 @@ impl LocalEndpoint {
         let mut frames = lock(&mailbox.frames);
         loop {
             if let Some((header, payload)) = frames.remove(&key) {
-                if header.op != expect.op {
-                    return Err(TransportError::Mismatch(format!(
-                        "peer is running {} but this rank is running {}",
-                        header.op, expect.op
-                    )));
-                }
-                if header.bytes != expect.bytes {
-                    return Err(TransportError::Mismatch(format!(
-                        "peer sent {} bytes where {} were expected (counts differ between ranks?)",
-                        header.bytes, expect.bytes
-                    )));
-                }
-                return Ok(payload);
+                return header.check_matches(expect).map(|()| payload);
             }
             if self.group.aborted.load(Ordering::SeqCst) {
                 return Err(TransportError::Aborted);

@@ -34,6 +34,27 @@ pub(crate) struct FrameHeader {
     pub bytes: usize,
 }
 
+impl FrameHeader {
+    /// Checks an arrived frame (found under the expected key) against what
+    /// this rank expects: ranks running different operations or sizes are
+    /// told so instead of corrupting data.
+    pub fn check_matches(&self, expect: &FrameHeader) -> Result<(), TransportError> {
+        if self.op != expect.op {
+            return Err(TransportError::Mismatch(format!(
+                "peer is running {} but this rank is running {}",
+                self.op, expect.op
+            )));
+        }
+        if self.bytes != expect.bytes {
+            return Err(TransportError::Mismatch(format!(
+                "peer sent {} bytes where {} were expected (counts differ between ranks?)",
+                self.bytes, expect.bytes
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// Owned frame bytes, 8-byte aligned so they can be viewed as any element type.
 #[derive(Debug, Default)]
 pub(crate) struct Payload {

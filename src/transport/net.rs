@@ -728,7 +728,7 @@ impl NetEndpoint {
                     fabric
                         .consumed
                         .insert((expect.ctx, expect.space, source), expect.seq);
-                    return check_match(&header, expect).map(|()| payload);
+                    return header.check_matches(expect).map(|()| payload);
                 }
                 if self.shared.aborted.load(Ordering::SeqCst) {
                     return Err(TransportError::Aborted);
@@ -785,25 +785,6 @@ impl NetEndpoint {
             backoff.wait(&self.shared, deadline);
         }
     }
-}
-
-fn check_match(
-    header: &FrameHeader,
-    expect: &FrameHeader,
-) -> std::result::Result<(), TransportError> {
-    if header.op != expect.op {
-        return Err(TransportError::Mismatch(format!(
-            "peer is running {} but this rank is running {}",
-            header.op, expect.op
-        )));
-    }
-    if header.bytes != expect.bytes {
-        return Err(TransportError::Mismatch(format!(
-            "peer sent {} bytes where {} were expected (counts differ between ranks?)",
-            header.bytes, expect.bytes
-        )));
-    }
-    Ok(())
 }
 
 impl Drop for Fabric {
