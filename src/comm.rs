@@ -21,7 +21,8 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 /// Default pipeline piece size in bytes.
 pub const DEFAULT_CHUNK_BYTES: usize = 256 * 1024;
 /// Default size of each shared-memory ring (one per ordered pair of local
-/// ranks): 1 MiB, so 8 ranks on a host need 56 MiB of `/dev/shm`.
+/// ranks): 1 MiB, so 8 ranks on a host need 56 rings, about 56 MiB of
+/// `/dev/shm` (Docker's default is 64 MiB).
 pub const DEFAULT_SHM_RING_BYTES: usize = 1 << 20;
 
 /// Settings every communicator carries.
@@ -355,7 +356,8 @@ impl CommBuilder {
         let job_id = self
             .job_id
             .clone()
-            .or_else(|| std::env::var("OXCCL_JOB_ID").ok());
+            .or_else(|| std::env::var("OXCCL_JOB_ID").ok())
+            .filter(|id| !id.trim().is_empty());
         let endpoint = net::connect(net::Setup {
             rank,
             world: world_size,

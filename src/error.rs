@@ -83,8 +83,10 @@ pub enum Error {
     },
 
     /// The communicator was aborted with [`Communicator::abort`](crate::Communicator::abort)
-    /// (or by a peer's abort); every call in progress and every later call
-    /// returns this.
+    /// (by any thread holding an [`AbortHandle`](crate::AbortHandle) of its
+    /// group in this process); every call in progress and every later call
+    /// returns this. Other processes see the rank leave once it drops its
+    /// communicators.
     #[error("rank {rank}: {op} #{seq}: communicator aborted")]
     Aborted {
         /// The operation in progress.

@@ -750,7 +750,8 @@ fn emit(stream: Stream, prefix: &str, text: &[u8]) {
 /// Removes `/dev/shm/oxccl-{job_id}-*`: segments ranks that crashed during
 /// setup could not unlink. Errors are ignored.
 fn remove_shm_segments(job_id: &str) {
-    let prefix = format!("oxccl-{job_id}-");
+    // Named as the shared-memory transport names them.
+    let prefix = format!("oxccl-{}-", crate::transport::shm::sanitize_job_id(job_id));
     let Ok(entries) = std::fs::read_dir("/dev/shm") else {
         return;
     };

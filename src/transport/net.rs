@@ -1079,12 +1079,20 @@ pub(crate) fn connect(setup: Setup) -> Result<NetEndpoint> {
     if !shm_peers.is_empty() {
         let job = job_id
             .as_deref()
-            .map(sanitize_job_id)
+            .map(shm::sanitize_job_id)
             .unwrap_or_else(|| hex(&token[..6]));
         let nonce = hex(&token[12..16]);
-        let slot = |r: usize| local.iter().position(|&x| x == r).unwrap_or(0);
+        // Ring `slot(sender, owner)` of `owner`'s inbox carries sender →
+        // owner: one ring per *other* local rank, L·(L-1) rings per host.
+        let slot = |sender: usize, owner: usize| {
+            local
+                .iter()
+                .filter(|&&x| x != owner)
+                .position(|&x| x == sender)
+                .unwrap_or(0)
+        };
         let name = shm::segment_name(&job, &nonce, rank);
-        let mut segment = Segment::create(&name, local.len(), shm_ring_bytes).map_err(|e| {
+        let mut segment = Segment::create(&name, local.len() - 1, shm_ring_bytes).map_err(|e| {
             bootstrap_error(rank, "creating its shared-memory inbox", e.to_string())
         })?;
         let shm_key = |r: usize| format!("oxccl/shm/{r}");
@@ -1100,9 +1108,9 @@ pub(crate) fn connect(setup: Setup) -> Result<NetEndpoint> {
                     e.to_string(),
                 )
             })?;
-            let link = ShmLink::new(peer_segment, slot(rank), &segment, slot(p)).map_err(|e| {
-                bootstrap_error(rank, &format!("linking to rank {p}"), e.to_string())
-            })?;
+            let link = ShmLink::new(peer_segment, slot(rank, p), &segment, slot(p, rank)).map_err(
+                |e| bootstrap_error(rank, &format!("linking to rank {p}"), e.to_string()),
+            )?;
             peers[p] = Some(new_peer(Link::Shm(link)));
         }
         let mapped_key = |r: usize| format!("oxccl/shm-mapped/{r}");
@@ -1166,20 +1174,6 @@ pub(crate) fn connect(setup: Setup) -> Result<NetEndpoint> {
         ctx: 0,
         members: all,
     })
-}
-
-/// Keeps a job id usable in a file name.
-fn sanitize_job_id(id: &str) -> String {
-    id.chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '_' || c == '.' {
-                c
-            } else {
-                '_'
-            }
-        })
-        .take(64)
-        .collect()
 }
 
 #[cfg(test)]
@@ -1321,6 +1315,5 @@ mod tests {
         assert_eq!(TransportKind::from_name("tcp"), Some(TransportKind::Tcp));
         assert_eq!(TransportKind::from_name("auto"), Some(TransportKind::Auto));
         assert_eq!(TransportKind::from_name("ib"), None);
-        assert_eq!(sanitize_job_id("a/b c"), "a_b_c");
     }
 }

@@ -56,6 +56,21 @@ fn segment_bytes(slots: usize, ring_bytes: usize) -> usize {
     ring_offset(slots, ring_bytes)
 }
 
+/// Keeps a job id usable in a segment name: the one mapping from
+/// `OXCCL_JOB_ID` to names, shared with `oxccl-run`'s clean-up.
+pub(crate) fn sanitize_job_id(id: &str) -> String {
+    id.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '_' || c == '.' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .take(64)
+        .collect()
+}
+
 /// The name of rank `rank`'s segment (POSIX shm names start with one `/`).
 /// `oxccl-run` removes leftovers by the `oxccl-<job>-` prefix.
 pub(crate) fn segment_name(job: &str, nonce: &str, rank: usize) -> String {
@@ -468,6 +483,12 @@ mod tests {
         let name = unique("d");
         drop(Segment::create(&name, 1, 4096).unwrap());
         assert!(!std::path::Path::new(&format!("/dev/shm{name}")).exists());
+    }
+
+    #[test]
+    fn job_ids_become_safe_names() {
+        assert_eq!(sanitize_job_id("my-job/1 x"), "my_job_1_x");
+        assert_eq!(sanitize_job_id(&"a".repeat(100)).len(), 64);
     }
 
     #[test]
