@@ -724,6 +724,11 @@ impl NetEndpoint {
                 if fabric.progress() {
                     backoff.reset();
                 }
+                // The liveness check reads what a departing peer left in its
+                // ring (its last frames, then its goodbye), so it runs before
+                // looking for the frame: a frame that arrived just before its
+                // sender left is delivered, not reported as lost.
+                fabric.check_liveness();
                 if let Some((header, payload)) = fabric.arrived.remove(&key) {
                     fabric
                         .consumed
@@ -733,13 +738,15 @@ impl NetEndpoint {
                 if self.shared.aborted.load(Ordering::SeqCst) {
                     return Err(TransportError::Aborted);
                 }
-                fabric.check_liveness();
                 if let Some(e) = self.failure(&fabric, peer, Some(expect)) {
                     // A peer that left in the middle of a call usually left
                     // because another rank died: look again now, and blame
                     // the dead rank rather than the messenger.
                     fabric.next_liveness_check = Instant::now();
                     fabric.check_liveness();
+                    if fabric.arrived.contains_key(&key) {
+                        continue; // it came after all: take it above
+                    }
                     return Err(self.failure(&fabric, peer, Some(expect)).unwrap_or(e));
                 }
             }
