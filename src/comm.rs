@@ -9,6 +9,7 @@ use std::time::Duration;
 use crate::bootstrap::{FileStore, LaunchEnv, Store, TcpStore};
 use crate::desc::{BufDesc, CollectiveDesc, MemoryKind};
 use crate::error::{Error, Result};
+use crate::host::arena::{self, Arena, Buffers, CallSig, Geometry};
 use crate::host::executor::{self, Bufs, CallInfo};
 use crate::schedule;
 use crate::transport::local::{LocalEndpoint, LocalGroup};
@@ -40,6 +41,41 @@ pub struct CommConfig {
     /// Bytes of each shared-memory ring, a power of two of at least 4 KiB
     /// (`OXCCL_SHM_RING_BYTES`).
     pub shm_ring_bytes: usize,
+    /// Which algorithms collectives use (`OXCCL_ALGO`).
+    pub algo: Algo,
+}
+
+/// Which algorithm family runs the collectives (`OXCCL_ALGO`).
+///
+/// `Auto` picks by operation, size, world size and what links the ranks:
+/// see `docs/performance.md` for the table. The others force one family
+/// where it applies (a forced family that cannot run a call, such as
+/// `Direct` across hosts, falls back to `Auto`'s choice).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Algo {
+    /// Chosen per call.
+    #[default]
+    Auto,
+    /// Pipelined ring (all-reduce, reduce-scatter, all-gather) and chain
+    /// (broadcast, reduce) schedules over the point-to-point links.
+    Ring,
+    /// Through the shared arena, when every rank is on one host: one-shot
+    /// all-reduce for small messages, two-shot for large ones, and direct
+    /// reads of each other's slots for the rest.
+    Direct,
+}
+
+impl Algo {
+    /// Parses `auto`, `ring` or `direct` (case-insensitive).
+    pub fn from_name(name: &str) -> Option<Algo> {
+        match name.trim().to_ascii_lowercase().as_str() {
+            "" | "auto" => Some(Algo::Auto),
+            "ring" => Some(Algo::Ring),
+            "direct" | "arena" => Some(Algo::Direct),
+            _ => None,
+        }
+    }
 }
 
 impl Default for CommConfig {
@@ -50,6 +86,7 @@ impl Default for CommConfig {
             transport: TransportKind::Auto,
             socket_ifname: None,
             shm_ring_bytes: DEFAULT_SHM_RING_BYTES,
+            algo: Algo::Auto,
         }
     }
 }
@@ -103,6 +140,13 @@ impl CommConfig {
                     value: value.clone(),
                     reason: "expected a power of two of at least 4096".into(),
                 })?;
+        }
+        if let Ok(value) = std::env::var("OXCCL_ALGO") {
+            config.algo = Algo::from_name(&value).ok_or_else(|| Error::Config {
+                name: "OXCCL_ALGO".into(),
+                value: value.clone(),
+                reason: "expected auto, ring or direct".into(),
+            })?;
         }
         Ok(config)
     }
@@ -197,6 +241,9 @@ pub struct Communicator {
     /// The first fatal error, after which the communicator is unusable.
     failed: Option<String>,
     backend: Backend,
+    /// The shared arena of an all-local world (`None` for split
+    /// sub-communicators, across hosts, and with `OXCCL_ALGO=ring`).
+    arena: Option<Arena>,
     _not_sync: PhantomData<Cell<()>>,
 }
 
@@ -206,6 +253,7 @@ pub struct CommBuilder {
     timeout: Option<Duration>,
     chunk_bytes: Option<usize>,
     transport: Option<TransportKind>,
+    algo: Option<Algo>,
     job_id: Option<String>,
 }
 
@@ -225,6 +273,12 @@ impl CommBuilder {
     /// Which links to use between processes (overrides `OXCCL_TRANSPORT`).
     pub fn transport(mut self, transport: TransportKind) -> Self {
         self.transport = Some(transport);
+        self
+    }
+
+    /// Which algorithms to use (overrides `OXCCL_ALGO`).
+    pub fn algo(mut self, algo: Algo) -> Self {
+        self.algo = Some(algo);
         self
     }
 
@@ -251,6 +305,9 @@ impl CommBuilder {
         }
         if let Some(t) = self.transport {
             config.transport = t;
+        }
+        if let Some(a) = self.algo {
+            config.algo = a;
         }
         Ok(config)
     }
@@ -358,7 +415,7 @@ impl CommBuilder {
             .clone()
             .or_else(|| std::env::var("OXCCL_JOB_ID").ok())
             .filter(|id| !id.trim().is_empty());
-        let endpoint = net::connect(net::Setup {
+        let (endpoint, arena_segment) = net::connect(net::Setup {
             rank,
             world: world_size,
             store,
@@ -368,13 +425,24 @@ impl CommBuilder {
             toward,
             job_id,
             shm_ring_bytes: config.shm_ring_bytes,
+            arena_bytes: if config.algo == Algo::Ring {
+                0
+            } else {
+                Arena::region_bytes(world_size)
+            },
         })?;
-        Ok(Communicator::new(
-            rank,
-            world_size,
-            config,
-            Transport::Net(endpoint),
-        ))
+        let arena = arena_segment.map(|segment| {
+            Arena::shared(
+                segment,
+                Geometry::new(world_size),
+                rank,
+                endpoint.abort_flag(),
+                config.timeout,
+            )
+        });
+        let mut comm = Communicator::new(rank, world_size, config, Transport::Net(endpoint));
+        comm.arena = arena;
+        Ok(comm)
     }
 
     /// `n` communicators of one in-process group, one per thread
@@ -395,10 +463,21 @@ impl CommBuilder {
         }
         let group = LocalGroup::new(n);
         let members: Vec<usize> = (0..n).collect();
+        let mut arenas: Vec<Option<Arena>> = if n > 1 && config.algo != Algo::Ring {
+            Arena::local_group(n, group.abort_flag(), config.timeout)
+                .into_iter()
+                .map(Some)
+                .collect()
+        } else {
+            (0..n).map(|_| None).collect()
+        };
         Ok((0..n)
             .map(|rank| {
                 let endpoint = LocalEndpoint::new(group.clone(), 0, members.clone(), rank);
-                Communicator::new(rank, n, config.clone(), Transport::Local(endpoint))
+                let mut comm =
+                    Communicator::new(rank, n, config.clone(), Transport::Local(endpoint));
+                comm.arena = arenas[rank].take();
+                comm
             })
             .collect())
     }
@@ -415,6 +494,66 @@ fn child_ctx(parent: u64, seq: u64, color: u32) -> u64 {
     z ^ (z >> 31)
 }
 
+/// Runs one validated collective through the arena.
+fn run_in_arena<T: Element>(
+    arena: &mut Arena,
+    desc: &CollectiveDesc,
+    info: &CallInfo,
+    bufs: Bufs<'_, T>,
+) -> Result<()> {
+    let count = desc.count();
+    let root = desc.root.unwrap_or(0);
+    let sig = CallSig {
+        seq: info.seq,
+        signature: arena::signature(desc.op, desc.dtype as u8, desc.reduce_op, root, count),
+    };
+    let rank = desc.rank;
+    let op = info.reduce_op;
+    let buffers = match bufs {
+        Bufs::OutOfPlace { send, recv } => Buffers {
+            input: send.as_ptr(),
+            output: recv.as_mut_ptr(),
+            in_place: false,
+        },
+        Bufs::InPlace(buf) => {
+            let base = buf.as_mut_ptr();
+            // In place, reduce-scatter's result and all-gather's input are
+            // this rank's part of the one buffer.
+            let part = match desc.op {
+                OpKind::ReduceScatter | OpKind::AllGather => rank * count,
+                _ => 0,
+            };
+            // SAFETY: part·count ≤ len (validated).
+            let at = unsafe { base.add(part) };
+            let (input, output) = match desc.op {
+                OpKind::ReduceScatter => (base as *const T, at),
+                OpKind::AllGather => (at as *const T, base),
+                _ => (base as *const T, base),
+            };
+            Buffers {
+                input,
+                output,
+                in_place: true,
+            }
+        }
+    };
+    match desc.op {
+        OpKind::AllReduce => arena.all_reduce(info, &sig, buffers, count, op),
+        OpKind::ReduceScatter => arena.reduce_scatter(info, &sig, buffers, count, op),
+        OpKind::AllGather => arena.all_gather(info, &sig, buffers, count),
+        OpKind::Broadcast => arena.broadcast(info, &sig, buffers, count, root),
+        OpKind::Reduce => arena.reduce(info, &sig, buffers, count, op, root),
+        OpKind::AllToAll => arena.all_to_all(info, &sig, buffers, count),
+        OpKind::Barrier => arena.barrier(info, &sig),
+        // `uses_arena` keeps these on the point-to-point links.
+        OpKind::Send | OpKind::Recv | OpKind::Split => Err(Error::Failed {
+            op: desc.op,
+            rank,
+            first_error: "internal error: point-to-point call routed to the arena".into(),
+        }),
+    }
+}
+
 /// Marker stored in the split table for ranks that join no group.
 const NO_COLOR: u64 = u64::MAX;
 
@@ -429,6 +568,7 @@ impl Communicator {
             recvs: vec![0; world],
             failed: None,
             backend: Backend::Host(transport),
+            arena: None,
             _not_sync: PhantomData,
         }
     }
@@ -534,7 +674,6 @@ impl Communicator {
                 (Space::Collective, self.seq - 1)
             }
         };
-        let plan = schedule::plan(&desc, self.config.chunk_bytes);
         let Backend::Host(transport) = &self.backend;
         let ctx = transport.ctx();
         let info = CallInfo {
@@ -547,11 +686,40 @@ impl Communicator {
             reduce_op: desc.reduce_op.unwrap_or(ReduceOp::Sum),
             timeout: self.config.timeout,
         };
-        let result = executor::execute(transport, &info, &plan, bufs);
+        let result = match (self.uses_arena(&desc), self.arena.as_mut()) {
+            (true, Some(arena)) => run_in_arena(arena, &desc, &info, bufs),
+            _ => {
+                let plan = schedule::plan(&desc, self.config.chunk_bytes);
+                executor::execute(transport, &info, &plan, bufs)
+            }
+        };
         if let Err(e) = &result {
             self.failed = Some(e.to_string());
         }
         result
+    }
+
+    /// Whether this call runs through the shared arena.
+    fn uses_arena(&self, desc: &CollectiveDesc) -> bool {
+        let arena_op = !matches!(desc.op, OpKind::Send | OpKind::Recv | OpKind::Split);
+        arena_op && self.arena.is_some() && self.config.algo != Algo::Ring
+    }
+
+    /// The algorithm a collective of `bytes` (nccl-tests' size: the largest
+    /// buffer) and element type `T` would use on this communicator, as
+    /// `oxccl-perf` reports it: `oneshot`, `twoshot`, `direct`, `ring` or
+    /// `chain`.
+    pub fn algorithm_for<T: Element>(&self, op: OpKind, bytes: usize) -> &'static str {
+        let desc = self.desc::<T>(op);
+        if self.uses_arena(&desc) {
+            return arena::algorithm_name(op, bytes, T::DTYPE.size());
+        }
+        match op {
+            OpKind::AllReduce | OpKind::ReduceScatter | OpKind::AllGather | OpKind::Split => "ring",
+            OpKind::Broadcast | OpKind::Reduce => "chain",
+            OpKind::AllToAll | OpKind::Send | OpKind::Recv => "direct",
+            OpKind::Barrier => "dissemination",
+        }
     }
 
     /// All-reduce: `recv[i]` = `op` over every rank's `send[i]`.

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use common::run_ranks_with;
 use oxccl::check::{edge_counts, every_collective_every_dtype};
-use oxccl::{Communicator, ReduceOp};
+use oxccl::{Algo, Communicator, ReduceOp};
 
 const WORLDS: [usize; 6] = [1, 2, 3, 4, 5, 8];
 
@@ -22,11 +22,12 @@ fn fail(what: String) -> oxccl::Error {
     }
 }
 
-fn matrix(chunk_bytes: usize) {
+fn matrix(chunk_bytes: usize, algo: Algo) {
     for world in WORLDS {
         let builder = Communicator::builder()
             .timeout(Duration::from_secs(30))
-            .chunk_bytes(chunk_bytes);
+            .chunk_bytes(chunk_bytes)
+            .algo(algo);
         run_ranks_with(world, builder, |comm| {
             let counts = edge_counts(comm.world_size());
             every_collective_every_dtype(comm, &counts).map_err(|e| fail(e.to_string()))
@@ -35,16 +36,41 @@ fn matrix(chunk_bytes: usize) {
     }
 }
 
+/// The schedules over the point-to-point links (what runs across hosts).
 #[test]
-fn every_collective_default_chunks() {
-    matrix(oxccl::DEFAULT_CHUNK_BYTES);
+fn every_collective_ring_default_chunks() {
+    matrix(oxccl::DEFAULT_CHUNK_BYTES, Algo::Ring);
 }
 
 /// 64-byte pieces force thousands of pipeline steps (Gloo's
 /// `setMaxSegmentSize(128)` trick).
 #[test]
-fn every_collective_tiny_chunks() {
-    matrix(64);
+fn every_collective_ring_tiny_chunks() {
+    matrix(64, Algo::Ring);
+}
+
+/// The shared arena (what runs among ranks of one host).
+#[test]
+fn every_collective_direct() {
+    matrix(oxccl::DEFAULT_CHUNK_BYTES, Algo::Direct);
+}
+
+/// Counts that take the arena several rounds per call (its slots hold
+/// 256 KiB), for one- and eight-byte elements, so slots are reused many
+/// times within and across calls and partial last pieces occur.
+#[test]
+fn every_collective_direct_many_pieces() {
+    use oxccl::check::every_collective;
+    for world in [2, 3] {
+        let builder = Communicator::builder()
+            .timeout(Duration::from_secs(30))
+            .algo(Algo::Direct);
+        run_ranks_with(world, builder, |comm| {
+            every_collective::<u8>(comm, &[262_100, 600_007]).map_err(|e| fail(e.to_string()))?;
+            every_collective::<f64>(comm, &[32_765, 100_003]).map_err(|e| fail(e.to_string()))
+        })
+        .unwrap_or_else(|e| panic!("world {world}: {e}"));
+    }
 }
 
 #[test]

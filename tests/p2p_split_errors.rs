@@ -228,3 +228,21 @@ fn abort_unblocks_a_call_in_progress() {
     assert!(matches!(result, Err(Error::Aborted { .. })), "{result:?}");
     drop(comms);
 }
+
+/// In the shared arena, ranks that disagree on the count (or the type, the
+/// operator, the root) get a mismatch naming the peer, never a misread.
+#[test]
+fn arena_reports_a_count_mismatch() {
+    let builder = Communicator::builder()
+        .timeout(Duration::from_secs(10))
+        .algo(oxccl::Algo::Direct);
+    let err = run_ranks_with(2, builder, |comm| {
+        let mut v = vec![1.0f32; 4 + comm.rank()];
+        comm.all_reduce_in_place(&mut v, ReduceOp::Sum)
+    })
+    .unwrap_err();
+    assert!(
+        err.contains("mismatch") && err.contains("different call"),
+        "{err}"
+    );
+}

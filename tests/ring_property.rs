@@ -7,7 +7,7 @@ mod common;
 use std::time::Duration;
 
 use common::run_ranks_with;
-use oxccl::{bf16, f16, Communicator, Element, ReduceOp};
+use oxccl::{bf16, f16, Algo, Communicator, Element, ReduceOp};
 use proptest::prelude::*;
 
 /// Relative rounding unit of each dtype (0 for integers: exact).
@@ -77,10 +77,12 @@ fn check<T: Element>(
     per_rank: usize,
     seed: u64,
     chunk_bytes: usize,
+    algo: Algo,
 ) -> Result<(), String> {
     let builder = Communicator::builder()
         .timeout(Duration::from_secs(20))
-        .chunk_bytes(chunk_bytes);
+        .chunk_bytes(chunk_bytes)
+        .algo(algo);
     let results = run_ranks_with(world, builder, move |comm| {
         let (rank, world) = (comm.rank(), comm.world_size());
         let count = per_rank * world;
@@ -146,8 +148,8 @@ macro_rules! prop_for {
         proptest! {
             #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
             #[test]
-            fn $name(world in 1usize..=8, per_rank in 0usize..40, seed in any::<u64>(), chunk in prop::sample::select(vec![2usize, 16, 64, 1 << 20])) {
-                check::<$t>(world, per_rank, seed, chunk).map_err(TestCaseError::fail)?;
+            fn $name(world in 1usize..=8, per_rank in 0usize..40, seed in any::<u64>(), chunk in prop::sample::select(vec![2usize, 16, 64, 1 << 20]), algo in prop::sample::select(vec![Algo::Ring, Algo::Direct])) {
+                check::<$t>(world, per_rank, seed, chunk, algo).map_err(TestCaseError::fail)?;
             }
         }
     };
@@ -163,3 +165,15 @@ prop_for!(ring_property_i32, i32);
 prop_for!(ring_property_u32, u32);
 prop_for!(ring_property_i64, i64);
 prop_for!(ring_property_u64, u64);
+
+/// The arena's two-shot all-reduce (counts past one slot) against its
+/// reduce-scatter and all-gather, bit for bit, for a float, a half and an
+/// integer type.
+#[test]
+fn direct_two_shot_equals_all_gather_of_reduce_scatter() {
+    for world in [2, 3] {
+        check::<f32>(world, 40_000, 7, 1 << 20, Algo::Direct).unwrap();
+        check::<bf16>(world, 70_001, 8, 1 << 20, Algo::Direct).unwrap();
+        check::<i32>(world, 33_333, 9, 1 << 20, Algo::Direct).unwrap();
+    }
+}

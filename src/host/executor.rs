@@ -48,7 +48,7 @@ pub(crate) struct CallInfo {
 }
 
 impl CallInfo {
-    fn error(&self, peer: Rank, e: TransportError) -> Error {
+    pub(crate) fn error(&self, peer: Rank, e: TransportError) -> Error {
         let (op, seq, rank) = (self.op, self.seq, self.rank);
         match e {
             TransportError::Timeout(waited) => Error::Timeout {

@@ -1,4 +1,5 @@
 //! The host backend: runs schedule plans over a transport with CPU reductions.
 
+pub(crate) mod arena;
 pub(crate) mod executor;
 pub mod reduce;

@@ -20,7 +20,8 @@ struct Mailbox {
 /// State shared by every communicator of one `local_group` (and its splits).
 pub(crate) struct LocalGroup {
     mailboxes: Vec<Mailbox>,
-    aborted: AtomicBool,
+    /// Set by `abort()`; shared with the group's arenas.
+    aborted: Arc<AtomicBool>,
     /// `(ctx, global rank)` of endpoints that were dropped.
     departed: Mutex<HashSet<(u64, usize)>>,
 }
@@ -35,7 +36,7 @@ impl LocalGroup {
     pub fn new(world: usize) -> Arc<LocalGroup> {
         Arc::new(LocalGroup {
             mailboxes: (0..world).map(|_| Mailbox::default()).collect(),
-            aborted: AtomicBool::new(false),
+            aborted: Arc::new(AtomicBool::new(false)),
             departed: Mutex::new(HashSet::new()),
         })
     }
@@ -45,6 +46,11 @@ impl LocalGroup {
             let _guard = lock(&mailbox.frames);
             mailbox.arrived.notify_all();
         }
+    }
+
+    /// The abort flag, for waits outside the mailboxes (the arena).
+    pub fn abort_flag(&self) -> Arc<AtomicBool> {
+        self.aborted.clone()
     }
 
     /// Makes every wait of every communicator in the group return `Aborted`.

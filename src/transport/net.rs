@@ -230,7 +230,8 @@ pub(crate) struct Fabric {
 /// What the communicators of one process share.
 pub(crate) struct NetShared {
     fabric: Mutex<Fabric>,
-    aborted: AtomicBool,
+    /// Set by `abort()`; shared with the arena, which waits outside the fabric.
+    aborted: Arc<AtomicBool>,
 }
 
 impl NetShared {
@@ -586,6 +587,11 @@ impl NetEndpoint {
         self.ctx
     }
 
+    /// The abort flag, for waits outside the fabric (the arena).
+    pub fn abort_flag(&self) -> Arc<AtomicBool> {
+        self.shared.aborted.clone()
+    }
+
     pub fn shared(&self) -> &Arc<NetShared> {
         &self.shared
     }
@@ -876,6 +882,8 @@ pub(crate) struct Setup {
     pub toward: Option<IpAddr>,
     pub job_id: Option<String>,
     pub shm_ring_bytes: usize,
+    /// Bytes of the arena an all-local world shares (0: none).
+    pub arena_bytes: usize,
 }
 
 /// What each rank publishes at rendezvous.
@@ -943,7 +951,10 @@ fn wait_for_ranks(
 }
 
 /// Joins the job: rendezvous through the store, then one link per peer.
-pub(crate) fn connect(setup: Setup) -> Result<NetEndpoint> {
+/// Connects this rank to every other. When every rank is on this host and
+/// linked by shared memory, also returns the job's arena segment (mapped by
+/// every rank, its name already removed) of `arena_bytes`.
+pub(crate) fn connect(setup: Setup) -> Result<(NetEndpoint, Option<Segment>)> {
     let Setup {
         rank,
         world,
@@ -954,6 +965,7 @@ pub(crate) fn connect(setup: Setup) -> Result<NetEndpoint> {
         toward,
         job_id,
         shm_ring_bytes,
+        arena_bytes,
     } = setup;
     let deadline = Instant::now() + timeout;
     let all: Vec<usize> = (0..world).collect();
@@ -1083,6 +1095,7 @@ pub(crate) fn connect(setup: Setup) -> Result<NetEndpoint> {
         .filter(|&r| r != rank && use_shm(r))
         .collect();
     let mut own_segment = None;
+    let mut arena_segment = None;
     if !shm_peers.is_empty() {
         let job = job_id
             .as_deref()
@@ -1102,9 +1115,37 @@ pub(crate) fn connect(setup: Setup) -> Result<NetEndpoint> {
         let mut segment = Segment::create(&name, local.len() - 1, shm_ring_bytes).map_err(|e| {
             bootstrap_error(rank, "creating its shared-memory inbox", e.to_string())
         })?;
+        // The arena: rank 0 makes it before announcing its inbox, so it
+        // exists once rank 0's key does; it is unlinked with the inboxes.
+        let all_on_shm = arena_bytes > 0 && shm_peers.len() + 1 == world;
+        let arena_name = format!("{}-arena", shm::segment_name(&job, &nonce, 0));
+        // Without one (a full /dev/shm), collectives run over the rings.
+        if all_on_shm && rank == 0 {
+            match Segment::create_with_region(&arena_name, 0, 4096, arena_bytes) {
+                Ok(arena) => {
+                    store.set("oxccl/arena", arena_name.as_bytes())?;
+                    arena_segment = Some(arena);
+                }
+                Err(e) => {
+                    eprintln!("oxccl: rank 0: no shared arena ({e}); collectives use the rings");
+                    store.set("oxccl/arena", b"")?;
+                }
+            }
+        }
         let shm_key = |r: usize| format!("oxccl/shm/{r}");
         store.set(&shm_key(rank), name.as_bytes())?;
         wait_for_ranks(&*store, &shm_peers, shm_key, deadline)?;
+        if all_on_shm && rank != 0 {
+            // Rank 0's name, not ours: job ids may differ between ranks.
+            let published = store.try_get("oxccl/arena")?.unwrap_or_default();
+            let published = String::from_utf8_lossy(&published).into_owned();
+            if !published.is_empty() {
+                let arena = Segment::open(&published).map_err(|e| {
+                    bootstrap_error(rank, "mapping the shared arena", e.to_string())
+                })?;
+                arena_segment = Some(arena);
+            }
+        }
         for &p in &shm_peers {
             let peer_name = store.try_get(&shm_key(p))?.unwrap_or_default();
             let peer_name = String::from_utf8_lossy(&peer_name).into_owned();
@@ -1126,6 +1167,9 @@ pub(crate) fn connect(setup: Setup) -> Result<NetEndpoint> {
         // Every local peer has mapped our inbox: remove its name now, so
         // nothing is left in /dev/shm however this process ends.
         segment.unlink();
+        if let Some(arena) = &mut arena_segment {
+            arena.unlink();
+        }
         own_segment = Some(segment);
     }
 
@@ -1173,14 +1217,15 @@ pub(crate) fn connect(setup: Setup) -> Result<NetEndpoint> {
         _store: store,
         interface,
     };
-    Ok(NetEndpoint {
+    let endpoint = NetEndpoint {
         shared: Arc::new(NetShared {
             fabric: Mutex::new(fabric),
-            aborted: AtomicBool::new(false),
+            aborted: Arc::new(AtomicBool::new(false)),
         }),
         ctx: 0,
         members: all,
-    })
+    };
+    Ok((endpoint, arena_segment))
 }
 
 #[cfg(test)]
@@ -1218,7 +1263,7 @@ mod tests {
         let endpoint = NetEndpoint {
             shared: Arc::new(NetShared {
                 fabric: Mutex::new(fabric),
-                aborted: AtomicBool::new(false),
+                aborted: Arc::new(AtomicBool::new(false)),
             }),
             ctx: 0,
             members: vec![0, 1],

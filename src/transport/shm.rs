@@ -102,9 +102,20 @@ impl Segment {
     /// Creates, sizes and maps a new segment with `slots` rings of
     /// `ring_bytes` each (`ring_bytes` a power of two).
     pub fn create(name: &str, slots: usize, ring_bytes: usize) -> io::Result<Segment> {
+        Segment::create_with_region(name, slots, ring_bytes, 0)
+    }
+
+    /// As [`create`](Self::create), followed by `region_bytes` of zeroed
+    /// memory for the owner's own layout (see [`region`](Self::region)).
+    pub fn create_with_region(
+        name: &str,
+        slots: usize,
+        ring_bytes: usize,
+        region_bytes: usize,
+    ) -> io::Result<Segment> {
         debug_assert!(ring_bytes.is_power_of_two());
         let cname = CString::new(name).map_err(|_| io::Error::other("bad segment name"))?;
-        let len = segment_bytes(slots, ring_bytes);
+        let len = segment_bytes(slots, ring_bytes) + region_bytes;
         // SAFETY: plain FFI calls with a valid C string; the fd is closed below.
         let fd = unsafe {
             libc::shm_open(
@@ -218,6 +229,14 @@ impl Segment {
     fn header(&self) -> &Header {
         // SAFETY: the mapping is at least HEADER_BYTES long and page aligned.
         unsafe { &*(self.base as *const Header) }
+    }
+
+    /// The memory after the rings: `(start, bytes)`, page aligned when the
+    /// ring size is a multiple of the page size.
+    pub fn region(&self) -> (*mut u8, usize) {
+        let offset = segment_bytes(self.slots, self.ring_bytes);
+        // SAFETY: open/create checked that the rings fit in the mapping.
+        (unsafe { self.base.add(offset) }, self.len - offset)
     }
 
     /// Removes the name now (the mapping stays valid).

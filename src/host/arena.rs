@@ -1,0 +1,944 @@
+//! Collectives among ranks of one host through one shared region, the
+//! *arena*: the intra-node fast path (the CPU counterpart of NCCL's
+//! shared-memory/NVLink "direct" and one-shot/two-shot all-reduce).
+//!
+//! The arena is plain memory every rank maps: a heap allocation shared by
+//! the threads of a `local_group`, or one shared-memory segment for ranks in
+//! separate processes of one host. It holds, per rank, a control line and a
+//! ring of `depth` *slots*. Collectives run in *rounds*, numbered the same on
+//! every rank because every rank runs the same calls in the same order:
+//!
+//! 1. In round `g` a rank writes what its peers need into its slot
+//!    `g % depth` and *posts* it: a release store of `g + 1` into the slot's
+//!    header, beside the call's sequence number and signature (so a peer that
+//!    runs a different call is reported as a mismatch, not misread).
+//! 2. Peers wait for that header, then read (and reduce) straight out of the
+//!    slot: no frames, no locks, no allocation, one copy on the way in.
+//! 3. When it has read everything of round `g` a rank stores `done = g + 1`.
+//!    A rank reuses slot `g % depth` for round `g + depth` only once every
+//!    rank's `done` has passed `g`.
+//!
+//! Every reduction folds the ranks' contributions in rank order
+//! (`((x0 ⊕ x1) ⊕ x2) ⊕ …`) whatever the algorithm, so all_reduce equals
+//! all_gather ∘ reduce_scatter bit for bit and every rank holds the same bits.
+//!
+//! Waiting spins briefly (a small message costs one cache-line transfer),
+//! then yields, then sleeps on a futex that posters wake only when someone
+//! sleeps: idle ranks do not burn a core, and more ranks than cores still
+//! progress. Every wait has the communicator's deadline and watches for an
+//! abort, a peer that left (its communicator dropped) and, across
+//! processes, a peer process that died.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::error::Result;
+use crate::transport::shm::{process_alive, Segment};
+use crate::transport::TransportError;
+use crate::types::{Element, OpKind, Rank, ReduceOp};
+
+use super::executor::CallInfo;
+
+/// Bytes of one control line (two cache lines: no false sharing with the
+/// adjacent-line prefetcher).
+const LINE: usize = 128;
+/// Bytes of a slot's header; the payload follows, so a small message and its
+/// header share the first cache line.
+const SLOT_HEADER: usize = 32;
+/// Default bytes per slot, header included: a pipeline piece that stays in
+/// L2 while it is reduced.
+pub(crate) const DEFAULT_SLOT_BYTES: usize = 256 * 1024;
+/// Slots per rank: how many rounds a rank may run ahead of the slowest.
+pub(crate) const DEFAULT_DEPTH: usize = 4;
+
+const STATE_ALIVE: u64 = 1;
+const STATE_DEPARTED: u64 = 2;
+
+/// How long a waiter spins before yielding, and yields before sleeping.
+const SPIN: Duration = Duration::from_micros(20);
+const YIELD: Duration = Duration::from_micros(300);
+/// Longest single sleep: liveness, abort and deadline are checked this often.
+const SLEEP: Duration = Duration::from_millis(2);
+/// How often a waiter checks that peer processes are alive.
+const LIVENESS_INTERVAL: Duration = Duration::from_millis(10);
+
+/// One rank's control line, written only by that rank (except `sleepers`).
+#[repr(C)]
+struct Control {
+    /// Rounds this rank has finished reading.
+    done: AtomicU64,
+    /// Its process id (liveness checks across processes).
+    pid: AtomicU64,
+    /// [`STATE_ALIVE`] once attached, [`STATE_DEPARTED`] once dropped.
+    state: AtomicU64,
+    /// Bumped (and futex-woken) after a post or `done` store when
+    /// `sleepers > 0`; waiters on this rank sleep on it.
+    wake: AtomicU32,
+    /// Ranks currently asleep waiting on this rank.
+    sleepers: AtomicU32,
+}
+
+/// The header at the start of every slot.
+#[repr(C)]
+struct SlotHeader {
+    /// `g + 1` once round `g`'s contents are in place.
+    posted: AtomicU64,
+    /// The call's sequence number.
+    seq: AtomicU64,
+    /// The call's signature (operation, type, operator, root, count).
+    signature: AtomicU64,
+    _reserved: AtomicU64,
+}
+
+/// The arena's geometry, equal on every rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Geometry {
+    pub world: usize,
+    pub slot_bytes: usize,
+    pub depth: usize,
+}
+
+impl Geometry {
+    pub fn new(world: usize) -> Geometry {
+        Geometry {
+            world,
+            slot_bytes: DEFAULT_SLOT_BYTES,
+            depth: DEFAULT_DEPTH,
+        }
+    }
+
+    /// Total bytes of the region.
+    pub fn bytes(&self) -> usize {
+        self.slots_offset() + self.world * self.depth * self.slot_bytes
+    }
+
+    fn slots_offset(&self) -> usize {
+        (self.world * LINE).next_multiple_of(4096)
+    }
+
+    /// Payload bytes of one slot.
+    fn payload_bytes(&self) -> usize {
+        self.slot_bytes - SLOT_HEADER
+    }
+}
+
+/// The memory behind an arena.
+enum Memory {
+    /// Threads of one process: a zeroed, page-aligned heap block.
+    Heap {
+        base: *mut u8,
+        layout: std::alloc::Layout,
+    },
+    /// Processes of one host: a mapped shared-memory segment.
+    Shm(Segment),
+}
+
+// SAFETY: the memory is only ever accessed through atomics (control words,
+// slot headers) or under the round protocol, which gives every byte range
+// one writer at a time and orders it before its readers.
+unsafe impl Send for Memory {}
+unsafe impl Sync for Memory {}
+
+impl Memory {
+    fn base(&self) -> *mut u8 {
+        match self {
+            Memory::Heap { base, .. } => *base,
+            Memory::Shm(segment) => segment.region().0,
+        }
+    }
+}
+
+impl Drop for Memory {
+    fn drop(&mut self) {
+        if let Memory::Heap { base, layout } = self {
+            // SAFETY: allocated in `Arena::local_group` with this layout.
+            unsafe { std::alloc::dealloc(*base, *layout) };
+        }
+    }
+}
+
+/// What a call told the arena about itself (for headers and errors).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct CallSig {
+    pub seq: u64,
+    pub signature: u64,
+}
+
+/// One rank's handle on an arena.
+pub(crate) struct Arena {
+    memory: Arc<Memory>,
+    geometry: Geometry,
+    rank: Rank,
+    /// The next round (identical on every rank between calls).
+    round: u64,
+    /// A lower bound on every rank's `done`, refreshed only when needed.
+    done_floor: u64,
+    /// Peer process ids to watch (`None` for threads of this process).
+    watch_pids: bool,
+    aborted: Arc<AtomicBool>,
+    timeout: Duration,
+}
+
+impl Arena {
+    /// Arenas for `n` threads of one process (element `i` is rank `i`).
+    pub fn local_group(n: usize, aborted: Arc<AtomicBool>, timeout: Duration) -> Vec<Arena> {
+        let geometry = Geometry::new(n);
+        let layout = std::alloc::Layout::from_size_align(geometry.bytes(), 4096)
+            .expect("arena layout is valid");
+        // SAFETY: the layout has a non-zero size.
+        let base = unsafe { std::alloc::alloc_zeroed(layout) };
+        if base.is_null() {
+            std::alloc::handle_alloc_error(layout);
+        }
+        let memory = Arc::new(Memory::Heap { base, layout });
+        (0..n)
+            .map(|rank| {
+                Arena::attach(
+                    memory.clone(),
+                    geometry,
+                    rank,
+                    false,
+                    aborted.clone(),
+                    timeout,
+                )
+            })
+            .collect()
+    }
+
+    /// This process's handle on a shared segment made by
+    /// [`crate::transport::net`] for an all-local world. The segment's
+    /// region must be at least `geometry.bytes()` long and zeroed.
+    pub fn shared(
+        segment: Segment,
+        geometry: Geometry,
+        rank: Rank,
+        aborted: Arc<AtomicBool>,
+        timeout: Duration,
+    ) -> Arena {
+        Arena::attach(
+            Arc::new(Memory::Shm(segment)),
+            geometry,
+            rank,
+            true,
+            aborted,
+            timeout,
+        )
+    }
+
+    fn attach(
+        memory: Arc<Memory>,
+        geometry: Geometry,
+        rank: Rank,
+        watch_pids: bool,
+        aborted: Arc<AtomicBool>,
+        timeout: Duration,
+    ) -> Arena {
+        let arena = Arena {
+            memory,
+            geometry,
+            rank,
+            round: 0,
+            done_floor: 0,
+            watch_pids,
+            aborted,
+            timeout,
+        };
+        let me = arena.control(rank);
+        me.pid
+            .store(u64::from(std::process::id()), Ordering::Relaxed);
+        me.state.store(STATE_ALIVE, Ordering::Release);
+        arena
+    }
+
+    /// Bytes a shared segment's region needs for `world` ranks.
+    pub fn region_bytes(world: usize) -> usize {
+        Geometry::new(world).bytes()
+    }
+
+    pub fn world(&self) -> usize {
+        self.geometry.world
+    }
+
+    fn control(&self, rank: Rank) -> &Control {
+        // SAFETY: rank < world, so the line lies in the region; the region is
+        // page aligned and Control is made of atomics.
+        unsafe { &*(self.memory.base().add(rank * LINE) as *const Control) }
+    }
+
+    fn slot(&self, rank: Rank, round: u64) -> *mut u8 {
+        let g = &self.geometry;
+        let index = rank * g.depth + (round % g.depth as u64) as usize;
+        // SAFETY: index < world·depth, so the slot lies in the region.
+        unsafe {
+            self.memory
+                .base()
+                .add(g.slots_offset() + index * g.slot_bytes)
+        }
+    }
+
+    fn header(&self, rank: Rank, round: u64) -> &SlotHeader {
+        // SAFETY: slots are 4096-aligned multiples; the header is atomics.
+        unsafe { &*(self.slot(rank, round) as *const SlotHeader) }
+    }
+
+    /// The payload of `rank`'s slot for `round`, as elements of `T`.
+    fn payload<T>(&self, rank: Rank, round: u64) -> *mut T {
+        // SAFETY: within the slot; SLOT_HEADER keeps 8-byte alignment.
+        unsafe { self.slot(rank, round).add(SLOT_HEADER) as *mut T }
+    }
+
+    /// Payload capacity of a slot in elements of `T`.
+    fn capacity<T>(&self) -> usize {
+        self.geometry.payload_bytes() / std::mem::size_of::<T>()
+    }
+
+    /// Wakes ranks asleep on this rank, if any (a system call only then).
+    fn notify(&self) {
+        let me = self.control(self.rank);
+        if me.sleepers.load(Ordering::SeqCst) > 0 {
+            me.wake.fetch_add(1, Ordering::SeqCst);
+            futex_wake(&me.wake);
+        }
+    }
+
+    /// Waits until `ready()` holds, where `peer` is the rank that makes it
+    /// hold. `peer_left_ok` says that the peer having left satisfies the
+    /// wait (it will never read again).
+    fn wait(
+        &self,
+        call: &CallInfo,
+        peer: Rank,
+        peer_left_ok: bool,
+        mut ready: impl FnMut() -> bool,
+    ) -> Result<()> {
+        if ready() {
+            return Ok(());
+        }
+        let start = Instant::now();
+        let deadline = start + self.timeout;
+        let spin_until = start + SPIN;
+        let yield_until = start + YIELD;
+        let mut next_liveness = start;
+        let control = self.control(peer);
+        loop {
+            for _ in 0..64 {
+                if ready() {
+                    return Ok(());
+                }
+                std::hint::spin_loop();
+            }
+            let now = Instant::now();
+            if now < spin_until {
+                continue;
+            }
+            if self.aborted.load(Ordering::Relaxed) {
+                return Err(call.error(peer, TransportError::Aborted));
+            }
+            if now >= next_liveness {
+                next_liveness = now + LIVENESS_INTERVAL;
+                if let Some(lost) = self.lost_member(peer) {
+                    if ready() {
+                        return Ok(());
+                    }
+                    if lost == peer && peer_left_ok && self.departed(peer) {
+                        return Ok(());
+                    }
+                    return Err(call.error(lost, TransportError::PeerLost { rank: Some(lost) }));
+                }
+            }
+            if now >= deadline {
+                return Err(call.error(peer, TransportError::Timeout(now - start)));
+            }
+            if now < yield_until {
+                std::thread::yield_now();
+                continue;
+            }
+            // Sleep on the peer's wake word: register, re-check, sleep.
+            control.sleepers.fetch_add(1, Ordering::SeqCst);
+            let seen = control.wake.load(Ordering::SeqCst);
+            if !ready() {
+                futex_wait(&control.wake, seen, SLEEP.min(deadline - now));
+            }
+            control.sleepers.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    fn departed(&self, rank: Rank) -> bool {
+        self.control(rank).state.load(Ordering::Acquire) == STATE_DEPARTED
+    }
+
+    /// A member that left or died, looking at `first` before the others
+    /// (a crash elsewhere is usually why `first` went quiet).
+    fn lost_member(&self, first: Rank) -> Option<Rank> {
+        let dead = |r: Rank| {
+            self.watch_pids && {
+                let pid = self.control(r).pid.load(Ordering::Relaxed) as u32;
+                pid != 0 && !process_alive(pid)
+            }
+        };
+        let others = (0..self.world()).filter(|&r| r != self.rank);
+        if let Some(r) = others.clone().find(|&r| dead(r)) {
+            return Some(r);
+        }
+        if self.departed(first) {
+            return Some(first);
+        }
+        others.into_iter().find(|&r| self.departed(r))
+    }
+
+    /// Starts the next round: waits until this rank's slot for it is free
+    /// again, and returns the round number.
+    fn begin(&mut self, call: &CallInfo) -> Result<u64> {
+        let g = self.round;
+        self.round += 1;
+        let depth = self.geometry.depth as u64;
+        if g >= depth && self.done_floor < g + 1 - depth {
+            let need = g + 1 - depth;
+            let mut floor = u64::MAX;
+            for r in 0..self.world() {
+                let control = self.control(r);
+                self.wait(call, r, true, || {
+                    control.done.load(Ordering::Acquire) >= need
+                })?;
+                floor = floor.min(control.done.load(Ordering::Acquire));
+            }
+            // A departed rank may have stopped short of `need`; the floor
+            // only has to be correct for ranks still reading.
+            self.done_floor = floor.max(need);
+        }
+        Ok(g)
+    }
+
+    /// Publishes this rank's slot for round `g`.
+    fn post(&self, g: u64, sig: &CallSig) {
+        let header = self.header(self.rank, g);
+        header.seq.store(sig.seq, Ordering::Relaxed);
+        header.signature.store(sig.signature, Ordering::Relaxed);
+        header.posted.store(g + 1, Ordering::Release);
+        self.notify();
+    }
+
+    /// Waits for `peer`'s slot of round `g` and checks it belongs to the
+    /// same call.
+    fn await_peer(&self, call: &CallInfo, sig: &CallSig, peer: Rank, g: u64) -> Result<()> {
+        let header = self.header(peer, g);
+        self.wait(call, peer, false, || {
+            header.posted.load(Ordering::Acquire) == g + 1
+        })?;
+        let (seq, signature) = (
+            header.seq.load(Ordering::Relaxed),
+            header.signature.load(Ordering::Relaxed),
+        );
+        if seq != sig.seq || signature != sig.signature {
+            return Err(call.error(
+                peer,
+                TransportError::Mismatch(format!(
+                    "rank {peer} runs a different call: call #{seq} with signature \
+                     {signature:#x}, here #{} with {:#x} (same collectives, in the same \
+                     order, with the same counts, types, operators and roots on every rank?)",
+                    sig.seq, sig.signature
+                )),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Waits for every peer's slot of round `g`.
+    fn await_all(&self, call: &CallInfo, sig: &CallSig, g: u64) -> Result<()> {
+        for p in 0..self.world() {
+            if p != self.rank {
+                self.await_peer(call, sig, p, g)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Ends round `g`: this rank has read everything it needs of it (and
+    /// of every earlier round).
+    fn finish(&mut self, g: u64) {
+        self.control(self.rank).done.store(g + 1, Ordering::Release);
+        self.notify();
+    }
+}
+
+impl Drop for Arena {
+    fn drop(&mut self) {
+        self.control(self.rank)
+            .state
+            .store(STATE_DEPARTED, Ordering::Release);
+        self.notify();
+        let me = self.control(self.rank);
+        me.wake.fetch_add(1, Ordering::SeqCst);
+        futex_wake(&me.wake);
+    }
+}
+
+/// A call's signature: what every rank must agree on.
+pub(crate) fn signature(
+    op: OpKind,
+    dtype: u8,
+    reduce: Option<ReduceOp>,
+    root: Rank,
+    count: usize,
+) -> u64 {
+    let mut z = u64::from(op.code()) | u64::from(dtype) << 8;
+    z |= u64::from(reduce.map_or(0xff, |r| r as u8)) << 16;
+    z ^= (root as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z ^= (count as u64)
+        .rotate_left(24)
+        .wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z
+}
+
+/// The call's buffers, as raw pointers: in-place calls alias `input` and
+/// `output`, and the algorithms below never form overlapping references.
+#[derive(Clone, Copy)]
+pub(crate) struct Buffers<T> {
+    pub input: *const T,
+    pub output: *mut T,
+    pub in_place: bool,
+}
+
+/// `len` elements at `ptr + offset` as a shared slice.
+///
+/// # Safety
+/// The range must be inside an allocation and not written during the
+/// returned borrow.
+unsafe fn view<'a, T>(ptr: *const T, offset: usize, len: usize) -> &'a [T] {
+    std::slice::from_raw_parts(ptr.add(offset), len)
+}
+
+/// As [`view`], mutable; the range must not be read through another
+/// reference during the borrow.
+unsafe fn view_mut<'a, T>(ptr: *mut T, offset: usize, len: usize) -> &'a mut [T] {
+    std::slice::from_raw_parts_mut(ptr.add(offset), len)
+}
+
+/// `out = s(0) ⊕ s(1) ⊕ … ⊕ s(n-1)` in rank order; `out` overlaps none of
+/// the sources.
+fn fold<'a, T: Element + 'a>(
+    op: ReduceOp,
+    out: &mut [T],
+    n: usize,
+    source: impl Fn(usize) -> &'a [T],
+) {
+    match n {
+        0 => {}
+        1 => out.copy_from_slice(source(0)),
+        _ => {
+            T::combine_into(op, out, source(0), source(1));
+            for p in 2..n {
+                T::combine_assign(op, out, source(p));
+            }
+        }
+    }
+}
+
+/// Near-equal split of `total` into `parts` (the first `total % parts`
+/// parts one longer), as in the schedules.
+fn part(total: usize, parts: usize, i: usize) -> (usize, usize) {
+    let base = total / parts;
+    let extra = total % parts;
+    (i * base + i.min(extra), base + usize::from(i < extra))
+}
+
+/// Which algorithm an arena call uses, for reports.
+pub(crate) fn algorithm_name(op: OpKind, bytes: usize, elem: usize) -> &'static str {
+    let capacity = Geometry::new(1).payload_bytes() / elem.max(1) * elem.max(1);
+    match op {
+        OpKind::AllReduce if bytes <= capacity => "oneshot",
+        OpKind::AllReduce => "twoshot",
+        _ => "direct",
+    }
+}
+
+impl Arena {
+    /// All-reduce of `count` elements.
+    pub fn all_reduce<T: Element>(
+        &mut self,
+        call: &CallInfo,
+        sig: &CallSig,
+        bufs: Buffers<T>,
+        count: usize,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let world = self.world();
+        let me = self.rank;
+        let capacity = self.capacity::<T>();
+        if count <= capacity {
+            // One-shot: everyone posts all of it and everyone folds all of
+            // it (reading its own copy from its slot, so in-place is safe).
+            let g = self.begin(call)?;
+            // SAFETY: input has count elements; the slot holds capacity ≥ count.
+            unsafe {
+                std::ptr::copy_nonoverlapping(bufs.input, self.payload::<T>(me, g), count);
+            }
+            self.post(g, sig);
+            self.await_all(call, sig, g)?;
+            {
+                // SAFETY: every slot of round g is posted and not rewritten
+                // before everyone's done passes g; output is ours alone.
+                let out = unsafe { view_mut(bufs.output, 0, count) };
+                fold(op, out, world, |p| unsafe {
+                    view(self.payload::<T>(p, g), 0, count)
+                });
+                if op == ReduceOp::Avg {
+                    T::divide_by(out, world);
+                }
+            }
+            self.finish(g);
+            return Ok(());
+        }
+        // Two-shot, pipelined by pieces of one slot: round A posts the parts
+        // the other ranks own; each owner folds its part into its round-B
+        // slot; round B posts the folded parts and everyone copies them out.
+        let mut offset = 0;
+        while offset < count {
+            let len = capacity.min(count - offset);
+            let a = self.begin(call)?;
+            for q in (0..world).filter(|&q| q != me) {
+                let (o, l) = part(len, world, q);
+                // SAFETY: input range in bounds; slot range within capacity.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        bufs.input.add(offset + o),
+                        self.payload::<T>(me, a).add(o),
+                        l,
+                    );
+                }
+            }
+            self.post(a, sig);
+            self.await_all(call, sig, a)?;
+            let b = self.begin(call)?;
+            let (mine_o, mine_l) = part(len, world, me);
+            {
+                // SAFETY: round A slots stay valid until every rank finished
+                // round B's begin (depth ≥ 2); the B slot is ours alone.
+                let folded = unsafe { view_mut(self.payload::<T>(me, b), mine_o, mine_l) };
+                fold(op, folded, world, |p| unsafe {
+                    if p == me {
+                        view(bufs.input, offset + mine_o, mine_l)
+                    } else {
+                        view(self.payload::<T>(p, a), mine_o, mine_l)
+                    }
+                });
+                if op == ReduceOp::Avg {
+                    T::divide_by(folded, world);
+                }
+            }
+            self.finish(a);
+            self.post(b, sig);
+            self.await_all(call, sig, b)?;
+            for p in 0..world {
+                let (o, l) = part(len, world, p);
+                // SAFETY: posted B slots; output range in bounds and, for
+                // in-place calls, no longer read (all of round A is folded).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        self.payload::<T>(p, b).add(o),
+                        bufs.output.add(offset + o),
+                        l,
+                    );
+                }
+            }
+            self.finish(b);
+            offset += len;
+        }
+        Ok(())
+    }
+}
+
+impl Arena {
+    /// Copies `len` elements from `src + src_offset` into this rank's slot of
+    /// round `g` at `slot_offset`.
+    ///
+    /// # Safety
+    /// The source range must be valid; `slot_offset + len` ≤ the capacity.
+    unsafe fn stage<T>(
+        &self,
+        g: u64,
+        slot_offset: usize,
+        src: *const T,
+        src_offset: usize,
+        len: usize,
+    ) {
+        std::ptr::copy_nonoverlapping(
+            src.add(src_offset),
+            self.payload::<T>(self.rank, g).add(slot_offset),
+            len,
+        );
+    }
+
+    /// Copies `len` elements out of `peer`'s slot of round `g`.
+    ///
+    /// # Safety
+    /// The slot must be posted; the destination range valid and unaliased.
+    unsafe fn unstage<T>(
+        &self,
+        peer: Rank,
+        g: u64,
+        slot_offset: usize,
+        dst: *mut T,
+        dst_offset: usize,
+        len: usize,
+    ) {
+        std::ptr::copy_nonoverlapping(
+            self.payload::<T>(peer, g).add(slot_offset),
+            dst.add(dst_offset),
+            len,
+        );
+    }
+
+    /// Reduce-scatter: `count` elements per rank. `bufs.output` points at
+    /// this rank's result (inside the input for in-place calls).
+    pub fn reduce_scatter<T: Element>(
+        &mut self,
+        call: &CallInfo,
+        sig: &CallSig,
+        bufs: Buffers<T>,
+        count: usize,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let (world, me) = (self.world(), self.rank);
+        // Slot region q (at q·per) carries the piece destined for rank q.
+        let per = (self.capacity::<T>() / world).max(1);
+        let mut offset = 0;
+        while offset < count {
+            let len = per.min(count - offset);
+            let g = self.begin(call)?;
+            for q in (0..world).filter(|&q| q != me || bufs.in_place) {
+                // SAFETY: input holds world·count elements; q·per + len ≤ capacity.
+                unsafe { self.stage(g, q * per, bufs.input, q * count + offset, len) };
+            }
+            self.post(g, sig);
+            self.await_all(call, sig, g)?;
+            {
+                // SAFETY: posted slots; the output range overlaps no source
+                // (in place, this rank's own part is read from its slot).
+                let out = unsafe { view_mut(bufs.output, offset, len) };
+                fold(op, out, world, |p| unsafe {
+                    if p == me && !bufs.in_place {
+                        view(bufs.input, me * count + offset, len)
+                    } else {
+                        view(self.payload::<T>(p, g), me * per, len)
+                    }
+                });
+                if op == ReduceOp::Avg {
+                    T::divide_by(out, world);
+                }
+            }
+            self.finish(g);
+            offset += len;
+        }
+        Ok(())
+    }
+
+    /// All-gather: `count` elements per rank. For in-place calls
+    /// `bufs.input` points at this rank's part of the output.
+    pub fn all_gather<T: Element>(
+        &mut self,
+        call: &CallInfo,
+        sig: &CallSig,
+        bufs: Buffers<T>,
+        count: usize,
+    ) -> Result<()> {
+        let (world, me) = (self.world(), self.rank);
+        let capacity = self.capacity::<T>();
+        let mut offset = 0;
+        while offset < count {
+            let len = capacity.min(count - offset);
+            let g = self.begin(call)?;
+            // SAFETY: input holds count elements; len ≤ capacity.
+            unsafe { self.stage(g, 0, bufs.input, offset, len) };
+            self.post(g, sig);
+            self.await_all(call, sig, g)?;
+            for p in 0..world {
+                // SAFETY: posted slots; output holds world·count elements.
+                unsafe {
+                    if p != me {
+                        self.unstage(p, g, 0, bufs.output, p * count + offset, len);
+                    } else if !bufs.in_place {
+                        std::ptr::copy_nonoverlapping(
+                            bufs.input.add(offset),
+                            bufs.output.add(me * count + offset),
+                            len,
+                        );
+                    }
+                }
+            }
+            self.finish(g);
+            offset += len;
+        }
+        Ok(())
+    }
+
+    /// Broadcast of `count` elements from `root`.
+    pub fn broadcast<T: Element>(
+        &mut self,
+        call: &CallInfo,
+        sig: &CallSig,
+        bufs: Buffers<T>,
+        count: usize,
+        root: Rank,
+    ) -> Result<()> {
+        let me = self.rank;
+        let capacity = self.capacity::<T>();
+        let mut offset = 0;
+        while offset < count {
+            let len = capacity.min(count - offset);
+            let g = self.begin(call)?;
+            if me == root {
+                // SAFETY: the root's input holds count elements.
+                unsafe { self.stage(g, 0, bufs.input, offset, len) };
+            }
+            self.post(g, sig);
+            if me == root {
+                if !bufs.in_place {
+                    // SAFETY: distinct buffers of count elements each.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            bufs.input.add(offset),
+                            bufs.output.add(offset),
+                            len,
+                        )
+                    };
+                }
+            } else {
+                self.await_peer(call, sig, root, g)?;
+                // SAFETY: the root's slot is posted; output holds count elements.
+                unsafe { self.unstage(root, g, 0, bufs.output, offset, len) };
+            }
+            self.finish(g);
+            offset += len;
+        }
+        Ok(())
+    }
+
+    /// Reduce of `count` elements to `root`.
+    pub fn reduce<T: Element>(
+        &mut self,
+        call: &CallInfo,
+        sig: &CallSig,
+        bufs: Buffers<T>,
+        count: usize,
+        op: ReduceOp,
+        root: Rank,
+    ) -> Result<()> {
+        let (world, me) = (self.world(), self.rank);
+        let capacity = self.capacity::<T>();
+        let mut offset = 0;
+        while offset < count {
+            let len = capacity.min(count - offset);
+            let g = self.begin(call)?;
+            if me != root || bufs.in_place {
+                // SAFETY: input holds count elements.
+                unsafe { self.stage(g, 0, bufs.input, offset, len) };
+            }
+            self.post(g, sig);
+            if me == root {
+                self.await_all(call, sig, g)?;
+                // SAFETY: posted slots; out of place the output is distinct
+                // from the input, in place the root reads its own slot.
+                let out = unsafe { view_mut(bufs.output, offset, len) };
+                fold(op, out, world, |p| unsafe {
+                    if p == me && !bufs.in_place {
+                        view(bufs.input, offset, len)
+                    } else {
+                        view(self.payload::<T>(p, g), 0, len)
+                    }
+                });
+                if op == ReduceOp::Avg {
+                    T::divide_by(out, world);
+                }
+            }
+            self.finish(g);
+            offset += len;
+        }
+        Ok(())
+    }
+
+    /// All-to-all: block `q` of this rank's input goes to rank `q`.
+    pub fn all_to_all<T: Element>(
+        &mut self,
+        call: &CallInfo,
+        sig: &CallSig,
+        bufs: Buffers<T>,
+        count: usize,
+    ) -> Result<()> {
+        let (world, me) = (self.world(), self.rank);
+        let per = (self.capacity::<T>() / world).max(1);
+        let mut offset = 0;
+        while offset < count {
+            let len = per.min(count - offset);
+            let g = self.begin(call)?;
+            for q in (0..world).filter(|&q| q != me) {
+                // SAFETY: input holds world·count elements.
+                unsafe { self.stage(g, q * per, bufs.input, q * count + offset, len) };
+            }
+            self.post(g, sig);
+            self.await_all(call, sig, g)?;
+            for p in 0..world {
+                // SAFETY: posted slots; distinct input and output buffers.
+                unsafe {
+                    if p == me {
+                        std::ptr::copy_nonoverlapping(
+                            bufs.input.add(me * count + offset),
+                            bufs.output.add(me * count + offset),
+                            len,
+                        );
+                    } else {
+                        self.unstage(p, g, me * per, bufs.output, p * count + offset, len);
+                    }
+                }
+            }
+            self.finish(g);
+            offset += len;
+        }
+        Ok(())
+    }
+
+    /// Barrier: one round with nothing in it.
+    pub fn barrier(&mut self, call: &CallInfo, sig: &CallSig) -> Result<()> {
+        let g = self.begin(call)?;
+        self.post(g, sig);
+        self.await_all(call, sig, g)?;
+        self.finish(g);
+        Ok(())
+    }
+}
+
+fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: a plain futex wait on a valid, aligned u32 with a timeout; the
+    // word may live in shared memory, so the non-private variant is used.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            expected,
+            &ts as *const libc::timespec,
+            std::ptr::null::<u32>(),
+            0u32,
+        );
+    }
+}
+
+fn futex_wake(word: &AtomicU32) {
+    // SAFETY: waking waiters on a valid u32 never touches memory.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAKE,
+            i32::MAX,
+            std::ptr::null::<libc::timespec>(),
+            std::ptr::null::<u32>(),
+            0u32,
+        );
+    }
+}
