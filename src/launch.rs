@@ -83,6 +83,54 @@ pub struct LaunchSpec {
     /// How long stopped ranks get between `SIGTERM` (or a forwarded signal)
     /// and `SIGKILL`.
     pub kill_grace: Duration,
+    /// Whether each rank is bound to one CPU (mpirun's `--bind-to`).
+    pub bind: Bind,
+}
+
+/// CPU binding of the ranks a launcher starts (mpirun's `--bind-to`).
+///
+/// Bound ranks stay on their core: the scheduler cannot stack two
+/// spinning ranks on one CPU while another idles (which costs a shared
+/// memory collective 10-50x in latency), and caches stay warm. Like Open
+/// MPI, binding is the default when there are at least as many CPUs as
+/// local ranks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Bind {
+    /// `Core` when the launcher may use at least `nproc_per_node` CPUs,
+    /// else `None`.
+    #[default]
+    Auto,
+    /// Local rank `i` runs on the `i`-th CPU the launcher may use (modulo
+    /// their number).
+    Core,
+    /// No binding: the scheduler places the ranks.
+    None,
+}
+
+impl Bind {
+    /// Parses `auto`, `core` or `none`.
+    pub fn from_name(name: &str) -> Option<Bind> {
+        match name.trim().to_ascii_lowercase().as_str() {
+            "auto" => Some(Bind::Auto),
+            "core" => Some(Bind::Core),
+            "none" => Some(Bind::None),
+            _ => None,
+        }
+    }
+}
+
+/// The CPUs this process may run on, in order.
+fn allowed_cpus() -> Vec<usize> {
+    // SAFETY: a zeroed cpu_set_t is valid; sched_getaffinity fills it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return Vec::new();
+        }
+        (0..libc::CPU_SETSIZE as usize)
+            .filter(|&c| libc::CPU_ISSET(c, &set))
+            .collect()
+    }
 }
 
 impl LaunchSpec {
@@ -100,6 +148,7 @@ impl LaunchSpec {
             extra_env: Vec::new(),
             prefix_output: true,
             kill_grace: DEFAULT_KILL_GRACE,
+            bind: Bind::Auto,
         }
     }
 
@@ -426,8 +475,15 @@ impl Job {
         let local_world = spec.nproc_per_node.to_string();
         let node_rank = spec.node_rank.to_string();
         let port = spec.master_port.to_string();
+        let cpus = allowed_cpus();
+        let bind = match spec.bind {
+            Bind::Core => !cpus.is_empty(),
+            Bind::Auto => !cpus.is_empty() && spec.nproc_per_node <= cpus.len(),
+            Bind::None => false,
+        };
         for local_rank in 0..spec.nproc_per_node {
             let rank = spec.global_rank(local_rank);
+            let cpu = bind.then(|| cpus[local_rank % cpus.len()]);
             let mut cmd = Command::new(&spec.program);
             cmd.args(&spec.args)
                 .env("RANK", rank.to_string())
@@ -446,7 +502,8 @@ impl Job {
                 cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
             }
             // SAFETY: the closure runs in the forked child before exec and
-            // calls only async-signal-safe functions (prctl, getppid, _exit).
+            // calls only async-signal-safe functions (prctl, getppid, _exit,
+            // sched_setaffinity) and plain memory writes on its stack.
             unsafe {
                 cmd.pre_exec(move || {
                     if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) != 0 {
@@ -455,6 +512,12 @@ impl Job {
                     // The launcher may have died before the prctl took effect.
                     if libc::getppid() != launcher_pid {
                         libc::_exit(1);
+                    }
+                    if let Some(cpu) = cpu {
+                        // Best effort: a failed binding leaves the rank unbound.
+                        let mut set: libc::cpu_set_t = std::mem::zeroed();
+                        libc::CPU_SET(cpu, &mut set);
+                        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
                     }
                     Ok(())
                 });

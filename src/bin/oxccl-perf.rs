@@ -9,6 +9,9 @@
 use std::process::ExitCode;
 use std::time::Instant;
 
+#[path = "perf/report.rs"]
+mod report;
+
 use oxccl::check::{fill, input_value, reduced_value};
 use oxccl::{bf16, f16, Communicator, DType, Element, ReduceOp};
 
@@ -28,7 +31,15 @@ usage: oxccl-perf [options]
                           OXCCL_TRANSPORT); under a launcher, one rank per process
       --collective <name> all_reduce all_gather reduce_scatter broadcast reduce sendrecv all_to_all
                           (default all_reduce)
-  -h, --help              this text";
+  -J, --json <file>       also write the results as JSON
+      --label <text>      name of this run in JSON and plots (default: collective, ranks, transport)
+      --plot <file.svg>   plot busbw against size: this run, and every --compare run
+      --compare <file>    a JSON file from an earlier -J run to draw on the same plot (repeatable)
+      --plot-only         draw the --compare runs without running a benchmark
+  -h, --help              this text
+
+The last column, algo, is the algorithm oxccl chose for that size
+(OXCCL_ALGO=auto|ring|direct overrides the choice).";
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Coll {
@@ -42,6 +53,18 @@ enum Coll {
 }
 
 impl Coll {
+    fn name(self) -> &'static str {
+        match self {
+            Coll::AllReduce => "all_reduce",
+            Coll::AllGather => "all_gather",
+            Coll::ReduceScatter => "reduce_scatter",
+            Coll::Broadcast => "broadcast",
+            Coll::Reduce => "reduce",
+            Coll::SendRecv => "sendrecv",
+            Coll::AllToAll => "all_to_all",
+        }
+    }
+
     fn parse(s: &str) -> Option<Coll> {
         Some(match s {
             "all_reduce" | "allreduce" => Coll::AllReduce,
@@ -94,6 +117,11 @@ struct Args {
     /// `-np`: start this many processes.
     processes: Option<usize>,
     coll: Coll,
+    json: Option<String>,
+    label: Option<String>,
+    plot: Option<String>,
+    compare: Vec<String>,
+    plot_only: bool,
 }
 
 fn parse_size(s: &str) -> Result<usize, String> {
@@ -123,6 +151,11 @@ fn parse_args() -> Result<Args, String> {
         ranks: 2,
         processes: None,
         coll: Coll::AllReduce,
+        json: None,
+        label: None,
+        plot: None,
+        compare: Vec::new(),
+        plot_only: false,
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -130,6 +163,11 @@ fn parse_args() -> Result<Args, String> {
         let flag = argv[i].as_str();
         if flag == "-h" || flag == "--help" {
             return Err(String::new());
+        }
+        if flag == "--plot-only" {
+            a.plot_only = true;
+            i += 1;
+            continue;
         }
         let value = argv
             .get(i + 1)
@@ -160,6 +198,10 @@ fn parse_args() -> Result<Args, String> {
                 a.coll =
                     Coll::parse(value).ok_or_else(|| format!("unknown collective {value:?}"))?
             }
+            "-J" | "--json" => a.json = Some(value.clone()),
+            "--label" => a.label = Some(value.clone()),
+            "--plot" => a.plot = Some(value.clone()),
+            "--compare" => a.compare.push(value.clone()),
             _ => return Err(format!("unknown option {flag}")),
         }
         i += 2;
@@ -360,11 +402,50 @@ fn measure<T: Element>(
     })
 }
 
-fn bench<T: Element>(comm: &mut Communicator, a: &Args) -> oxccl::Result<(u64, f64, usize)> {
+/// One size's results, as printed and as written with `-J`.
+#[derive(Clone, Debug, Default, PartialEq)]
+struct Row {
+    bytes: usize,
+    count: usize,
+    algo: String,
+    /// Out of place, then in place.
+    time_us: [f64; 2],
+    algbw: [f64; 2],
+    busbw: [f64; 2],
+    wrong: [u64; 2],
+}
+
+/// Everything one run measured.
+struct RunResult {
+    wrong: u64,
+    busbw_sum: f64,
+    rows: Vec<Row>,
+    transport: String,
+}
+
+fn op_kind(coll: Coll) -> oxccl::OpKind {
+    use oxccl::OpKind;
+    match coll {
+        Coll::AllReduce => OpKind::AllReduce,
+        Coll::AllGather => OpKind::AllGather,
+        Coll::ReduceScatter => OpKind::ReduceScatter,
+        Coll::Broadcast => OpKind::Broadcast,
+        Coll::Reduce => OpKind::Reduce,
+        Coll::SendRecv => OpKind::Send,
+        Coll::AllToAll => OpKind::AllToAll,
+    }
+}
+
+fn bench<T: Element>(comm: &mut Communicator, a: &Args) -> oxccl::Result<RunResult> {
     let n = comm.world_size();
     let elem = std::mem::size_of::<T>();
     let mut size = a.min_bytes;
-    let (mut wrong_total, mut busbw_sum, mut rows) = (0u64, 0.0, 0usize);
+    let mut result = RunResult {
+        wrong: 0,
+        busbw_sum: 0.0,
+        rows: Vec::new(),
+        transport: comm.transport_description(),
+    };
     let mut last_count = usize::MAX;
     while size <= a.max_bytes {
         let unit = if a.coll.per_rank() { elem * n } else { elem };
@@ -375,13 +456,21 @@ fn bench<T: Element>(comm: &mut Communicator, a: &Args) -> oxccl::Result<(u64, f
         }
         last_count = count;
         let bytes = count * elem;
+        let mut row = Row {
+            bytes,
+            count,
+            algo: comm.algorithm_for::<T>(op_kind(a.coll), bytes).to_string(),
+            ..Row::default()
+        };
         let mut cols = String::new();
-        for in_place in [false, true] {
+        for (k, in_place) in [false, true].into_iter().enumerate() {
             let s = measure::<T>(comm, a, count, in_place)?;
             let algbw = bytes as f64 / s.time_us / 1e3;
             let busbw = algbw * a.coll.bus_factor(n);
-            wrong_total += s.wrong;
-            busbw_sum += busbw;
+            result.wrong += s.wrong;
+            result.busbw_sum += busbw;
+            (row.time_us[k], row.algbw[k], row.busbw[k], row.wrong[k]) =
+                (s.time_us, algbw, busbw, s.wrong);
             let wrong = if a.check {
                 s.wrong.to_string()
             } else {
@@ -392,7 +481,6 @@ fn bench<T: Element>(comm: &mut Communicator, a: &Args) -> oxccl::Result<(u64, f
                 s.time_us, algbw, busbw, wrong
             );
         }
-        rows += 2;
         if comm.rank() == 0 {
             let redop = if a.coll.reduces() {
                 a.op.name()
@@ -401,12 +489,14 @@ fn bench<T: Element>(comm: &mut Communicator, a: &Args) -> oxccl::Result<(u64, f
             };
             let root = if a.coll.rooted() { a.root as i64 } else { -1 };
             println!(
-                "{bytes:>12}  {count:>12}  {:>8}  {redop:>6}  {root:>6}{cols}",
-                T::DTYPE.name()
+                "{bytes:>12}  {count:>12}  {:>8}  {redop:>6}  {root:>6}{cols}  {:>8}",
+                T::DTYPE.name(),
+                row.algo
             );
         }
+        result.rows.push(row);
     }
-    Ok((wrong_total, busbw_sum, rows))
+    Ok(result)
 }
 
 /// Whether a launcher started this process as one rank of a job.
@@ -432,12 +522,12 @@ fn print_header(a: &Args, ranks: usize, what: &str, transport: &str) {
     );
     println!("#");
     println!("#{:>61}{:>35}", "out-of-place", "in-place");
-    println!("#{:>11}  {:>12}  {:>8}  {:>6}  {:>6}  {:>7}  {:>6}  {:>6}  {:>5}  {:>7}  {:>6}  {:>6}  {:>5}", "size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong", "time", "algbw", "busbw", "#wrong");
-    println!("#{:>11}  {:>12}  {:>8}  {:>6}  {:>6}  {:>7}  {:>6}  {:>6}  {:>5}  {:>7}  {:>6}  {:>6}  {:>5}", "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", "");
+    println!("#{:>11}  {:>12}  {:>8}  {:>6}  {:>6}  {:>7}  {:>6}  {:>6}  {:>5}  {:>7}  {:>6}  {:>6}  {:>5}  {:>8}", "size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong", "time", "algbw", "busbw", "#wrong", "algo");
+    println!("#{:>11}  {:>12}  {:>8}  {:>6}  {:>6}  {:>7}  {:>6}  {:>6}  {:>5}  {:>7}  {:>6}  {:>6}  {:>5}  {:>8}", "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", "", "");
 }
 
 /// This process is one rank of a launched job.
-fn run_as_rank<T: Element>(a: &Args) -> Result<(u64, f64, usize), String> {
+fn run_as_rank<T: Element>(a: &Args) -> Result<RunResult, String> {
     let mut comm = Communicator::from_env().map_err(|e| e.to_string())?;
     if comm.rank() == 0 {
         let transport = comm.transport_description();
@@ -446,7 +536,7 @@ fn run_as_rank<T: Element>(a: &Args) -> Result<(u64, f64, usize), String> {
     bench::<T>(&mut comm, a).map_err(|e| format!("rank {}: {e}", comm.rank()))
 }
 
-fn run_typed<T: Element>(a: &Args) -> Result<(u64, f64, usize), String> {
+fn run_typed<T: Element>(a: &Args) -> Result<RunResult, String> {
     if under_launcher() {
         return run_as_rank::<T>(a);
     }
@@ -480,6 +570,9 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if a.plot_only {
+        return plot_only(&a);
+    }
     if let Some(n) = a.processes.filter(|_| !under_launcher()) {
         return launch_self(n);
     }
@@ -499,22 +592,27 @@ fn main() -> ExitCode {
     let rank0 = !under_launcher() || std::env::var("RANK").map_or(true, |r| r == "0");
     match result {
         Ok(_) if !rank0 => ExitCode::SUCCESS,
-        Ok((wrong, busbw_sum, rows)) => {
+        Ok(run) => {
+            let rows = 2 * run.rows.len();
             println!(
                 "# Out of bounds values : {} {}",
-                wrong,
-                if wrong == 0 { "OK" } else { "FAILED" }
+                run.wrong,
+                if run.wrong == 0 { "OK" } else { "FAILED" }
             );
             println!(
                 "# Avg bus bandwidth    : {:.4}",
                 if rows > 0 {
-                    busbw_sum / rows as f64
+                    run.busbw_sum / rows as f64
                 } else {
                     0.0
                 }
             );
             println!("#");
-            if wrong == 0 {
+            if let Err(e) = write_outputs(&a, &run) {
+                eprintln!("oxccl-perf: {e}");
+                return ExitCode::FAILURE;
+            }
+            if run.wrong == 0 {
                 ExitCode::SUCCESS
             } else {
                 ExitCode::FAILURE
@@ -522,6 +620,82 @@ fn main() -> ExitCode {
         }
         Err(e) => {
             eprintln!("oxccl-perf: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The run's name in JSON and plots.
+fn run_label(a: &Args, run: &RunResult) -> String {
+    a.label.clone().unwrap_or_else(|| {
+        format!(
+            "oxccl {} {} {}x{} {}",
+            a.coll.name(),
+            a.dtype.name(),
+            a.ranks,
+            if a.processes.is_some() || under_launcher() {
+                "proc"
+            } else {
+                "thread"
+            },
+            run.transport
+        )
+    })
+}
+
+/// Reads the `--compare` runs.
+fn compare_runs(a: &Args) -> Result<Vec<report::Series>, String> {
+    a.compare
+        .iter()
+        .map(|file| {
+            let text =
+                std::fs::read_to_string(file).map_err(|e| format!("reading {file}: {e}"))?;
+            report::parse_json(&text).map_err(|e| format!("{file}: {e}"))
+        })
+        .collect()
+}
+
+/// `-J` and `--plot`, on rank 0 after a run.
+fn write_outputs(a: &Args, run: &RunResult) -> Result<(), String> {
+    let label = run_label(a, run);
+    let json = report::to_json(&label, a, run);
+    if let Some(path) = &a.json {
+        std::fs::write(path, &json).map_err(|e| format!("writing {path}: {e}"))?;
+        println!("# JSON written to {path}");
+    }
+    if let Some(path) = &a.plot {
+        let mut series = vec![report::parse_json(&json)?];
+        series.extend(compare_runs(a)?);
+        std::fs::write(path, report::svg(&series)).map_err(|e| format!("writing {path}: {e}"))?;
+        println!("# plot written to {path}");
+    }
+    Ok(())
+}
+
+/// `--plot-only`: draws the `--compare` runs.
+fn plot_only(a: &Args) -> ExitCode {
+    let Some(path) = &a.plot else {
+        eprintln!("oxccl-perf: --plot-only needs --plot <file.svg>");
+        return ExitCode::from(2);
+    };
+    let series = match compare_runs(a) {
+        Ok(s) if !s.is_empty() => s,
+        Ok(_) => {
+            eprintln!("oxccl-perf: --plot-only needs at least one --compare <file.json>");
+            return ExitCode::from(2);
+        }
+        Err(e) => {
+            eprintln!("oxccl-perf: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match std::fs::write(path, report::svg(&series)) {
+        Ok(()) => {
+            println!("# plot written to {path}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("oxccl-perf: writing {path}: {e}");
             ExitCode::FAILURE
         }
     }

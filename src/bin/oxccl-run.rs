@@ -6,7 +6,7 @@ use std::ffi::OsString;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use oxccl::launch::{launch, LaunchSpec};
+use oxccl::launch::{launch, Bind, LaunchSpec};
 
 const USAGE: &str = "\
 usage: oxccl-run [options] [--] PROGRAM [ARGS...]
@@ -16,6 +16,9 @@ usage: oxccl-run [options] [--] PROGRAM [ARGS...]
   --master-addr A      address of node 0, where rank 0 hosts the store (default 127.0.0.1)
   --master-port P      port of the store (default 29500)
   --kill-grace SECS    time between SIGTERM and SIGKILL when stopping ranks (default 5)
+  --bind-to core|none|auto
+                       bind local rank i to the i-th allowed CPU (default auto: core
+                       when there are at least as many CPUs as local ranks)
   --no-prefix          do not prefix output lines with [rank R]
   -h, --help           this text
 torchrun spellings (--nproc_per_node, --node_rank, --master_addr, --master_port)
@@ -108,6 +111,10 @@ fn parse_args(mut args: impl Iterator<Item = OsString>) -> Result<Parsed, String
                         .ok_or_else(|| {
                             format!("{flag}: expected a port in 1..=65535, got {value:?}")
                         })?;
+            }
+            "--bind-to" | "--bind_to" => {
+                spec.bind = Bind::from_name(&value)
+                    .ok_or_else(|| format!("{flag}: expected core, none or auto, got {value:?}"))?;
             }
             "--kill-grace" | "--kill_grace" => {
                 let secs: f64 = parse_number(&flag, &value)?;

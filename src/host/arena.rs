@@ -55,9 +55,15 @@ pub(crate) const DEFAULT_DEPTH: usize = 4;
 const STATE_ALIVE: u64 = 1;
 const STATE_DEPARTED: u64 = 2;
 
-/// How long a waiter spins before yielding, and yields before sleeping.
-const SPIN: Duration = Duration::from_micros(20);
-const YIELD: Duration = Duration::from_micros(300);
+/// A waiter spins for `SPIN`, then keeps spinning but yields the core
+/// every `YIELD_EVERY` (so a peer that shares the core, with more ranks
+/// than cores or a crowded host, runs within microseconds), and sleeps
+/// only after `SLEEP_AFTER`. Waking a sleeper takes tens of microseconds
+/// on a VM: if waits slept sooner, a woken rank would be late for its peer,
+/// which would then sleep too, and the pair would stay in that slow regime.
+const SPIN: Duration = Duration::from_micros(5);
+const YIELD_EVERY: Duration = Duration::from_micros(5);
+const SLEEP_AFTER: Duration = Duration::from_millis(2);
 /// Longest single sleep: liveness, abort and deadline are checked this often.
 const SLEEP: Duration = Duration::from_millis(2);
 /// How often a waiter checks that peer processes are alive.
@@ -317,8 +323,8 @@ impl Arena {
         }
         let start = Instant::now();
         let deadline = start + self.timeout;
-        let spin_until = start + SPIN;
-        let yield_until = start + YIELD;
+        let mut spin_until = start + SPIN;
+        let sleep_after = start + SLEEP_AFTER;
         let mut next_liveness = start;
         let control = self.control(peer);
         loop {
@@ -350,8 +356,9 @@ impl Arena {
             if now >= deadline {
                 return Err(call.error(peer, TransportError::Timeout(now - start)));
             }
-            if now < yield_until {
+            if now < sleep_after {
                 std::thread::yield_now();
+                spin_until = Instant::now() + YIELD_EVERY;
                 continue;
             }
             // Sleep on the peer's wake word: register, re-check, sleep.
