@@ -648,8 +648,7 @@ fn compare_runs(a: &Args) -> Result<Vec<report::Series>, String> {
     a.compare
         .iter()
         .map(|file| {
-            let text =
-                std::fs::read_to_string(file).map_err(|e| format!("reading {file}: {e}"))?;
+            let text = std::fs::read_to_string(file).map_err(|e| format!("reading {file}: {e}"))?;
             report::parse_json(&text).map_err(|e| format!("{file}: {e}"))
         })
         .collect()

@@ -141,7 +141,11 @@ mod json {
 
     impl Parser<'_> {
         fn skip_ws(&mut self) {
-            while self.bytes.get(self.at).is_some_and(|b| b.is_ascii_whitespace()) {
+            while self
+                .bytes
+                .get(self.at)
+                .is_some_and(|b| b.is_ascii_whitespace())
+            {
                 self.at += 1;
             }
         }
@@ -338,7 +342,10 @@ pub fn svg(series: &[Series]) -> String {
     if min_x == f64::MAX {
         min_x = 1.0;
     }
-    let (lx0, lx1) = (min_x.log2().floor(), max_x.log2().ceil().max(min_x.log2().floor() + 1.0));
+    let (lx0, lx1) = (
+        min_x.log2().floor(),
+        max_x.log2().ceil().max(min_x.log2().floor() + 1.0),
+    );
     let y_step = nice_step(max_y.max(0.1) / 6.0);
     let y_top = (max_y / y_step).ceil().max(1.0) * y_step;
     let px = |x: f64| left + (x.max(1.0).log2() - lx0) / (lx1 - lx0) * (W - left - right);
@@ -444,7 +451,15 @@ mod tests {
 
     #[test]
     fn malformed_json_is_an_error_not_a_panic() {
-        for bad in ["", "{", "{\"rows\": [", "{\"rows\": 3}", "[1,2", "{\"a\" 1}", "\"\\u12"] {
+        for bad in [
+            "",
+            "{",
+            "{\"rows\": [",
+            "{\"rows\": 3}",
+            "[1,2",
+            "{\"a\" 1}",
+            "\"\\u12",
+        ] {
             assert!(parse_json(bad).is_err(), "{bad}");
         }
     }
