@@ -1,43 +1,103 @@
-//! Criterion benches of the host collectives over in-process ranks, with
-//! throughput set to the bus bytes so criterion prints bus bandwidth
-//! (nccl-tests' busbw: algbw × 2(N-1)/N for all-reduce, × (N-1)/N for
-//! all-gather and reduce-scatter).
+//! Criterion benches of the host collectives, over threads (`threads2`: an
+//! in-process group) and over processes (`procs2`: this binary re-run as
+//! rank 1, linked by shared memory), with throughput set to the bus bytes
+//! so criterion prints bus bandwidth (nccl-tests' busbw: algbw × 2(N-1)/N
+//! for all-reduce, × (N-1)/N for all-gather and reduce-scatter, × 1 for
+//! broadcast).
+//!
+//! `cargo bench --bench collectives -- --test` runs every case once (what
+//! CI does); `OXCCL_ALGO=ring` benches the schedules instead of the arena.
 
+use std::process::{Child, Command};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use criterion::{BenchmarkId, Criterion, Throughput};
+use oxccl::bootstrap::TcpStore;
 use oxccl::{Communicator, ReduceOp};
 
 const RANKS: usize = 2;
+/// Set in the environment of a worker process: it is a rank, not criterion.
+const WORKER_VAR: &str = "OXCCL_BENCH_WORKER";
 
 #[derive(Clone, Copy, Debug)]
 enum Coll {
     AllReduce,
     AllGather,
     ReduceScatter,
+    Broadcast,
 }
 
-/// Runs `iters` calls on every rank and returns the slowest rank's time.
-fn run(coll: Coll, bytes: usize, iters: u64) -> Duration {
+const COLLS: [Coll; 4] = [
+    Coll::AllReduce,
+    Coll::AllGather,
+    Coll::ReduceScatter,
+    Coll::Broadcast,
+];
+
+impl Coll {
+    fn code(self) -> u64 {
+        self as u64
+    }
+    fn from_code(code: u64) -> Option<Coll> {
+        COLLS.into_iter().find(|c| c.code() == code)
+    }
+    fn bus_factor(self) -> f64 {
+        let n = RANKS as f64;
+        match self {
+            Coll::AllReduce => 2.0 * (n - 1.0) / n,
+            Coll::AllGather | Coll::ReduceScatter => (n - 1.0) / n,
+            Coll::Broadcast => 1.0,
+        }
+    }
+}
+
+/// Buffers for one size, reused across iterations (nccl-tests' size: the
+/// largest buffer).
+struct Bufs {
+    full: Vec<f32>,
+    part: Vec<f32>,
+}
+
+impl Bufs {
+    fn new(bytes: usize) -> Bufs {
+        let count = (bytes / 4 / RANKS * RANKS).max(RANKS);
+        Bufs {
+            full: vec![1.0; count],
+            part: vec![1.0; count / RANKS],
+        }
+    }
+}
+
+fn run_op(comm: &mut Communicator, coll: Coll, b: &mut Bufs) -> oxccl::Result<()> {
+    match coll {
+        Coll::AllReduce => comm.all_reduce_in_place(&mut b.full, ReduceOp::Sum),
+        Coll::AllGather => comm.all_gather(&b.part, &mut b.full),
+        Coll::ReduceScatter => comm.reduce_scatter(&b.full, &mut b.part, ReduceOp::Sum),
+        Coll::Broadcast => comm.broadcast_in_place(&mut b.full, 0),
+    }
+}
+
+/// Runs `iters` calls after a barrier; returns this rank's time.
+fn timed(comm: &mut Communicator, coll: Coll, b: &mut Bufs, iters: u64) -> Duration {
+    comm.barrier().expect("barrier");
+    let start = Instant::now();
+    for _ in 0..iters {
+        run_op(comm, coll, b).expect("collective");
+    }
+    start.elapsed()
+}
+
+/// Threads: a fresh in-process group per measurement; the slowest rank's time.
+fn run_threads(coll: Coll, bytes: usize, iters: u64) -> Duration {
     let comms = Communicator::local_group(RANKS).expect("local group");
-    let count = bytes / 4 / RANKS * RANKS;
     let handles: Vec<_> = comms
         .into_iter()
         .map(|mut comm| {
             std::thread::spawn(move || {
-                let mut full = vec![1.0f32; count];
-                let mut part = vec![0.0f32; count / RANKS];
-                comm.barrier().expect("barrier");
-                let start = Instant::now();
-                for _ in 0..iters {
-                    match coll {
-                        Coll::AllReduce => comm.all_reduce_in_place(&mut full, ReduceOp::Sum),
-                        Coll::AllGather => comm.all_gather(&part.clone(), &mut full),
-                        Coll::ReduceScatter => comm.reduce_scatter(&full, &mut part, ReduceOp::Sum),
-                    }
-                    .expect("collective");
-                }
-                start.elapsed()
+                let mut b = Bufs::new(bytes);
+                run_op(&mut comm, coll, &mut b).expect("warm-up");
+                timed(&mut comm, coll, &mut b, iters)
             })
         })
         .collect();
@@ -48,25 +108,126 @@ fn run(coll: Coll, bytes: usize, iters: u64) -> Duration {
         .unwrap_or_default()
 }
 
-fn collectives(c: &mut Criterion) {
-    for (coll, factor) in [
-        (Coll::AllReduce, 2.0 * (RANKS as f64 - 1.0) / RANKS as f64),
-        (Coll::AllGather, (RANKS as f64 - 1.0) / RANKS as f64),
-        (Coll::ReduceScatter, (RANKS as f64 - 1.0) / RANKS as f64),
-    ] {
+/// Processes: this process is rank 0; the others are this binary re-run as
+/// workers that take orders `[collective, bytes, iters]` by broadcast
+/// (iters 0: exit) and report their time with a max-reduction.
+struct ProcessGroup {
+    comm: Communicator,
+    workers: Vec<Child>,
+}
+
+impl ProcessGroup {
+    fn start() -> ProcessGroup {
+        let store = TcpStore::host("127.0.0.1:0".parse().expect("address")).expect("store");
+        let port = store.local_addr().expect("store address").port();
+        let exe = std::env::current_exe().expect("bench executable");
+        let workers = (1..RANKS)
+            .map(|rank| {
+                Command::new(&exe)
+                    .env(WORKER_VAR, "1")
+                    .env("RANK", rank.to_string())
+                    .env("WORLD_SIZE", RANKS.to_string())
+                    .env("LOCAL_RANK", rank.to_string())
+                    .env("LOCAL_WORLD_SIZE", RANKS.to_string())
+                    .env("MASTER_ADDR", "127.0.0.1")
+                    .env("MASTER_PORT", port.to_string())
+                    .spawn()
+                    .expect("worker process")
+            })
+            .collect();
+        let comm = Communicator::builder()
+            .init(0, RANKS, Arc::new(store))
+            .expect("rank 0 joins");
+        ProcessGroup { comm, workers }
+    }
+
+    fn run(&mut self, coll: Coll, bytes: usize, iters: u64) -> Duration {
+        let mut order = [coll.code(), bytes as u64, iters];
+        self.comm.broadcast_in_place(&mut order, 0).expect("order");
+        let mut b = Bufs::new(bytes);
+        run_op(&mut self.comm, coll, &mut b).expect("warm-up");
+        let mine = timed(&mut self.comm, coll, &mut b, iters);
+        let mut slowest = [mine.as_nanos() as u64];
+        self.comm
+            .all_reduce_in_place(&mut slowest, ReduceOp::Max)
+            .expect("times");
+        Duration::from_nanos(slowest[0])
+    }
+}
+
+impl Drop for ProcessGroup {
+    fn drop(&mut self) {
+        let mut order = [0u64, 0, 0];
+        let _ = self.comm.broadcast_in_place(&mut order, 0);
+        for w in &mut self.workers {
+            let _ = w.wait();
+        }
+    }
+}
+
+/// A worker rank: follows rank 0's orders until told to stop.
+fn worker() {
+    let mut comm = Communicator::from_env().expect("worker joins");
+    loop {
+        let mut order = [0u64; 3];
+        comm.broadcast_in_place(&mut order, 0).expect("order");
+        let [code, bytes, iters] = order;
+        let Some(coll) = Coll::from_code(code).filter(|_| iters > 0) else {
+            return;
+        };
+        let mut b = Bufs::new(bytes as usize);
+        run_op(&mut comm, coll, &mut b).expect("warm-up");
+        let mine = timed(&mut comm, coll, &mut b, iters);
+        let mut slowest = [mine.as_nanos() as u64];
+        comm.all_reduce_in_place(&mut slowest, ReduceOp::Max)
+            .expect("times");
+    }
+}
+
+const SIZES: [usize; 3] = [8, 64 << 10, 16 << 20];
+
+fn bench_threads(c: &mut Criterion) {
+    for coll in COLLS {
         let mut group = c.benchmark_group(format!("{coll:?}/threads{RANKS}"));
         group
             .sample_size(10)
-            .measurement_time(Duration::from_secs(2));
-        for bytes in [8usize << 10, 1 << 20, 16 << 20] {
-            group.throughput(Throughput::Bytes((bytes as f64 * factor) as u64));
+            .warm_up_time(Duration::from_millis(300))
+            .measurement_time(Duration::from_secs(1));
+        for bytes in SIZES {
+            group.throughput(Throughput::Bytes((bytes as f64 * coll.bus_factor()) as u64));
             group.bench_with_input(BenchmarkId::from_parameter(bytes), &bytes, |b, &bytes| {
-                b.iter_custom(|iters| run(coll, bytes, iters))
+                b.iter_custom(|iters| run_threads(coll, bytes, iters))
             });
         }
         group.finish();
     }
 }
 
-criterion_group!(benches, collectives);
-criterion_main!(benches);
+fn bench_processes(c: &mut Criterion) {
+    let mut procs = ProcessGroup::start();
+    for coll in COLLS {
+        let mut group = c.benchmark_group(format!("{coll:?}/procs{RANKS}"));
+        group
+            .sample_size(10)
+            .warm_up_time(Duration::from_millis(300))
+            .measurement_time(Duration::from_secs(1));
+        for bytes in SIZES {
+            group.throughput(Throughput::Bytes((bytes as f64 * coll.bus_factor()) as u64));
+            group.bench_with_input(BenchmarkId::from_parameter(bytes), &bytes, |b, &bytes| {
+                b.iter_custom(|iters| procs.run(coll, bytes, iters))
+            });
+        }
+        group.finish();
+    }
+}
+
+fn main() {
+    if std::env::var_os(WORKER_VAR).is_some() {
+        worker();
+        return;
+    }
+    let mut c = Criterion::default().configure_from_args();
+    bench_threads(&mut c);
+    bench_processes(&mut c);
+    c.final_summary();
+}

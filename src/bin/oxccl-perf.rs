@@ -31,6 +31,7 @@ usage: oxccl-perf [options]
                           OXCCL_TRANSPORT); under a launcher, one rank per process
       --collective <name> all_reduce all_gather reduce_scatter broadcast reduce sendrecv all_to_all
                           (default all_reduce)
+      --sizes <list>      exactly these sizes, comma-separated (e.g. 8,1K,64K,16M), instead of -b/-e/-f
   -J, --json <file>       also write the results as JSON
       --label <text>      name of this run in JSON and plots (default: collective, ranks, transport)
       --plot <file.svg>   plot busbw against size: this run, and every --compare run
@@ -117,6 +118,8 @@ struct Args {
     /// `-np`: start this many processes.
     processes: Option<usize>,
     coll: Coll,
+    /// `--sizes`: an explicit list instead of the geometric series.
+    sizes: Option<Vec<usize>>,
     json: Option<String>,
     label: Option<String>,
     plot: Option<String>,
@@ -151,6 +154,7 @@ fn parse_args() -> Result<Args, String> {
         ranks: 2,
         processes: None,
         coll: Coll::AllReduce,
+        sizes: None,
         json: None,
         label: None,
         plot: None,
@@ -197,6 +201,15 @@ fn parse_args() -> Result<Args, String> {
             "--collective" => {
                 a.coll =
                     Coll::parse(value).ok_or_else(|| format!("unknown collective {value:?}"))?
+            }
+            "--sizes" => {
+                a.sizes = Some(
+                    value
+                        .split(',')
+                        .filter(|t| !t.trim().is_empty())
+                        .map(parse_size)
+                        .collect::<Result<_, _>>()?,
+                )
             }
             "-J" | "--json" => a.json = Some(value.clone()),
             "--label" => a.label = Some(value.clone()),
@@ -439,7 +452,13 @@ fn op_kind(coll: Coll) -> oxccl::OpKind {
 fn bench<T: Element>(comm: &mut Communicator, a: &Args) -> oxccl::Result<RunResult> {
     let n = comm.world_size();
     let elem = std::mem::size_of::<T>();
-    let mut size = a.min_bytes;
+    let sizes: Vec<usize> = match &a.sizes {
+        Some(list) => list.clone(),
+        None => std::iter::successors(Some(a.min_bytes), |&s| {
+            s.checked_mul(a.factor).filter(|&next| next <= a.max_bytes)
+        })
+        .collect(),
+    };
     let mut result = RunResult {
         wrong: 0,
         busbw_sum: 0.0,
@@ -447,10 +466,9 @@ fn bench<T: Element>(comm: &mut Communicator, a: &Args) -> oxccl::Result<RunResu
         transport: comm.transport_description(),
     };
     let mut last_count = usize::MAX;
-    while size <= a.max_bytes {
+    for size in sizes {
         let unit = if a.coll.per_rank() { elem * n } else { elem };
         let count = (size / unit) * unit / elem;
-        size = size.saturating_mul(a.factor);
         if count == last_count {
             continue;
         }

@@ -1,0 +1,201 @@
+#!/usr/bin/env bash
+# compare-mpi.sh — oxccl against Open MPI and against this machine's ceiling,
+# side by side in one run.
+#
+# Builds ../shared/anchors/mpi_coll_bench.c (Open MPI's collectives) and
+# ../shared/anchors/shm_ceiling.c (the limit for a 2-process shared-memory
+# all-reduce), builds oxccl-perf, then runs all three over the same sizes,
+# alternating, REPS times, and prints medians and ratios:
+#
+#   oxccl / Open MPI   (≥ 1 is ahead)
+#   oxccl / ceiling    (zero-copy variant (a), staging-copy variant (b),
+#                       one-line flag protocol (d) for the small sizes)
+#
+# Usage: scripts/compare-mpi.sh [options]
+#   --reps N            alternating repetitions (default 3)
+#   --max-bytes SIZE    largest size in bytes (default 268435456 = 256 MiB)
+#   --colls LIST        allreduce,allgather,reduce_scatter,broadcast (default: all four)
+#   --ranks N           ranks (default 2; the ceiling exists for 2 only)
+#   --transport shm|tcp oxccl's OXCCL_TRANSPORT and Open MPI's btl (default shm)
+#   --anchors DIR       where the C programs are (default ../shared/anchors)
+#   --out DIR           raw outputs and the table (default target/compare-mpi)
+#   --budget SECONDS    Open MPI's timed seconds per size (default 0.3)
+#
+# Needs gcc, Open MPI (mpicc, mpirun; installed with apt-get when missing and
+# run as root), python3 and cargo. Takes about REPS × 1–3 minutes at 256 MiB.
+set -euo pipefail
+
+REPS=3
+MAX_BYTES=268435456
+COLLS=allreduce,allgather,reduce_scatter,broadcast
+RANKS=2
+TRANSPORT=shm
+BUDGET=0.3
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ANCHORS="$ROOT/../shared/anchors"
+OUT="$ROOT/target/compare-mpi"
+
+while [ $# -gt 0 ]; do
+    case "$1" in
+    --reps) REPS="$2"; shift 2 ;;
+    --max-bytes) MAX_BYTES="$2"; shift 2 ;;
+    --colls) COLLS="$2"; shift 2 ;;
+    --ranks) RANKS="$2"; shift 2 ;;
+    --transport) TRANSPORT="$2"; shift 2 ;;
+    --anchors) ANCHORS="$2"; shift 2 ;;
+    --out) OUT="$2"; shift 2 ;;
+    --budget) BUDGET="$2"; shift 2 ;;
+    -h|--help) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "compare-mpi.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+    esac
+done
+case "$TRANSPORT" in shm|tcp) ;; *) echo "compare-mpi.sh: --transport shm or tcp" >&2; exit 2 ;; esac
+for f in mpi_coll_bench.c shm_ceiling.c; do
+    [ -f "$ANCHORS/$f" ] || { echo "compare-mpi.sh: $ANCHORS/$f not found (use --anchors DIR)" >&2; exit 2; }
+done
+
+if ! command -v mpicc >/dev/null || ! command -v mpirun >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        echo "# installing Open MPI (apt-get)"
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin libopenmpi-dev >/dev/null
+    else
+        echo "compare-mpi.sh: needs mpicc and mpirun (apt-get install openmpi-bin libopenmpi-dev)" >&2
+        exit 2
+    fi
+fi
+
+mkdir -p "$OUT/bin" "$OUT/raw"
+rm -f "$OUT"/raw/*
+mpicc -O2 -o "$OUT/bin/mpi_coll_bench" "$ANCHORS/mpi_coll_bench.c" -lm
+gcc -O3 -march=native -Wall -o "$OUT/bin/shm_ceiling" "$ANCHORS/shm_ceiling.c" -lpthread -lm
+(cd "$ROOT" && cargo build --release --quiet --bin oxccl-perf)
+PERF="$ROOT/target/release/oxccl-perf"
+
+# The sizes of mpi_coll_bench: 8 B, 1 KiB, then 4 KiB × 4^k up to MAX_BYTES.
+SIZES="8,1024"
+s=4096
+while [ "$s" -le "$MAX_BYTES" ]; do SIZES="$SIZES,$s"; s=$((s * 4)); done
+SMALL=$(echo "$SIZES" | tr , '\n' | awk '$1 <= 65536' | paste -sd,)
+LARGE=$(echo "$SIZES" | tr , '\n' | awk '$1 > 65536' | paste -sd,)
+
+MPIRUN=(mpirun --allow-run-as-root --oversubscribe --bind-to core -np "$RANKS")
+if [ "$TRANSPORT" = tcp ]; then
+    MPIRUN+=(--mca pml ob1 --mca btl tcp,self --mca btl_tcp_if_include lo)
+fi
+
+oxccl_name() {  # mpi_coll_bench's collective name -> oxccl-perf's
+    case "$1" in allreduce) echo all_reduce ;; allgather) echo all_gather ;; *) echo "$1" ;; esac
+}
+
+run_mpi() {
+    COLLS="$COLLS" "${MPIRUN[@]}" "$OUT/bin/mpi_coll_bench" "ompi-$TRANSPORT" "$MAX_BYTES" "$BUDGET" \
+        >"$OUT/raw/mpi-$1.txt" 2>"$OUT/raw/mpi-$1.err"
+}
+
+run_ceiling() {
+    if [ "$TRANSPORT" = shm ] && [ "$RANKS" = 2 ]; then
+        "$OUT/bin/shm_ceiling" $((MAX_BYTES >> 20)) 0.3 a,b,d "$SIZES" \
+            >"$OUT/raw/ceiling-$1.txt" 2>"$OUT/raw/ceiling-$1.err" || true
+    fi
+}
+
+run_oxccl() {
+    local c
+    for c in ${COLLS//,/ }; do
+        local name
+        name=$(oxccl_name "$c")
+        [ -n "$SMALL" ] && OXCCL_TRANSPORT=$TRANSPORT "$PERF" -np "$RANKS" --collective "$name" \
+            --sizes "$SMALL" -n 2000 -w 200 -c 1 -J "$OUT/raw/oxccl-$1-$c-small.json" \
+            >"$OUT/raw/oxccl-$1-$c-small.txt" 2>&1
+        [ -n "$LARGE" ] && OXCCL_TRANSPORT=$TRANSPORT "$PERF" -np "$RANKS" --collective "$name" \
+            --sizes "$LARGE" -n 10 -w 3 -c 1 -J "$OUT/raw/oxccl-$1-$c-large.json" \
+            >"$OUT/raw/oxccl-$1-$c-large.txt" 2>&1
+    done
+}
+
+echo "# compare-mpi: $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -n), $(nproc) CPUs, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')"
+echo "# ranks $RANKS, transport $TRANSPORT, sizes $SIZES, $REPS alternating repetitions"
+for rep in $(seq 1 "$REPS"); do
+    # Alternate the order between repetitions, so drift hits everyone alike.
+    if [ $((rep % 2)) = 1 ]; then
+        run_oxccl "$rep"; run_mpi "$rep"; run_ceiling "$rep"
+    else
+        run_ceiling "$rep"; run_mpi "$rep"; run_oxccl "$rep"
+    fi
+    echo "# repetition $rep done"
+done
+
+python3 - "$OUT" "$COLLS" "$TRANSPORT" <<'PY' | tee "$OUT/table.md"
+import glob, json, os, re, statistics, sys
+out, colls, transport = sys.argv[1], sys.argv[2].split(","), sys.argv[3]
+ox, mpi, ceil = {}, {}, {}
+for path in glob.glob(os.path.join(out, "raw", "oxccl-*.json")):
+    coll = re.match(r"oxccl-\d+-(\w+)-(small|large)\.json", os.path.basename(path)).group(1)
+    run = json.load(open(path))
+    for row in run["rows"]:
+        # Both placements count as samples; nccl-tests reports both columns.
+        key = (coll, row["bytes"])
+        ox.setdefault(key, {"busbw": [], "time": [], "algo": row["algo"]})
+        ox[key]["busbw"] += [row["busbw"], row["busbw_ip"]]
+        ox[key]["time"] += [row["time_us"], row["time_us_ip"]]
+        if row["wrong"] or row["wrong_ip"]:
+            sys.exit(f"oxccl-perf reported wrong values in {path}")
+for path in glob.glob(os.path.join(out, "raw", "mpi-*.txt")):
+    for line in open(path):
+        if line.startswith("RESULT,"):
+            f = line.strip().split(",")
+            key = (f[2], int(f[3]))
+            mpi.setdefault(key, {"busbw": [], "time": []})
+            mpi[key]["busbw"].append(float(f[6]))
+            mpi[key]["time"].append(float(f[4]))
+for path in glob.glob(os.path.join(out, "raw", "ceiling-*.txt")):
+    for line in open(path):
+        m = re.match(r"AR (\w) +(\d+) +time_us +([\d.]+).*busbw_GBs +([\d.]+)", line)
+        if m:
+            key = (m.group(1), int(m.group(2)))
+            ceil.setdefault(key, {"busbw": [], "time": []})
+            ceil[key]["busbw"].append(float(m.group(4)))
+            ceil[key]["time"].append(float(m.group(3)))
+med = lambda xs: statistics.median(xs) if xs else None
+def size(b):
+    for unit, shift in (("MiB", 20), ("KiB", 10)):
+        if b >= 1 << shift and b % (1 << shift) == 0:
+            return f"{b >> shift} {unit}"
+    return f"{b} B"
+def fmt(x, unit=""):
+    return "—" if x is None else f"{x:.2f}{unit}"
+def ratio(a, b):
+    return "—" if a is None or b in (None, 0) else f"{a / b:.2f}×"
+print(f"\n## oxccl vs Open MPI ({transport}) and the shared-memory ceiling — busbw GB/s (time in µs up to 1 KiB), medians\n")
+for coll in colls:
+    print(f"### {coll}\n")
+    head = "| size | algo | oxccl | Open MPI | oxccl / MPI |"
+    sep = "|---:|---|---:|---:|---:|"
+    with_ceiling = coll == "allreduce" and ceil
+    if with_ceiling:
+        head += " (a) zero copy | (b) staging | (d) flag | oxccl / (a) | oxccl / (b) |"
+        sep += "---:|---:|---:|---:|---:|"
+    print(head)
+    print(sep)
+    for b in sorted({k[1] for k in ox if k[0] == coll} | {k[1] for k in mpi if k[0] == coll}):
+        small = b <= 1024
+        pick = "time" if small else "busbw"
+        o = med(ox.get((coll, b), {}).get(pick, []))
+        m = med(mpi.get((coll, b), {}).get(pick, []))
+        algo = ox.get((coll, b), {}).get("algo", "—")
+        u = " µs" if small else ""
+        # For times, lower is better: the ratio is MPI / oxccl.
+        r = ratio(m, o) if small else ratio(o, m)
+        line = f"| {size(b)} | {algo} | {fmt(o, u)} | {fmt(m, u)} | {r} |"
+        if with_ceiling:
+            ca = med(ceil.get(("a", b), {}).get(pick, []))
+            cb = med(ceil.get(("b", b), {}).get(pick, []))
+            cd = med(ceil.get(("d", b), {}).get(pick, []))
+            ra = ratio(ca, o) if small else ratio(o, ca)
+            rb = ratio(cb, o) if small else ratio(o, cb)
+            line += f" {fmt(ca, u)} | {fmt(cb, u)} | {fmt(cd, u)} | {ra} | {rb} |"
+        print(line)
+    print()
+print("Ratios above 1× mean oxccl is ahead (for times: the other takes longer).")
+PY
+echo "# table written to $OUT/table.md; raw outputs in $OUT/raw"
