@@ -58,11 +58,12 @@ pub enum Algo {
     #[default]
     Auto,
     /// Pipelined ring (all-reduce, reduce-scatter, all-gather) and chain
-    /// (broadcast, reduce) schedules over the point-to-point links.
+    /// (broadcast, reduce) schedules over the point-to-point links, at every
+    /// size, even where the shared arena exists.
     Ring,
-    /// Through the shared arena, when every rank is on one host: one-shot
-    /// all-reduce for small messages, two-shot for large ones, and direct
-    /// reads of each other's slots for the rest.
+    /// One step straight to every peer: through the shared arena when every
+    /// rank is on one host (one-shot all-reduce for small messages, two-shot
+    /// for large ones), else direct schedules over the links.
     Direct,
 }
 
@@ -689,7 +690,8 @@ impl Communicator {
         let result = match (self.uses_arena(&desc), self.arena.as_mut()) {
             (true, Some(arena)) => run_in_arena(arena, &desc, &info, bufs),
             _ => {
-                let plan = schedule::plan(&desc, self.config.chunk_bytes);
+                let family = self.plan_family(&desc);
+                let plan = schedule::plan_with(&desc, self.config.chunk_bytes, family);
                 executor::execute(transport, &info, &plan, bufs)
             }
         };
@@ -710,15 +712,26 @@ impl Communicator {
     /// `oxccl-perf` reports it: `oneshot`, `twoshot`, `direct`, `ring` or
     /// `chain`.
     pub fn algorithm_for<T: Element>(&self, op: OpKind, bytes: usize) -> &'static str {
+        let elem = T::DTYPE.size();
         let desc = self.desc::<T>(op);
         if self.uses_arena(&desc) {
-            return arena::algorithm_name(op, bytes, T::DTYPE.size());
+            return arena::algorithm_name(op, bytes, elem);
         }
-        match op {
-            OpKind::AllReduce | OpKind::ReduceScatter | OpKind::AllGather | OpKind::Split => "ring",
-            OpKind::Broadcast | OpKind::Reduce => "chain",
-            OpKind::AllToAll | OpKind::Send | OpKind::Recv => "direct",
-            OpKind::Barrier => "dissemination",
+        // What the table sees: the largest buffer of the call.
+        let desc = desc.with_recv(BufDesc {
+            len: bytes / elem,
+            memory: MemoryKind::Host,
+        });
+        schedule::family_name(self.plan_family(&desc), op)
+    }
+
+    /// The schedule family for a call over the links: forced by
+    /// `OXCCL_ALGO`, else from the table by size and world size.
+    fn plan_family(&self, desc: &CollectiveDesc) -> schedule::Family {
+        match self.config.algo {
+            Algo::Ring => schedule::Family::Ring,
+            Algo::Direct => schedule::Family::Direct,
+            Algo::Auto => schedule::choose(desc),
         }
     }
 

@@ -19,10 +19,11 @@ pub(crate) enum Bufs<'a, T> {
 }
 
 impl<T: Element> Bufs<'_, T> {
+    /// `span` of the send or receive buffer (scratch is the executor's).
     fn read(&self, span: Span) -> &[T] {
         match (self, span.buf) {
             (Bufs::OutOfPlace { send, .. }, BufId::Send) => &send[span.range()],
-            (Bufs::OutOfPlace { recv, .. }, BufId::Recv) => &recv[span.range()],
+            (Bufs::OutOfPlace { recv, .. }, _) => &recv[span.range()],
             (Bufs::InPlace(buf), _) => &buf[span.range()],
         }
     }
@@ -109,6 +110,14 @@ pub(crate) fn execute<T: Element>(
         received: vec![0; info.world],
     };
     let op = info.reduce_op;
+    // Only direct plans use scratch, and only for small messages.
+    let mut scratch = vec![T::zeroed(); plan.scratch_len];
+    let read = |bufs: &Bufs<'_, T>, scratch: &[T], span: Span| -> Vec<T> {
+        match span.buf {
+            BufId::Scratch => scratch[span.range()].to_vec(),
+            _ => bufs.read(span).to_vec(),
+        }
+    };
     let send = |counters: &mut Counters, peer: Rank, payload: Payload, len: usize| -> Result<()> {
         let step = counters.sent[peer];
         counters.sent[peer] += 1;
@@ -126,7 +135,11 @@ pub(crate) fn execute<T: Element>(
     for step in &plan.steps {
         match *step {
             Step::Send { peer, src } => {
-                let payload = Payload::from_bytes(bytemuck::cast_slice(bufs.read(src)));
+                let data = match src.buf {
+                    BufId::Scratch => &scratch[src.range()],
+                    _ => bufs.read(src),
+                };
+                let payload = Payload::from_bytes(bytemuck::cast_slice(data));
                 send(&mut counters, peer, payload, src.len)?;
             }
             Step::Recv { peer, dst } => {
@@ -162,11 +175,31 @@ pub(crate) fn execute<T: Element>(
                     .copy_from_slice(bytemuck::cast_slice(payload.as_bytes()));
                 send(&mut counters, to, payload, dst.len)?;
             }
-            Step::Copy { src, dst } => match (&mut bufs, src.buf) {
-                (Bufs::OutOfPlace { send, recv }, BufId::Send) => {
+            Step::Copy { src, dst } => match (&mut bufs, src.buf, dst.buf) {
+                (bufs, _, BufId::Scratch) => {
+                    let data = bufs.read(src);
+                    scratch[dst.range()].copy_from_slice(data);
+                }
+                (bufs, BufId::Scratch, _) => {
+                    bufs.recv_mut()[dst.range()].copy_from_slice(&scratch[src.range()]);
+                }
+                (Bufs::OutOfPlace { send, recv }, BufId::Send, _) => {
                     recv[dst.range()].copy_from_slice(&send[src.range()]);
                 }
-                (bufs, _) => bufs.recv_mut().copy_within(src.range(), dst.offset),
+                (bufs, _, _) => bufs.recv_mut().copy_within(src.range(), dst.offset),
+            },
+            Step::ReduceLocal { src, dst } => match (&mut bufs, src.buf) {
+                (bufs, BufId::Scratch) => {
+                    T::combine_assign(op, &mut bufs.recv_mut()[dst.range()], &scratch[src.range()]);
+                }
+                (Bufs::OutOfPlace { send, recv }, BufId::Send) => {
+                    T::combine_assign(op, &mut recv[dst.range()], &send[src.range()]);
+                }
+                (bufs, _) => {
+                    // Both in the receive buffer: the plans keep them apart.
+                    let data = read(bufs, &scratch, src);
+                    T::combine_assign(op, &mut bufs.recv_mut()[dst.range()], &data);
+                }
             },
             Step::DivideByWorld { span } => {
                 T::divide_by(&mut bufs.recv_mut()[span.range()], info.world)

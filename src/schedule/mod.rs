@@ -20,6 +20,7 @@
 //! - Zero-length pieces are never sent; both sides skip them because both
 //!   derive lengths from the same [`ChunkLayout`].
 
+pub mod direct;
 pub mod ring;
 pub mod tree;
 
@@ -33,6 +34,9 @@ pub enum BufId {
     Send,
     /// The receive (output) buffer; the only buffer of an in-place call.
     Recv,
+    /// Scratch memory of [`Plan::scratch_len`] elements the executor
+    /// provides (a direct fold keeps a rank's own contribution there).
+    Scratch,
 }
 
 /// A range of elements in one of the call's buffers.
@@ -113,6 +117,13 @@ pub enum Step {
         /// Destination.
         dst: Span,
     },
+    /// Store `dst ⊕ src` into `dst`, both local.
+    ReduceLocal {
+        /// The contribution folded in.
+        src: Span,
+        /// The accumulator.
+        dst: Span,
+    },
     /// Divide `span` by the world size: the last step of `Avg`.
     DivideByWorld {
         /// The span to divide.
@@ -125,6 +136,59 @@ pub enum Step {
 pub struct Plan {
     /// The steps, in order.
     pub steps: Vec<Step>,
+    /// Elements of [`BufId::Scratch`] the steps use (0: none).
+    pub scratch_len: usize,
+}
+
+/// The schedule families over point-to-point links.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    /// Pipelined ring (all-reduce, reduce-scatter, all-gather), chain
+    /// (broadcast, reduce): bandwidth-optimal.
+    Ring,
+    /// One step, straight to every peer, folds in rank order:
+    /// latency-optimal for small messages.
+    Direct,
+}
+
+/// Largest number of bytes a rank sends in one direct call: up to here one
+/// message latency beats the ring's `2(N-1)` steps (on loopback TCP the
+/// cross-over is near 64 KiB for 2 ranks).
+pub const DIRECT_MAX_BYTES_SENT: usize = 64 * 1024;
+
+/// The table: which family a call of `desc` uses when nothing forces one.
+/// A direct call sends at most `bytes · (N-1)` per rank; it is chosen while
+/// that stays within [`DIRECT_MAX_BYTES_SENT`]. Reduce-scatter and
+/// all-reduce of the same buffer size always get the same family (the table
+/// looks at the largest buffer), which keeps all-reduce equal to
+/// all-gather ∘ reduce-scatter bit for bit.
+pub fn choose(desc: &CollectiveDesc) -> Family {
+    let peers = desc.world_size.saturating_sub(1).max(1);
+    let direct_ops = matches!(
+        desc.op,
+        OpKind::AllReduce
+            | OpKind::ReduceScatter
+            | OpKind::AllGather
+            | OpKind::Broadcast
+            | OpKind::Reduce
+    );
+    if direct_ops && desc.bytes().saturating_mul(peers) <= DIRECT_MAX_BYTES_SENT {
+        Family::Direct
+    } else {
+        Family::Ring
+    }
+}
+
+/// The name `oxccl-perf` prints for a plan family running `op`.
+pub fn family_name(family: Family, op: OpKind) -> &'static str {
+    match (family, op) {
+        (Family::Direct, OpKind::AllReduce) => "oneshot",
+        (Family::Direct, _) => "direct",
+        (Family::Ring, OpKind::Broadcast | OpKind::Reduce) => "chain",
+        (Family::Ring, OpKind::Barrier) => "dissemination",
+        (Family::Ring, OpKind::AllToAll | OpKind::Send | OpKind::Recv) => "direct",
+        (Family::Ring, _) => "ring",
+    }
 }
 
 /// How a count of elements is cut into one chunk per rank, and each chunk into
@@ -196,6 +260,16 @@ fn split_even(total: usize, parts: usize, i: usize) -> (usize, usize) {
 /// `chunk_bytes` is the pipeline piece size in bytes (the communicator's
 /// configuration); it becomes a piece size in elements of the call's type.
 pub fn plan(desc: &CollectiveDesc, chunk_bytes: usize) -> Plan {
+    plan_with(desc, chunk_bytes, choose(desc))
+}
+
+/// [`plan`] with the family chosen by the caller.
+pub fn plan_with(desc: &CollectiveDesc, chunk_bytes: usize, family: Family) -> Plan {
+    if family == Family::Direct {
+        if let Some(plan) = plan_direct(desc) {
+            return plan;
+        }
+    }
     let piece_elems = (chunk_bytes / desc.dtype.size()).max(1);
     let rank = desc.rank;
     let world = desc.world_size;
@@ -260,7 +334,30 @@ pub fn plan(desc: &CollectiveDesc, chunk_bytes: usize) -> Plan {
         OpKind::Split => ring::all_gather(rank, world, desc.count(), piece_elems, true, &mut steps),
         OpKind::Barrier => tree::barrier(rank, world, &mut steps),
     }
-    Plan { steps }
+    Plan {
+        steps,
+        scratch_len: 0,
+    }
+}
+
+/// The direct plan of `desc`, for the operations that have one.
+fn plan_direct(desc: &CollectiveDesc) -> Option<Plan> {
+    let (rank, world, count) = (desc.rank, desc.world_size, desc.count());
+    let in_place = desc.in_place;
+    let avg = desc.reduce_op == Some(ReduceOp::Avg);
+    let root = desc.root.unwrap_or(0);
+    let mut plan = Plan::default();
+    match desc.op {
+        OpKind::AllReduce => direct::all_reduce(rank, world, count, in_place, avg, &mut plan),
+        OpKind::ReduceScatter => {
+            direct::reduce_scatter(rank, world, count, in_place, avg, &mut plan)
+        }
+        OpKind::AllGather => direct::all_gather(rank, world, count, in_place, &mut plan),
+        OpKind::Broadcast => direct::broadcast(rank, world, root, count, in_place, &mut plan),
+        OpKind::Reduce => direct::reduce(rank, world, root, count, in_place, avg, &mut plan),
+        _ => return None,
+    }
+    Some(plan)
 }
 
 /// Splits `len` elements starting at `offset` into pieces of at most

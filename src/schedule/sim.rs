@@ -10,7 +10,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use super::{plan, BufId, Plan, Span, Step};
+use super::{plan_with, BufId, Family, Plan, Span, Step};
 use crate::desc::{BufDesc, CollectiveDesc, MemoryKind};
 use crate::types::{DType, OpKind, ReduceOp};
 
@@ -63,6 +63,7 @@ fn combine(local: Sym, incoming: Sym) -> Result<Sym, String> {
 struct Rank {
     send: Vec<Sym>,
     recv: Vec<Sym>,
+    scratch: Vec<Sym>,
     in_place: bool,
 }
 
@@ -74,6 +75,7 @@ impl Rank {
             }
             BufId::Send => &self.send,
             BufId::Recv => &self.recv,
+            BufId::Scratch => &self.scratch,
         };
         buf.get(span.range())
             .map(<[Sym]>::to_vec)
@@ -81,12 +83,13 @@ impl Rank {
     }
 
     fn write(&mut self, span: Span, data: &[Sym]) -> Result<(), String> {
-        if span.buf == BufId::Send {
-            return Err("plan writes the send buffer".into());
-        }
-        let len = self.recv.len();
-        self.recv
-            .get_mut(span.range())
+        let buf = match span.buf {
+            BufId::Send => return Err("plan writes the send buffer".into()),
+            BufId::Recv => &mut self.recv,
+            BufId::Scratch => &mut self.scratch,
+        };
+        let len = buf.len();
+        buf.get_mut(span.range())
             .ok_or_else(|| format!("span {span:?} outside a buffer of {len}"))?
             .copy_from_slice(data);
         Ok(())
@@ -170,6 +173,15 @@ fn simulate(plans: &[Plan], mut ranks: Vec<Rank>) -> Result<Vec<Vec<Sym>>, Strin
                         let data = me.read(src)?;
                         me.write(dst, &data)?;
                     }
+                    Step::ReduceLocal { src, dst } => {
+                        let out: Vec<Sym> = me
+                            .read(dst)?
+                            .into_iter()
+                            .zip(me.read(src)?)
+                            .map(|(acc, x)| combine(acc, x))
+                            .collect::<Result<_, _>>()?;
+                        me.write(dst, &out)?;
+                    }
                     Step::DivideByWorld { span } => {
                         let mut data = me.read(span)?;
                         data.iter_mut().for_each(|s| s.divides += 1);
@@ -204,6 +216,7 @@ fn simulate(plans: &[Plan], mut ranks: Vec<Rank>) -> Result<Vec<Vec<Sym>>, Strin
 /// per-rank lengths; `send_init(rank, i)` gives the inputs.
 #[allow(clippy::too_many_arguments)]
 fn run(
+    family: Family,
     op: OpKind,
     world: usize,
     send_len: usize,
@@ -234,15 +247,17 @@ fn run(
             desc = desc.with_root(root);
         }
         desc.validate().map_err(|e| e.to_string())?;
-        plans.push(plan(&desc, piece_elems * 8));
+        plans.push(plan_with(&desc, piece_elems * 8, family));
         let send: Vec<Sym> = (0..send_len).map(|i| send_init(r, i)).collect();
         let mut recv = vec![UNSET; recv_len];
         if in_place {
             recv = (0..recv_len).map(|i| send_init(r, i)).collect();
         }
+        let scratch = vec![UNSET; plans[r].scratch_len];
         ranks.push(Rank {
             send,
             recv,
+            scratch,
             in_place,
         });
     }
@@ -271,33 +286,36 @@ fn counts(world: usize) -> [usize; 5] {
 
 #[test]
 fn all_reduce_plans_reduce_every_element_exactly_once_per_rank() {
-    for world in WORLDS {
-        for count in counts(world) {
-            for piece in PIECES {
-                for in_place in [false, true] {
-                    for avg in [false, true] {
-                        let op = if avg { ReduceOp::Avg } else { ReduceOp::Sum };
-                        let out = run(
-                            OpKind::AllReduce,
-                            world,
-                            count,
-                            count,
-                            in_place,
-                            Some(op),
-                            None,
-                            piece,
-                            |r, i| input(i, r),
-                        )
-                        .unwrap_or_else(|e| {
-                            panic!("world {world} count {count} piece {piece}: {e}")
-                        });
-                        for (r, buf) in out.iter().enumerate() {
-                            for (i, s) in buf.iter().enumerate() {
-                                assert_eq!(
-                                    *s,
-                                    reduced(i, world, avg),
-                                    "rank {r} world {world} count {count} piece {piece}"
-                                );
+    for family in [Family::Ring, Family::Direct] {
+        for world in WORLDS {
+            for count in counts(world) {
+                for piece in PIECES {
+                    for in_place in [false, true] {
+                        for avg in [false, true] {
+                            let op = if avg { ReduceOp::Avg } else { ReduceOp::Sum };
+                            let out = run(
+                                family,
+                                OpKind::AllReduce,
+                                world,
+                                count,
+                                count,
+                                in_place,
+                                Some(op),
+                                None,
+                                piece,
+                                |r, i| input(i, r),
+                            )
+                            .unwrap_or_else(|e| {
+                                panic!("world {world} count {count} piece {piece}: {e}")
+                            });
+                            for (r, buf) in out.iter().enumerate() {
+                                for (i, s) in buf.iter().enumerate() {
+                                    assert_eq!(
+                                        *s,
+                                        reduced(i, world, avg),
+                                        "rank {r} world {world} count {count} piece {piece}"
+                                    );
+                                }
                             }
                         }
                     }
@@ -309,62 +327,66 @@ fn all_reduce_plans_reduce_every_element_exactly_once_per_rank() {
 
 #[test]
 fn reduce_scatter_and_all_gather_plans_match_their_definitions() {
-    for world in WORLDS {
-        for per in [0, 1, 2, 9] {
-            for piece in PIECES {
-                for in_place in [false, true] {
-                    let out = run(
-                        OpKind::ReduceScatter,
-                        world,
-                        per * world,
-                        if in_place { per * world } else { per },
-                        in_place,
-                        Some(ReduceOp::Sum),
-                        None,
-                        piece,
-                        |r, i| input(i, r),
-                    )
-                    .unwrap();
-                    for (r, buf) in out.iter().enumerate() {
-                        let mine = if in_place {
-                            &buf[r * per..(r + 1) * per]
-                        } else {
-                            &buf[..]
-                        };
-                        for (i, s) in mine.iter().enumerate() {
-                            assert_eq!(*s, reduced(r * per + i, world, false));
-                        }
-                    }
-                    let out = run(
-                        OpKind::AllGather,
-                        world,
-                        if in_place { per * world } else { per },
-                        per * world,
-                        in_place,
-                        None,
-                        None,
-                        piece,
-                        |r, i| {
-                            if in_place {
-                                // The in-place buffer holds this rank's part at r*per.
-                                if i / per.max(1) == r {
-                                    input(i, r)
-                                } else {
-                                    UNSET
-                                }
+    for family in [Family::Ring, Family::Direct] {
+        for world in WORLDS {
+            for per in [0, 1, 2, 9] {
+                for piece in PIECES {
+                    for in_place in [false, true] {
+                        let out = run(
+                            family,
+                            OpKind::ReduceScatter,
+                            world,
+                            per * world,
+                            if in_place { per * world } else { per },
+                            in_place,
+                            Some(ReduceOp::Sum),
+                            None,
+                            piece,
+                            |r, i| input(i, r),
+                        )
+                        .unwrap();
+                        for (r, buf) in out.iter().enumerate() {
+                            let mine = if in_place {
+                                &buf[r * per..(r + 1) * per]
                             } else {
-                                input(r * per + i, r)
+                                &buf[..]
+                            };
+                            for (i, s) in mine.iter().enumerate() {
+                                assert_eq!(*s, reduced(r * per + i, world, false));
                             }
-                        },
-                    )
-                    .unwrap();
-                    for buf in out {
-                        for (i, s) in buf.iter().enumerate() {
-                            assert_eq!(
-                                *s,
-                                input(i, i / per.max(1)),
-                                "all_gather world {world} per {per}"
-                            );
+                        }
+                        let out = run(
+                            family,
+                            OpKind::AllGather,
+                            world,
+                            if in_place { per * world } else { per },
+                            per * world,
+                            in_place,
+                            None,
+                            None,
+                            piece,
+                            |r, i| {
+                                if in_place {
+                                    // The in-place buffer holds this rank's part at r*per.
+                                    if i / per.max(1) == r {
+                                        input(i, r)
+                                    } else {
+                                        UNSET
+                                    }
+                                } else {
+                                    input(r * per + i, r)
+                                }
+                            },
+                        )
+                        .unwrap();
+                        for buf in out {
+                            for (i, s) in buf.iter().enumerate() {
+                                assert_eq!(
+                                    *s,
+                                    input(i, i / per.max(1)),
+                                    "all_gather world {world} per {per}"
+                                );
+                            }
                         }
                     }
                 }
@@ -375,63 +397,67 @@ fn reduce_scatter_and_all_gather_plans_match_their_definitions() {
 
 #[test]
 fn rooted_plans_match_their_definitions() {
-    for world in WORLDS {
-        for root in [0, world / 2, world - 1] {
-            for count in counts(world) {
-                for piece in PIECES {
-                    for in_place in [false, true] {
-                        let out = run(
-                            OpKind::Broadcast,
-                            world,
-                            count,
-                            count,
-                            in_place,
-                            None,
-                            Some(root),
-                            piece,
-                            |r, i| {
-                                if r == root {
-                                    input(i, r)
-                                } else if in_place {
-                                    UNSET
-                                } else {
-                                    input(i, r)
-                                }
-                            },
-                        )
-                        .unwrap();
-                        for buf in &out {
-                            assert!(
-                                buf.iter().enumerate().all(|(i, s)| *s == input(i, root)),
-                                "broadcast world {world} root {root}"
-                            );
-                        }
-                        let out = run(
-                            OpKind::Reduce,
-                            world,
-                            count,
-                            count,
-                            in_place,
-                            Some(ReduceOp::Avg),
-                            Some(root),
-                            piece,
-                            |r, i| input(i, r),
-                        )
-                        .unwrap();
-                        for (r, buf) in out.iter().enumerate() {
-                            for (i, s) in buf.iter().enumerate() {
-                                if r == root {
-                                    assert_eq!(
-                                        *s,
-                                        reduced(i, world, true),
-                                        "reduce world {world} root {root}"
-                                    );
-                                } else if in_place {
-                                    assert_eq!(
-                                        *s,
-                                        input(i, r),
-                                        "in-place reduce must not touch non-roots"
-                                    );
+    for family in [Family::Ring, Family::Direct] {
+        for world in WORLDS {
+            for root in [0, world / 2, world - 1] {
+                for count in counts(world) {
+                    for piece in PIECES {
+                        for in_place in [false, true] {
+                            let out = run(
+                                family,
+                                OpKind::Broadcast,
+                                world,
+                                count,
+                                count,
+                                in_place,
+                                None,
+                                Some(root),
+                                piece,
+                                |r, i| {
+                                    if r == root {
+                                        input(i, r)
+                                    } else if in_place {
+                                        UNSET
+                                    } else {
+                                        input(i, r)
+                                    }
+                                },
+                            )
+                            .unwrap();
+                            for buf in &out {
+                                assert!(
+                                    buf.iter().enumerate().all(|(i, s)| *s == input(i, root)),
+                                    "broadcast world {world} root {root}"
+                                );
+                            }
+                            let out = run(
+                                family,
+                                OpKind::Reduce,
+                                world,
+                                count,
+                                count,
+                                in_place,
+                                Some(ReduceOp::Avg),
+                                Some(root),
+                                piece,
+                                |r, i| input(i, r),
+                            )
+                            .unwrap();
+                            for (r, buf) in out.iter().enumerate() {
+                                for (i, s) in buf.iter().enumerate() {
+                                    if r == root {
+                                        assert_eq!(
+                                            *s,
+                                            reduced(i, world, true),
+                                            "reduce world {world} root {root}"
+                                        );
+                                    } else if in_place {
+                                        assert_eq!(
+                                            *s,
+                                            input(i, r),
+                                            "in-place reduce must not touch non-roots"
+                                        );
+                                    }
                                 }
                             }
                         }
@@ -444,41 +470,45 @@ fn rooted_plans_match_their_definitions() {
 
 #[test]
 fn all_to_all_and_barrier_plans_match_their_definitions() {
-    for world in WORLDS {
-        for per in [0, 1, 5] {
-            for piece in PIECES {
-                let out = run(
-                    OpKind::AllToAll,
-                    world,
-                    per * world,
-                    per * world,
-                    false,
-                    None,
-                    None,
-                    piece,
-                    |r, i| input(i, r),
-                )
-                .unwrap();
-                for (r, buf) in out.iter().enumerate() {
-                    for (j, s) in buf.iter().enumerate() {
-                        let from = j / per;
-                        assert_eq!(*s, input(r * per + j % per, from));
+    for family in [Family::Ring, Family::Direct] {
+        for world in WORLDS {
+            for per in [0, 1, 5] {
+                for piece in PIECES {
+                    let out = run(
+                        family,
+                        OpKind::AllToAll,
+                        world,
+                        per * world,
+                        per * world,
+                        false,
+                        None,
+                        None,
+                        piece,
+                        |r, i| input(i, r),
+                    )
+                    .unwrap();
+                    for (r, buf) in out.iter().enumerate() {
+                        for (j, s) in buf.iter().enumerate() {
+                            let from = j / per;
+                            assert_eq!(*s, input(r * per + j % per, from));
+                        }
                     }
                 }
             }
+            run(
+                family,
+                OpKind::Barrier,
+                world,
+                0,
+                0,
+                false,
+                None,
+                None,
+                1,
+                |r, i| input(i, r),
+            )
+            .unwrap();
         }
-        run(
-            OpKind::Barrier,
-            world,
-            0,
-            0,
-            false,
-            None,
-            None,
-            1,
-            |r, i| input(i, r),
-        )
-        .unwrap();
     }
 }
 
@@ -493,6 +523,7 @@ fn a_plan_with_a_missing_receive_is_caught() {
         .map(|r| Rank {
             send: vec![input(0, r)],
             recv: vec![UNSET],
+            scratch: Vec::new(),
             in_place: false,
         })
         .collect();
@@ -510,6 +541,7 @@ fn a_plan_with_a_missing_receive_is_caught() {
         .map(|r| Rank {
             send: vec![input(0, r)],
             recv: vec![UNSET],
+            scratch: Vec::new(),
             in_place: false,
         })
         .collect();
