@@ -709,13 +709,13 @@ impl Communicator {
 
     /// The algorithm a collective of `bytes` (nccl-tests' size: the largest
     /// buffer) and element type `T` would use on this communicator, as
-    /// `oxccl-perf` reports it: `oneshot`, `twoshot`, `direct`, `ring` or
-    /// `chain`.
+    /// `oxccl-perf` reports it: `zerocopy`, `oneshot`, `twoshot`, `direct`,
+    /// `ring`, `chain` or `dissemination`.
     pub fn algorithm_for<T: Element>(&self, op: OpKind, bytes: usize) -> &'static str {
         let elem = T::DTYPE.size();
         let desc = self.desc::<T>(op);
-        if self.uses_arena(&desc) {
-            return arena::algorithm_name(op, bytes, elem);
+        if let (true, Some(arena)) = (self.uses_arena(&desc), &self.arena) {
+            return arena.algorithm_name(op, bytes, elem);
         }
         // What the table sees: the largest buffer of the call.
         let desc = desc.with_recv(BufDesc {

@@ -119,6 +119,23 @@ impl Bind {
     }
 }
 
+/// Binds the calling thread to the `local_rank`-th CPU this process may
+/// use, as [`Bind::Auto`] does for launched ranks: only when there are at
+/// least `local_world` such CPUs. Returns whether it bound. For ranks run
+/// as threads (`oxccl-perf -t`, benches), which no launcher places.
+pub fn bind_thread_like_a_rank(local_rank: usize, local_world: usize) -> bool {
+    let cpus = allowed_cpus();
+    if cpus.is_empty() || local_world > cpus.len() {
+        return false;
+    }
+    // SAFETY: a zeroed cpu_set_t is valid; pid 0 is the calling thread.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpus[local_rank % cpus.len()], &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
+    }
+}
+
 /// The CPUs this process may run on, in order.
 fn allowed_cpus() -> Vec<usize> {
     // SAFETY: a zeroed cpu_set_t is valid; sched_getaffinity fills it.

@@ -564,7 +564,11 @@ fn run_typed<T: Element>(a: &Args) -> Result<RunResult, String> {
         .into_iter()
         .map(|mut comm| {
             let a = a.clone();
-            std::thread::spawn(move || bench::<T>(&mut comm, &a).map_err(|e| e.to_string()))
+            std::thread::spawn(move || {
+                // Like launched ranks: one core each when there are enough.
+                oxccl::launch::bind_thread_like_a_rank(comm.rank(), comm.world_size());
+                bench::<T>(&mut comm, &a).map_err(|e| e.to_string())
+            })
         })
         .collect();
     let mut out = Err("no ranks".to_string());

@@ -52,6 +52,15 @@ pub(crate) const DEFAULT_SLOT_BYTES: usize = 256 * 1024;
 /// Slots per rank: how many rounds a rank may run ahead of the slowest.
 pub(crate) const DEFAULT_DEPTH: usize = 4;
 
+/// In one process, calls of at least this many bytes (the largest buffer)
+/// skip the slots: ranks exchange buffer addresses and read, reduce and
+/// write each other's buffers directly (two synchronisations instead of a
+/// copy per byte). Below it the one-round staged path is faster.
+const ZERO_COPY_MIN_BYTES: usize = 2 * 1024;
+/// Part boundaries of a zero-copy split fall on cache lines, so two ranks
+/// never write the same line.
+const CACHE_LINE: usize = 64;
+
 const STATE_ALIVE: u64 = 1;
 const STATE_DEPARTED: u64 = 2;
 
@@ -550,16 +559,6 @@ fn part(total: usize, parts: usize, i: usize) -> (usize, usize) {
     (i * base + i.min(extra), base + usize::from(i < extra))
 }
 
-/// Which algorithm an arena call uses, for reports.
-pub(crate) fn algorithm_name(op: OpKind, bytes: usize, elem: usize) -> &'static str {
-    let capacity = Geometry::new(1).payload_bytes() / elem.max(1) * elem.max(1);
-    match op {
-        OpKind::AllReduce if bytes <= capacity => "oneshot",
-        OpKind::AllReduce => "twoshot",
-        _ => "direct",
-    }
-}
-
 impl Arena {
     /// All-reduce of `count` elements.
     pub fn all_reduce<T: Element>(
@@ -570,6 +569,9 @@ impl Arena {
         count: usize,
         op: ReduceOp,
     ) -> Result<()> {
+        if self.zero_copy::<T>(count) {
+            return self.zero_copy_all_reduce(call, sig, bufs, count, op);
+        }
         let world = self.world();
         let me = self.rank;
         let capacity = self.capacity::<T>();
@@ -707,6 +709,9 @@ impl Arena {
         count: usize,
         op: ReduceOp,
     ) -> Result<()> {
+        if self.zero_copy::<T>(count * self.world()) {
+            return self.zero_copy_reduce_scatter(call, sig, bufs, count, op);
+        }
         let (world, me) = (self.world(), self.rank);
         // Slot region q (at q·per) carries the piece destined for rank q.
         let per = (self.capacity::<T>() / world).max(1);
@@ -750,6 +755,9 @@ impl Arena {
         bufs: Buffers<T>,
         count: usize,
     ) -> Result<()> {
+        if self.zero_copy::<T>(count * self.world()) {
+            return self.zero_copy_copies(call, sig, bufs, count, None);
+        }
         let (world, me) = (self.world(), self.rank);
         let capacity = self.capacity::<T>();
         let mut offset = 0;
@@ -789,6 +797,9 @@ impl Arena {
         count: usize,
         root: Rank,
     ) -> Result<()> {
+        if self.zero_copy::<T>(count) {
+            return self.zero_copy_copies(call, sig, bufs, count, Some(root));
+        }
         let me = self.rank;
         let capacity = self.capacity::<T>();
         let mut offset = 0;
@@ -832,6 +843,9 @@ impl Arena {
         op: ReduceOp,
         root: Rank,
     ) -> Result<()> {
+        if self.zero_copy::<T>(count) {
+            return self.zero_copy_reduce(call, sig, bufs, count, op, root);
+        }
         let (world, me) = (self.world(), self.rank);
         let capacity = self.capacity::<T>();
         let mut offset = 0;
@@ -912,6 +926,267 @@ impl Arena {
         self.await_all(call, sig, g)?;
         self.finish(g);
         Ok(())
+    }
+}
+
+/// The zero-copy paths, for ranks that share one address space (threads).
+///
+/// A call is two rounds: in the first each rank posts the addresses of its
+/// input and output; then every rank reads (and, for all-reduce, writes)
+/// the others' buffers directly; in the second each rank says it is done,
+/// and nobody returns before everyone is, so no buffer is touched after its
+/// owner's call returned. In all-reduce rank `r` alone reads and writes
+/// share `r` of every buffer; elsewhere a rank writes only its own output.
+impl Arena {
+    /// Which algorithm a call of `op` with `bytes` in its largest buffer
+    /// (elements of `elem` bytes) uses, for reports.
+    pub fn algorithm_name(&self, op: OpKind, bytes: usize, elem: usize) -> &'static str {
+        let zero_copy_op = matches!(
+            op,
+            OpKind::AllReduce
+                | OpKind::ReduceScatter
+                | OpKind::AllGather
+                | OpKind::Broadcast
+                | OpKind::Reduce
+        );
+        let capacity = self.geometry.payload_bytes() / elem.max(1) * elem.max(1);
+        match op {
+            _ if zero_copy_op && !self.watch_pids && bytes >= ZERO_COPY_MIN_BYTES => "zerocopy",
+            OpKind::AllReduce if bytes <= capacity => "oneshot",
+            OpKind::AllReduce => "twoshot",
+            _ => "direct",
+        }
+    }
+
+    fn zero_copy<T>(&self, elements: usize) -> bool {
+        !self.watch_pids && elements * std::mem::size_of::<T>() >= ZERO_COPY_MIN_BYTES
+    }
+
+    /// Posts this rank's buffer addresses and waits for everyone's.
+    fn enter<T>(&mut self, call: &CallInfo, sig: &CallSig, bufs: &Buffers<T>) -> Result<u64> {
+        let g = self.begin(call)?;
+        let slot = self.payload::<u64>(self.rank, g);
+        // SAFETY: the slot holds far more than two words.
+        unsafe {
+            slot.write(bufs.input as usize as u64);
+            slot.add(1).write(bufs.output as usize as u64);
+        }
+        self.post(g, sig);
+        self.await_all(call, sig, g)?;
+        Ok(g)
+    }
+
+    /// Rank `p`'s `(input, output)` addresses, posted in round `g`.
+    fn buffers_of<T>(&self, p: Rank, g: u64) -> (*const T, *mut T) {
+        let slot = self.payload::<u64>(p, g);
+        // SAFETY: posted in round g (awaited by `enter`).
+        unsafe {
+            (
+                slot.read() as usize as *const T,
+                slot.add(1).read() as usize as *mut T,
+            )
+        }
+    }
+
+    /// Says this rank is done with everyone's buffers and waits until
+    /// everyone is done with its own.
+    fn leave(&mut self, call: &CallInfo, sig: &CallSig, entered: u64) -> Result<()> {
+        self.finish(entered);
+        let g = self.begin(call)?;
+        self.post(g, sig);
+        self.await_all(call, sig, g)?;
+        self.finish(g);
+        Ok(())
+    }
+
+    /// This rank's share `[start, end)` of `count` elements, cut on cache
+    /// lines.
+    fn share<T>(&self, count: usize) -> (usize, usize) {
+        let align = (CACHE_LINE / std::mem::size_of::<T>()).max(1);
+        let (first, n) = part(count.div_ceil(align), self.world(), self.rank);
+        ((first * align).min(count), ((first + n) * align).min(count))
+    }
+
+    /// Scratch for in-place folds: this rank's slot of round `g` past the
+    /// two posted addresses, as `(start, elements)`.
+    fn scratch<T>(&self, g: u64) -> (*mut T, usize) {
+        let skip = CACHE_LINE;
+        // SAFETY: the payload is far longer than one cache line, and only
+        // its first two words are read by peers during the call.
+        let start = unsafe { self.payload::<u8>(self.rank, g).add(skip) as *mut T };
+        (
+            start,
+            (self.geometry.payload_bytes() - skip) / std::mem::size_of::<T>(),
+        )
+    }
+
+    /// Folds `[offset, offset + out.len())` of every rank's input, in rank
+    /// order, into `out`, this rank's output. In place `out` is also this
+    /// rank's input: the prefix `x0 ⊕ … ⊕ x(me-1)` is then folded piece by
+    /// piece in `scratch` and combined in front of it.
+    ///
+    /// # Safety
+    /// The addresses are live buffers of the call, and no other rank
+    /// touches this range of `out` or the scratch meanwhile.
+    unsafe fn fold_inputs<T: Element>(
+        &self,
+        op: ReduceOp,
+        inputs: &[*const T],
+        offset: usize,
+        out: &mut [T],
+        in_place: bool,
+        scratch: (*mut T, usize),
+    ) {
+        let me = self.rank;
+        let len = out.len();
+        if !in_place {
+            fold(op, out, inputs.len(), |p| view(inputs[p], offset, len));
+            return;
+        }
+        if me > 0 {
+            let (acc_ptr, cap) = scratch;
+            let mut done = 0;
+            while done < len {
+                let n = cap.min(len - done);
+                let at = offset + done;
+                let acc = view_mut(acc_ptr, 0, n);
+                acc.copy_from_slice(view(inputs[0], at, n));
+                for &input in &inputs[1..me] {
+                    T::combine_assign(op, acc, view(input, at, n));
+                }
+                T::combine_assign_rev(op, &mut out[done..done + n], acc);
+                done += n;
+            }
+        }
+        for &input in &inputs[me + 1..] {
+            T::combine_assign(op, out, view(input, offset, len));
+        }
+    }
+
+    fn zero_copy_all_reduce<T: Element>(
+        &mut self,
+        call: &CallInfo,
+        sig: &CallSig,
+        bufs: Buffers<T>,
+        count: usize,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let world = self.world();
+        let g = self.enter(call, sig, &bufs)?;
+        let (start, end) = self.share::<T>(count);
+        if end > start {
+            let len = end - start;
+            let peers: Vec<(*const T, *mut T)> =
+                (0..world).map(|p| self.buffers_of::<T>(p, g)).collect();
+            let inputs: Vec<*const T> = peers.iter().map(|b| b.0).collect();
+            // SAFETY: every rank stays in this call until `leave`; this rank
+            // alone touches [start, end) of every buffer.
+            unsafe {
+                let out = view_mut(peers[self.rank].1, start, len);
+                self.fold_inputs(op, &inputs, start, out, bufs.in_place, self.scratch(g));
+                if op == ReduceOp::Avg {
+                    T::divide_by(out, world);
+                }
+                for (p, &(_, output)) in peers.iter().enumerate() {
+                    if p != self.rank {
+                        std::ptr::copy_nonoverlapping(out.as_ptr(), output.add(start), len);
+                    }
+                }
+            }
+        }
+        self.leave(call, sig, g)
+    }
+
+    fn zero_copy_reduce_scatter<T: Element>(
+        &mut self,
+        call: &CallInfo,
+        sig: &CallSig,
+        bufs: Buffers<T>,
+        count: usize,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let (world, me) = (self.world(), self.rank);
+        let g = self.enter(call, sig, &bufs)?;
+        let inputs: Vec<*const T> = (0..world).map(|p| self.buffers_of::<T>(p, g).0).collect();
+        if count > 0 {
+            // Part `me` of every input folds into this rank's output (in
+            // place: part `me` of its own input).
+            // SAFETY: inputs live until `leave`; this rank writes only its
+            // output and its own slot.
+            unsafe {
+                let out = view_mut(bufs.output, 0, count);
+                let shifted: Vec<*const T> = inputs.iter().map(|&i| i.add(me * count)).collect();
+                self.fold_inputs(op, &shifted, 0, out, bufs.in_place, self.scratch(g));
+                if op == ReduceOp::Avg {
+                    T::divide_by(out, world);
+                }
+            }
+        }
+        self.leave(call, sig, g)
+    }
+
+    /// All-gather (`root` None) or broadcast (`root` Some): each rank copies
+    /// what it needs from the others' inputs into its own output.
+    fn zero_copy_copies<T: Element>(
+        &mut self,
+        call: &CallInfo,
+        sig: &CallSig,
+        bufs: Buffers<T>,
+        count: usize,
+        root: Option<Rank>,
+    ) -> Result<()> {
+        let (world, me) = (self.world(), self.rank);
+        let g = self.enter(call, sig, &bufs)?;
+        // SAFETY: peers' inputs are live until `leave`; this rank writes
+        // only its own output, which no peer reads in these calls.
+        unsafe {
+            match root {
+                Some(root) if root != me => {
+                    let (input, _) = self.buffers_of::<T>(root, g);
+                    std::ptr::copy_nonoverlapping(input, bufs.output, count);
+                }
+                Some(_) => {
+                    if !bufs.in_place {
+                        std::ptr::copy_nonoverlapping(bufs.input, bufs.output, count);
+                    }
+                }
+                None => {
+                    for p in 0..world {
+                        let (input, _) = self.buffers_of::<T>(p, g);
+                        if p != me || !bufs.in_place {
+                            std::ptr::copy_nonoverlapping(input, bufs.output.add(p * count), count);
+                        }
+                    }
+                }
+            }
+        }
+        self.leave(call, sig, g)
+    }
+
+    fn zero_copy_reduce<T: Element>(
+        &mut self,
+        call: &CallInfo,
+        sig: &CallSig,
+        bufs: Buffers<T>,
+        count: usize,
+        op: ReduceOp,
+        root: Rank,
+    ) -> Result<()> {
+        let world = self.world();
+        let g = self.enter(call, sig, &bufs)?;
+        if self.rank == root && count > 0 {
+            let inputs: Vec<*const T> = (0..world).map(|p| self.buffers_of::<T>(p, g).0).collect();
+            // SAFETY: inputs live until `leave`; the root writes only its
+            // output and its own slot.
+            unsafe {
+                let out = view_mut(bufs.output, 0, count);
+                self.fold_inputs(op, &inputs, 0, out, bufs.in_place, self.scratch(g));
+                if op == ReduceOp::Avg {
+                    T::divide_by(out, world);
+                }
+            }
+        }
+        self.leave(call, sig, g)
     }
 }
 
