@@ -432,15 +432,17 @@ impl CommBuilder {
                 Arena::region_bytes(world_size)
             },
         })?;
-        let arena = arena_segment.map(|segment| {
-            Arena::shared(
-                segment,
-                Geometry::new(world_size),
-                rank,
-                endpoint.abort_flag(),
-                config.timeout,
-            )
-        });
+        let arena = arena_segment
+            .map(|segment| {
+                Arena::shared(
+                    segment,
+                    Geometry::new(world_size),
+                    rank,
+                    endpoint.abort_flag(),
+                    config.timeout,
+                )
+            })
+            .transpose()?;
         let mut comm = Communicator::new(rank, world_size, config, Transport::Net(endpoint));
         comm.arena = arena;
         Ok(comm)

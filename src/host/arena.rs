@@ -57,6 +57,10 @@ pub(crate) const DEFAULT_DEPTH: usize = 4;
 /// write each other's buffers directly (two synchronisations instead of a
 /// copy per byte). Below it the one-round staged path is faster.
 const ZERO_COPY_MIN_BYTES: usize = 2 * 1024;
+/// Across processes, all-gather and broadcast of at least this many bytes
+/// read the peers' buffers with one `process_vm_readv` (Linux CMA, as Open
+/// MPI's vader does) instead of staging through the slots.
+const CMA_MIN_BYTES: usize = 64 * 1024;
 /// Part boundaries of a zero-copy split fall on cache lines, so two ranks
 /// never write the same line.
 const CACHE_LINE: usize = 64;
@@ -193,6 +197,9 @@ pub(crate) struct Arena {
     watch_pids: bool,
     aborted: Arc<AtomicBool>,
     timeout: Duration,
+    /// Whether this rank may read peers' memory with `process_vm_readv`
+    /// (probed at set-up; Linux CMA, which containers or Yama may forbid).
+    cma: bool,
 }
 
 impl Arena {
@@ -224,21 +231,83 @@ impl Arena {
     /// This process's handle on a shared segment made by
     /// [`crate::transport::net`] for an all-local world. The segment's
     /// region must be at least `geometry.bytes()` long and zeroed.
+    /// This process's handle on a shared segment made by
+    /// [`crate::transport::net`] for an all-local world, once every rank
+    /// has attached and probed whether it may read the others' memory
+    /// directly (CMA). The segment's region must be at least
+    /// `geometry.bytes()` long and zeroed.
+    ///
+    /// # Errors
+    ///
+    /// A timeout naming the rank that did not attach.
     pub fn shared(
         segment: Segment,
         geometry: Geometry,
         rank: Rank,
         aborted: Arc<AtomicBool>,
         timeout: Duration,
-    ) -> Arena {
-        Arena::attach(
+    ) -> Result<Arena> {
+        let mut arena = Arena::attach(
             Arc::new(Memory::Shm(segment)),
             geometry,
             rank,
             true,
             aborted,
             timeout,
-        )
+        );
+        arena.cma = arena.probe_cma()?;
+        Ok(arena)
+    }
+
+    /// Two set-up rounds: each rank publishes the address of a word of
+    /// its slot, tries to read every peer's with `process_vm_readv`, then
+    /// all learn whether every rank could. The same answer on every rank.
+    fn probe_cma(&mut self) -> Result<bool> {
+        const MAGIC: u64 = 0x0cca_0000_0000_0000;
+        let call = CallInfo {
+            op: OpKind::Barrier,
+            seq: u64::MAX,
+            space: crate::transport::Space::Collective,
+            ctx: 0,
+            rank: self.rank,
+            world: self.world(),
+            reduce_op: ReduceOp::Sum,
+            timeout: self.timeout,
+        };
+        let sig = CallSig {
+            seq: u64::MAX,
+            signature: MAGIC,
+        };
+        let g = self.begin(&call)?;
+        let slot = self.payload::<u64>(self.rank, g);
+        // SAFETY: the payload holds far more than two words.
+        unsafe {
+            slot.write(slot.add(1) as usize as u64);
+            slot.add(1).write(MAGIC + self.rank as u64);
+        }
+        self.post(g, &sig);
+        self.await_all(&call, &sig, g)?;
+        let mut ok = true;
+        for p in (0..self.world()).filter(|&p| p != self.rank) {
+            // SAFETY: posted in round g.
+            let remote = unsafe { self.payload::<u64>(p, g).read() } as usize as *const u8;
+            let mut word = 0u64;
+            let read = cma_read(self.peer_pid(p), remote, (&mut word as *mut u64).cast(), 8);
+            ok &= read.is_ok() && word == MAGIC + p as u64;
+        }
+        self.finish(g);
+        let g = self.begin(&call)?;
+        // SAFETY: as above.
+        unsafe { self.payload::<u64>(self.rank, g).write(u64::from(ok)) };
+        self.post(g, &sig);
+        self.await_all(&call, &sig, g)?;
+        let all = (0..self.world()).all(|p| unsafe { self.payload::<u64>(p, g).read() } == 1);
+        self.finish(g);
+        Ok(all)
+    }
+
+    fn peer_pid(&self, rank: Rank) -> libc::pid_t {
+        self.control(rank).pid.load(Ordering::Relaxed) as libc::pid_t
     }
 
     fn attach(
@@ -258,6 +327,7 @@ impl Arena {
             watch_pids,
             aborted,
             timeout,
+            cma: false,
         };
         let me = arena.control(rank);
         me.pid
@@ -755,7 +825,7 @@ impl Arena {
         bufs: Buffers<T>,
         count: usize,
     ) -> Result<()> {
-        if self.zero_copy::<T>(count * self.world()) {
+        if self.single_copy::<T>(count * self.world()) {
             return self.zero_copy_copies(call, sig, bufs, count, None);
         }
         let (world, me) = (self.world(), self.rank);
@@ -797,7 +867,7 @@ impl Arena {
         count: usize,
         root: Rank,
     ) -> Result<()> {
-        if self.zero_copy::<T>(count) {
+        if self.single_copy::<T>(count) {
             return self.zero_copy_copies(call, sig, bufs, count, Some(root));
         }
         let me = self.rank;
@@ -952,6 +1022,7 @@ impl Arena {
         let capacity = self.geometry.payload_bytes() / elem.max(1) * elem.max(1);
         match op {
             _ if zero_copy_op && !self.watch_pids && bytes >= ZERO_COPY_MIN_BYTES => "zerocopy",
+            OpKind::AllGather | OpKind::Broadcast if self.cma && bytes >= CMA_MIN_BYTES => "cma",
             OpKind::AllReduce if bytes <= capacity => "oneshot",
             OpKind::AllReduce => "twoshot",
             _ => "direct",
@@ -960,6 +1031,14 @@ impl Arena {
 
     fn zero_copy<T>(&self, elements: usize) -> bool {
         !self.watch_pids && elements * std::mem::size_of::<T>() >= ZERO_COPY_MIN_BYTES
+    }
+
+    /// Whether an all-gather or broadcast of `elements` reads the peers'
+    /// buffers directly: in one process from 2 KiB, across processes with
+    /// CMA from [`CMA_MIN_BYTES`] (a system call per peer and piece).
+    fn single_copy<T>(&self, elements: usize) -> bool {
+        let bytes = elements * std::mem::size_of::<T>();
+        self.zero_copy::<T>(elements) || (self.cma && bytes >= CMA_MIN_BYTES)
     }
 
     /// Posts this rank's buffer addresses and waits for everyone's.
@@ -1126,7 +1205,8 @@ impl Arena {
     }
 
     /// All-gather (`root` None) or broadcast (`root` Some): each rank copies
-    /// what it needs from the others' inputs into its own output.
+    /// what it needs from the others' inputs into its own output — with
+    /// `memcpy` in one process, with `process_vm_readv` across processes.
     fn zero_copy_copies<T: Element>(
         &mut self,
         call: &CallInfo,
@@ -1137,29 +1217,43 @@ impl Arena {
     ) -> Result<()> {
         let (world, me) = (self.world(), self.rank);
         let g = self.enter(call, sig, &bufs)?;
-        // SAFETY: peers' inputs are live until `leave`; this rank writes
-        // only its own output, which no peer reads in these calls.
-        unsafe {
-            match root {
-                Some(root) if root != me => {
-                    let (input, _) = self.buffers_of::<T>(root, g);
-                    std::ptr::copy_nonoverlapping(input, bufs.output, count);
-                }
-                Some(_) => {
-                    if !bufs.in_place {
-                        std::ptr::copy_nonoverlapping(bufs.input, bufs.output, count);
-                    }
-                }
-                None => {
-                    for p in 0..world {
-                        let (input, _) = self.buffers_of::<T>(p, g);
-                        if p != me || !bufs.in_place {
-                            std::ptr::copy_nonoverlapping(input, bufs.output.add(p * count), count);
-                        }
-                    }
-                }
+        let bytes = count * std::mem::size_of::<T>();
+        let pull = |p: Rank, dst: *mut T| -> Result<()> {
+            let (input, _) = self.buffers_of::<T>(p, g);
+            if self.watch_pids && p != me {
+                cma_read(self.peer_pid(p), input.cast(), dst.cast(), bytes).map_err(|e| {
+                    call.error(
+                        p,
+                        match e.raw_os_error() {
+                            Some(libc::ESRCH) => TransportError::PeerLost { rank: Some(p) },
+                            _ => TransportError::Mismatch(format!(
+                                "reading rank {p}'s buffer with process_vm_readv: {e}"
+                            )),
+                        },
+                    )
+                })
+            } else {
+                // SAFETY: the peer's input is live until `leave`; this rank
+                // writes only its own output, which no peer reads here.
+                unsafe { std::ptr::copy_nonoverlapping(input, dst, count) };
+                Ok(())
             }
-        }
+        };
+        let result = match root {
+            Some(root) if root != me => pull(root, bufs.output),
+            Some(_) => {
+                if !bufs.in_place {
+                    // SAFETY: distinct buffers of count elements.
+                    unsafe { std::ptr::copy_nonoverlapping(bufs.input, bufs.output, count) };
+                }
+                Ok(())
+            }
+            None => (0..world)
+                .filter(|&p| p != me || !bufs.in_place)
+                // SAFETY: output holds world·count elements.
+                .try_for_each(|p| pull(p, unsafe { bufs.output.add(p * count) })),
+        };
+        result?;
         self.leave(call, sig, g)
     }
 
@@ -1188,6 +1282,42 @@ impl Arena {
         }
         self.leave(call, sig, g)
     }
+}
+
+/// Reads `len` bytes at `remote` in process `pid` into `local`.
+fn cma_read(
+    pid: libc::pid_t,
+    remote: *const u8,
+    local: *mut u8,
+    len: usize,
+) -> std::io::Result<()> {
+    let mut done = 0;
+    while done < len {
+        let local_iov = libc::iovec {
+            // SAFETY: within the caller's buffer.
+            iov_base: unsafe { local.add(done) }.cast(),
+            iov_len: len - done,
+        };
+        let remote_iov = libc::iovec {
+            iov_base: remote.wrapping_add(done) as *mut libc::c_void,
+            iov_len: len - done,
+        };
+        // SAFETY: the local iovec is writable memory of `len - done` bytes;
+        // the kernel checks the remote one.
+        let n = unsafe { libc::process_vm_readv(pid, &local_iov, 1, &remote_iov, 1, 0) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if n == 0 {
+            return Err(std::io::Error::other("process_vm_readv read nothing"));
+        }
+        done += n as usize;
+    }
+    Ok(())
 }
 
 fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
