@@ -523,14 +523,14 @@ fn run_in_arena<T: Element>(
             // In place, reduce-scatter's result and all-gather's input are
             // this rank's part of the one buffer.
             let part = match desc.op {
-                OpKind::ReduceScatter | OpKind::AllGather => rank * count,
+                OpKind::ReduceScatter | OpKind::AllGather | OpKind::Split => rank * count,
                 _ => 0,
             };
             // SAFETY: part·count ≤ len (validated).
             let at = unsafe { base.add(part) };
             let (input, output) = match desc.op {
                 OpKind::ReduceScatter => (base as *const T, at),
-                OpKind::AllGather => (at as *const T, base),
+                OpKind::AllGather | OpKind::Split => (at as *const T, base),
                 _ => (base as *const T, base),
             };
             Buffers {
@@ -543,13 +543,14 @@ fn run_in_arena<T: Element>(
     match desc.op {
         OpKind::AllReduce => arena.all_reduce(info, &sig, buffers, count, op),
         OpKind::ReduceScatter => arena.reduce_scatter(info, &sig, buffers, count, op),
-        OpKind::AllGather => arena.all_gather(info, &sig, buffers, count),
+        // Split exchanges (color, key) pairs with an in-place all-gather.
+        OpKind::AllGather | OpKind::Split => arena.all_gather(info, &sig, buffers, count),
         OpKind::Broadcast => arena.broadcast(info, &sig, buffers, count, root),
         OpKind::Reduce => arena.reduce(info, &sig, buffers, count, op, root),
         OpKind::AllToAll => arena.all_to_all(info, &sig, buffers, count),
         OpKind::Barrier => arena.barrier(info, &sig),
         // `uses_arena` keeps these on the point-to-point links.
-        OpKind::Send | OpKind::Recv | OpKind::Split => Err(Error::Failed {
+        OpKind::Send | OpKind::Recv => Err(Error::Failed {
             op: desc.op,
             rank,
             first_error: "internal error: point-to-point call routed to the arena".into(),
@@ -705,7 +706,7 @@ impl Communicator {
 
     /// Whether this call runs through the shared arena.
     fn uses_arena(&self, desc: &CollectiveDesc) -> bool {
-        let arena_op = !matches!(desc.op, OpKind::Send | OpKind::Recv | OpKind::Split);
+        let arena_op = !matches!(desc.op, OpKind::Send | OpKind::Recv);
         arena_op && self.arena.is_some() && self.config.algo != Algo::Ring
     }
 
@@ -1020,24 +1021,48 @@ impl Communicator {
             MemoryKind::Host,
         )
         .with_in_place(BufDesc::of(&table[..]));
+        let in_arena = self.uses_arena(&desc);
         self.run(desc, Bufs::InPlace(&mut table[..]))?;
-        let Some(color) = color else { return Ok(None) };
-        let mut members: Vec<(i64, Rank)> = (0..self.world)
-            .filter(|&r| table[2 * r] == u64::from(color))
-            .map(|r| (table[2 * r + 1] as i64, r))
-            .collect();
-        members.sort_unstable();
-        let members: Vec<Rank> = members.into_iter().map(|(_, r)| r).collect();
-        let new_rank = members.iter().position(|&r| r == self.rank).unwrap_or(0);
+        let members: Option<Vec<Rank>> = color.map(|color| {
+            let mut members: Vec<(i64, Rank)> = (0..self.world)
+                .filter(|&r| table[2 * r] == u64::from(color))
+                .map(|r| (table[2 * r + 1] as i64, r))
+                .collect();
+            members.sort_unstable();
+            members.into_iter().map(|(_, r)| r).collect()
+        });
         let Backend::Host(transport) = &self.backend;
-        let ctx = child_ctx(transport.ctx(), seq, color);
+        let ctx = child_ctx(transport.ctx(), seq, color.unwrap_or(u32::MAX));
+        // Every parent rank, in or out of a group, takes part in making the
+        // groups' arenas (rounds of the parent's arena).
+        let child_arena = match (in_arena, self.arena.as_mut()) {
+            (true, Some(arena)) => {
+                let info = CallInfo {
+                    op: OpKind::Split,
+                    seq,
+                    space: Space::Collective,
+                    ctx: transport.ctx(),
+                    rank: self.rank,
+                    world: self.world,
+                    reduce_op: ReduceOp::Sum,
+                    timeout: self.config.timeout,
+                };
+                let made = arena.make_child(&info, seq, members.as_deref(), ctx);
+                if let Err(e) = &made {
+                    self.failed = Some(e.to_string());
+                }
+                made?
+            }
+            _ => None,
+        };
+        let Some(members) = members else {
+            return Ok(None);
+        };
+        let new_rank = members.iter().position(|&r| r == self.rank).unwrap_or(0);
         let child = transport.child(ctx, &members, new_rank);
-        Ok(Some(Communicator::new(
-            new_rank,
-            members.len(),
-            self.config.clone(),
-            child,
-        )))
+        let mut comm = Communicator::new(new_rank, members.len(), self.config.clone(), child);
+        comm.arena = child_arena;
+        Ok(Some(comm))
     }
 }
 

@@ -72,7 +72,7 @@ fn large_messages_stream_through_small_buffers() {
 #[test]
 fn splits_share_the_links() {
     for kind in [TransportKind::Shm, TransportKind::Tcp] {
-        run_ranks_net(4, Communicator::builder(), kind, |comm| {
+        run_ranks_net(4, Communicator::builder(), kind, move |comm| {
             let rank = comm.rank();
             let mut pair = comm.split((rank / 2) as u32, rank as i64)?;
             let mut v = vec![rank as i32; 100];
@@ -82,6 +82,19 @@ fn splits_share_the_links() {
                 return Err(fail(format!("rank {rank}: {:?}", &v[..3])));
             }
             comm.barrier()?;
+            // The pair gets its own arena on shared memory (two-shot for a
+            // large all-reduce), and every collective checks out on it.
+            let algo = pair.algorithm_for::<f32>(oxccl::OpKind::AllReduce, 1 << 20);
+            let expected = if kind == TransportKind::Shm {
+                "twoshot"
+            } else {
+                "ring"
+            };
+            if algo != expected {
+                return Err(fail(format!("split group runs {algo}, not {expected}")));
+            }
+            every_collective_every_dtype(&mut pair, &edge_counts(2))
+                .map_err(|e| fail(e.to_string()))?;
             Ok(pair.transport_description())
         })
         .unwrap_or_else(|e| panic!("{kind:?}: {e}"));

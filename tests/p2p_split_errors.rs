@@ -56,6 +56,18 @@ fn split_groups_work_side_by_side() {
         assert_eq!(tp.rank(), rank % 4);
         assert_eq!(pp.world_size(), 2);
         assert_eq!(pp.rank(), 1 - rank / 4, "key -rank reverses the order");
+        // Groups of an in-process group share memory like their parent.
+        assert_eq!(
+            tp.algorithm_for::<f32>(OpKind::AllReduce, 1 << 20),
+            "zerocopy"
+        );
+        oxccl::check::every_collective::<f32>(&mut tp, &[0, 3, 5000]).map_err(|e| {
+            oxccl::Error::Failed {
+                op: OpKind::Split,
+                rank,
+                first_error: e.to_string(),
+            }
+        })?;
         for _ in 0..3 {
             let mut a = vec![rank as i32; 10];
             tp.all_reduce_in_place(&mut a, ReduceOp::Sum)?;

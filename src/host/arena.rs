@@ -177,6 +177,18 @@ impl Drop for Memory {
     }
 }
 
+/// A zeroed, page-aligned heap block for the arena of threads.
+fn heap_memory(geometry: Geometry) -> Arc<Memory> {
+    let layout =
+        std::alloc::Layout::from_size_align(geometry.bytes(), 4096).expect("arena layout is valid");
+    // SAFETY: the layout has a non-zero size.
+    let base = unsafe { std::alloc::alloc_zeroed(layout) };
+    if base.is_null() {
+        std::alloc::handle_alloc_error(layout);
+    }
+    Arc::new(Memory::Heap { base, layout })
+}
+
 /// What a call told the arena about itself (for headers and errors).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct CallSig {
@@ -206,14 +218,7 @@ impl Arena {
     /// Arenas for `n` threads of one process (element `i` is rank `i`).
     pub fn local_group(n: usize, aborted: Arc<AtomicBool>, timeout: Duration) -> Vec<Arena> {
         let geometry = Geometry::new(n);
-        let layout = std::alloc::Layout::from_size_align(geometry.bytes(), 4096)
-            .expect("arena layout is valid");
-        // SAFETY: the layout has a non-zero size.
-        let base = unsafe { std::alloc::alloc_zeroed(layout) };
-        if base.is_null() {
-            std::alloc::handle_alloc_error(layout);
-        }
-        let memory = Arc::new(Memory::Heap { base, layout });
+        let memory = heap_memory(geometry);
         (0..n)
             .map(|rank| {
                 Arena::attach(
@@ -999,6 +1004,130 @@ impl Arena {
     }
 }
 
+/// Arenas for the groups of a split, made through the parent's arena, so
+/// split groups (tensor-parallel groups, say) get the same fast path.
+impl Arena {
+    /// Called by every rank of the parent, in the same order as its other
+    /// calls, right after the split's table exchange. `members` are the
+    /// parent ranks of this rank's group in child-rank order (`None`: no
+    /// group). Two rounds: each group's first member makes the child's
+    /// memory and posts a handle (a heap block's address for threads, a
+    /// success flag for a segment named after the parent's and `ctx` for
+    /// processes); the others take it; then a barrier, after which the maker
+    /// drops its extra reference or removes the segment's name.
+    pub fn make_child(
+        &mut self,
+        call: &CallInfo,
+        seq: u64,
+        members: Option<&[Rank]>,
+        ctx: u64,
+    ) -> Result<Option<Arena>> {
+        let sig = CallSig {
+            seq,
+            signature: signature(OpKind::Split, 0xff, None, 0, 0x5b11),
+        };
+        let group = members.filter(|m| m.len() > 1);
+        let leads = group.is_some_and(|m| m[0] == self.rank);
+        let geometry = group.map(|m| Geometry::new(m.len()));
+        let shm_name = |parent: &str| format!("{parent}-{ctx:x}");
+        let g = self.begin(call)?;
+        let mut made_segment = None;
+        let handle: u64 = match (leads, geometry, &*self.memory) {
+            (true, Some(geometry), Memory::Heap { .. }) => {
+                Arc::into_raw(heap_memory(geometry)) as usize as u64
+            }
+            (true, Some(geometry), Memory::Shm(parent)) => {
+                match Segment::create_with_region(
+                    &shm_name(parent.name()),
+                    0,
+                    4096,
+                    geometry.bytes(),
+                ) {
+                    Ok(segment) => {
+                        made_segment = Some(segment);
+                        1
+                    }
+                    Err(e) => {
+                        eprintln!(
+                            "oxccl: rank {}: no shared arena for a split group ({e}); it uses the rings",
+                            self.rank
+                        );
+                        0
+                    }
+                }
+            }
+            _ => 0,
+        };
+        // SAFETY: the payload holds far more than one word.
+        unsafe { self.payload::<u64>(self.rank, g).write(handle) };
+        self.post(g, &sig);
+        self.await_all(call, &sig, g)?;
+        let mut memory = None;
+        if let (Some(members), Some(_)) = (group, geometry) {
+            // SAFETY: posted in round g.
+            let posted = unsafe { self.payload::<u64>(members[0], g).read() };
+            memory = match (&*self.memory, posted) {
+                (_, 0) => None,
+                (Memory::Heap { .. }, ptr) => {
+                    let ptr = ptr as usize as *const Memory;
+                    // SAFETY: the leader leaked one reference with
+                    // `into_raw` and keeps it until after the barrier below.
+                    unsafe {
+                        Arc::increment_strong_count(ptr);
+                        Some(Arc::from_raw(ptr))
+                    }
+                }
+                (Memory::Shm(parent), _) => match made_segment.take() {
+                    Some(own) => Some(Arc::new(Memory::Shm(own))),
+                    None => Some(Arc::new(Memory::Shm(
+                        Segment::open(&shm_name(parent.name())).map_err(|e| {
+                            call.error(
+                                members[0],
+                                TransportError::Mismatch(format!(
+                                    "mapping a split group's arena: {e}"
+                                )),
+                            )
+                        })?,
+                    ))),
+                },
+            };
+        }
+        self.finish(g);
+        let b = self.begin(call)?;
+        self.post(b, &sig);
+        self.await_all(call, &sig, b)?;
+        self.finish(b);
+        if leads {
+            match (&memory, handle) {
+                // SAFETY: the reference leaked above; every member took its own.
+                (Some(m), h) if matches!(**m, Memory::Heap { .. }) && h != 0 => unsafe {
+                    drop(Arc::from_raw(h as usize as *const Memory));
+                },
+                (Some(m), _) => {
+                    if let Memory::Shm(segment) = &**m {
+                        segment.unlink_now();
+                    }
+                }
+                _ => {}
+            }
+        }
+        let (Some(members), Some(geometry), Some(memory)) = (group, geometry, memory) else {
+            return Ok(None);
+        };
+        let child_rank = members.iter().position(|&r| r == self.rank).unwrap_or(0);
+        let mut child = Arena::attach(
+            memory,
+            geometry,
+            child_rank,
+            self.watch_pids,
+            self.aborted.clone(),
+            self.timeout,
+        );
+        child.cma = self.cma;
+        Ok(Some(child))
+    }
+}
+
 /// The zero-copy paths, for ranks that share one address space (threads).
 ///
 /// A call is two rounds: in the first each rank posts the addresses of its
@@ -1221,17 +1350,8 @@ impl Arena {
         let pull = |p: Rank, dst: *mut T| -> Result<()> {
             let (input, _) = self.buffers_of::<T>(p, g);
             if self.watch_pids && p != me {
-                cma_read(self.peer_pid(p), input.cast(), dst.cast(), bytes).map_err(|e| {
-                    call.error(
-                        p,
-                        match e.raw_os_error() {
-                            Some(libc::ESRCH) => TransportError::PeerLost { rank: Some(p) },
-                            _ => TransportError::Mismatch(format!(
-                                "reading rank {p}'s buffer with process_vm_readv: {e}"
-                            )),
-                        },
-                    )
-                })
+                cma_read(self.peer_pid(p), input.cast(), dst.cast(), bytes)
+                    .map_err(|e| cma_error(call, p, "reading", e))
             } else {
                 // SAFETY: the peer's input is live until `leave`; this rank
                 // writes only its own output, which no peer reads here.
@@ -1239,14 +1359,59 @@ impl Arena {
                 Ok(())
             }
         };
+        // Broadcast: the root, otherwise idle, pushes the last 1/N of every
+        // other rank's output while each pulls the rest, so two cores copy
+        // at once (everyone then waits for everyone: the root writes into
+        // the others' outputs).
+        // Out of place the root copies its own input already: it pushes
+        // only when in place (its posted input and output coincide).
+        let root_in_place = root.is_some_and(|r| {
+            let (input, output) = self.buffers_of::<T>(r, g);
+            input == output.cast_const()
+        });
+        let pushed = if root_in_place { count / world } else { 0 };
+        let kept = count - pushed;
+        let elem = std::mem::size_of::<T>();
         let result = match root {
-            Some(root) if root != me => pull(root, bufs.output),
+            Some(root) if root != me => {
+                let (input, _) = self.buffers_of::<T>(root, g);
+                if self.watch_pids {
+                    cma_read(
+                        self.peer_pid(root),
+                        input.cast(),
+                        bufs.output.cast(),
+                        kept * elem,
+                    )
+                    .map_err(|e| cma_error(call, root, "reading", e))
+                } else {
+                    // SAFETY: the root's input is live until `leave`; this
+                    // rank writes only the part of its output the root
+                    // does not.
+                    unsafe { std::ptr::copy_nonoverlapping(input, bufs.output, kept) };
+                    Ok(())
+                }
+            }
             Some(_) => {
                 if !bufs.in_place {
                     // SAFETY: distinct buffers of count elements.
                     unsafe { std::ptr::copy_nonoverlapping(bufs.input, bufs.output, count) };
                 }
-                Ok(())
+                (0..world)
+                    .filter(|&p| p != me && pushed > 0)
+                    .try_for_each(|p| {
+                        let (_, output) = self.buffers_of::<T>(p, g);
+                        // SAFETY: in range of both buffers; rank p does not touch
+                        // [kept, count) of its output during the call.
+                        let (src, dst) = unsafe { (bufs.input.add(kept), output.add(kept)) };
+                        if self.watch_pids {
+                            cma_write(self.peer_pid(p), src.cast(), dst.cast(), pushed * elem)
+                                .map_err(|e| cma_error(call, p, "writing", e))
+                        } else {
+                            // SAFETY: as above.
+                            unsafe { std::ptr::copy_nonoverlapping(src, dst, pushed) };
+                            Ok(())
+                        }
+                    })
             }
             None => (0..world)
                 .filter(|&p| p != me || !bufs.in_place)
@@ -1282,6 +1447,55 @@ impl Arena {
         }
         self.leave(call, sig, g)
     }
+}
+
+/// A failed CMA transfer with rank `peer`: lost if its process is gone.
+fn cma_error(call: &CallInfo, peer: Rank, what: &str, e: std::io::Error) -> crate::error::Error {
+    call.error(
+        peer,
+        match e.raw_os_error() {
+            Some(libc::ESRCH) => TransportError::PeerLost { rank: Some(peer) },
+            _ => TransportError::Mismatch(format!(
+                "{what} rank {peer}'s buffer with process_vm_{}: {e}",
+                if what == "reading" { "readv" } else { "writev" }
+            )),
+        },
+    )
+}
+
+/// Writes `len` bytes from `local` to `remote` in process `pid`.
+fn cma_write(
+    pid: libc::pid_t,
+    local: *const u8,
+    remote: *mut u8,
+    len: usize,
+) -> std::io::Result<()> {
+    let mut done = 0;
+    while done < len {
+        let local_iov = libc::iovec {
+            iov_base: local.wrapping_add(done) as *mut libc::c_void,
+            iov_len: len - done,
+        };
+        let remote_iov = libc::iovec {
+            iov_base: remote.wrapping_add(done).cast(),
+            iov_len: len - done,
+        };
+        // SAFETY: the local iovec is readable memory of `len - done` bytes;
+        // the kernel checks the remote one.
+        let n = unsafe { libc::process_vm_writev(pid, &local_iov, 1, &remote_iov, 1, 0) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if n == 0 {
+            return Err(std::io::Error::other("process_vm_writev wrote nothing"));
+        }
+        done += n as usize;
+    }
+    Ok(())
 }
 
 /// Reads `len` bytes at `remote` in process `pid` into `local`.

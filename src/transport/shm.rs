@@ -86,6 +86,8 @@ pub(crate) struct Segment {
     ring_bytes: usize,
     /// `Some(name)` while this process still has to unlink the name.
     unlink_on_drop: Option<CString>,
+    /// The name it was created or opened under.
+    name: String,
 }
 
 // SAFETY: the mapping is plain shared memory; all access to it goes through
@@ -164,6 +166,7 @@ impl Segment {
             slots,
             ring_bytes,
             unlink_on_drop: Some(cname),
+            name: name.to_string(),
         };
         let header = segment.header();
         header
@@ -207,6 +210,7 @@ impl Segment {
             slots: 0,
             ring_bytes: 0,
             unlink_on_drop: None,
+            name: name.to_string(),
         };
         let header = segment.header();
         let (slots, ring_bytes) = (
@@ -237,6 +241,20 @@ impl Segment {
         let offset = segment_bytes(self.slots, self.ring_bytes);
         // SAFETY: open/create checked that the rings fit in the mapping.
         (unsafe { self.base.add(offset) }, self.len - offset)
+    }
+
+    /// The name it was created or opened under (possibly unlinked since).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Removes the name now, through a shared handle (the mapping stays
+    /// valid; a later `unlink` or drop finds it gone, which is harmless).
+    pub fn unlink_now(&self) {
+        if let Ok(name) = CString::new(self.name.as_str()) {
+            // SAFETY: valid C string.
+            unsafe { libc::shm_unlink(name.as_ptr()) };
+        }
     }
 
     /// Removes the name now (the mapping stays valid).
