@@ -135,8 +135,10 @@ for path in glob.glob(os.path.join(out, "raw", "oxccl-*.json")):
     for row in run["rows"]:
         # Both placements count as samples; nccl-tests reports both columns.
         key = (coll, row["bytes"])
-        ox.setdefault(key, {"busbw": [], "time": [], "algo": row["algo"]})
+        ox.setdefault(key, {"busbw": [], "time": [], "algo": row["algo"], "oop": [], "ip": []})
         ox[key]["busbw"] += [row["busbw"], row["busbw_ip"]]
+        ox[key]["oop"].append(row["busbw"])
+        ox[key]["ip"].append(row["busbw_ip"])
         ox[key]["time"] += [row["time_us"], row["time_us_ip"]]
         if row["wrong"] or row["wrong_ip"]:
             sys.exit(f"oxccl-perf reported wrong values in {path}")
@@ -197,5 +199,31 @@ for coll in colls:
         print(line)
     print()
 print("Ratios above 1× mean oxccl is ahead (for times: the other takes longer).")
+
+# The medians as oxccl-perf JSON, one file per curve, for `--plot`.
+def dump(name, label, rows):
+    with open(os.path.join(out, "plot", name), "w") as f:
+        json.dump({"tool": "compare-mpi", "label": label, "rows": [
+            {"bytes": b, "busbw": oop, "busbw_ip": ip} for b, oop, ip in rows]}, f)
+os.makedirs(os.path.join(out, "plot"), exist_ok=True)
+for coll in colls:
+    sizes = sorted(b for c, b in ox if c == coll)
+    dump(f"{coll}-oxccl.json", f"oxccl {coll} ({transport})",
+         [(b, med(ox[(coll, b)]["oop"]), med(ox[(coll, b)]["ip"])) for b in sizes])
+    msizes = sorted(b for c, b in mpi if c == coll)
+    dump(f"{coll}-ompi.json", f"Open MPI {coll} ({transport})",
+         [(b, med(mpi[(coll, b)]["busbw"]), med(mpi[(coll, b)]["busbw"])) for b in msizes])
+    if coll == "allreduce":
+        for v, name in (("a", "zero copy"), ("b", "staging copy")):
+            csizes = sorted(b for vv, b in ceil if vv == v)
+            if csizes:
+                dump(f"{coll}-ceiling-{v}.json", f"ceiling ({v}) {name}",
+                     [(b, med(ceil[(v, b)]["busbw"]), med(ceil[(v, b)]["busbw"])) for b in csizes])
 PY
+for c in ${COLLS//,/ }; do
+    args=()
+    for f in "$OUT/plot/$c"-*.json; do args+=(--compare "$f"); done
+    "$PERF" --plot "$OUT/$c.svg" --plot-only "${args[@]}" >/dev/null
+done
+echo "# plots: $OUT/<collective>.svg (busbw against size, oxccl beside Open MPI and the ceiling)"
 echo "# table written to $OUT/table.md; raw outputs in $OUT/raw"
