@@ -104,12 +104,16 @@ run_oxccl() {
     for c in ${COLLS//,/ }; do
         local name
         name=$(oxccl_name "$c")
-        [ -n "$SMALL" ] && OXCCL_TRANSPORT=$TRANSPORT "$PERF" -np "$RANKS" --collective "$name" \
-            --sizes "$SMALL" -n 2000 -w 200 -c 1 -J "$OUT/raw/oxccl-$1-$c-small.json" \
-            >"$OUT/raw/oxccl-$1-$c-small.txt" 2>&1
-        [ -n "$LARGE" ] && OXCCL_TRANSPORT=$TRANSPORT "$PERF" -np "$RANKS" --collective "$name" \
-            --sizes "$LARGE" -n 10 -w 3 -c 1 -J "$OUT/raw/oxccl-$1-$c-large.json" \
-            >"$OUT/raw/oxccl-$1-$c-large.txt" 2>&1
+        if [ -n "$SMALL" ]; then
+            OXCCL_TRANSPORT=$TRANSPORT "$PERF" -np "$RANKS" --collective "$name" \
+                --sizes "$SMALL" -n 2000 -w 200 -c 1 -J "$OUT/raw/oxccl-$1-$c-small.json" \
+                >"$OUT/raw/oxccl-$1-$c-small.txt" 2>&1
+        fi
+        if [ -n "$LARGE" ]; then
+            OXCCL_TRANSPORT=$TRANSPORT "$PERF" -np "$RANKS" --collective "$name" \
+                --sizes "$LARGE" -n 10 -w 3 -c 1 -J "$OUT/raw/oxccl-$1-$c-large.json" \
+                >"$OUT/raw/oxccl-$1-$c-large.txt" 2>&1
+        fi
     done
 }
 
