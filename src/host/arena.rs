@@ -737,6 +737,27 @@ impl Arena {
 }
 
 impl Arena {
+    /// Runs `body(arena, round, offset, len)` once per piece of at most
+    /// `per` elements of `count`, each in a round of its own: the piece loop
+    /// of every single-round collective.
+    fn in_rounds(
+        &mut self,
+        call: &CallInfo,
+        count: usize,
+        per: usize,
+        mut body: impl FnMut(&mut Arena, u64, usize, usize) -> Result<()>,
+    ) -> Result<()> {
+        let mut offset = 0;
+        while offset < count {
+            let len = per.min(count - offset);
+            let g = self.begin(call)?;
+            body(self, g, offset, len)?;
+            self.finish(g);
+            offset += len;
+        }
+        Ok(())
+    }
+
     /// Copies `len` elements from `src + src_offset` into this rank's slot of
     /// round `g` at `slot_offset`.
     ///
@@ -793,16 +814,13 @@ impl Arena {
         let (world, me) = (self.world(), self.rank);
         // Slot region q (at q·per) carries the piece destined for rank q.
         let per = (self.capacity::<T>() / world).max(1);
-        let mut offset = 0;
-        while offset < count {
-            let len = per.min(count - offset);
-            let g = self.begin(call)?;
+        self.in_rounds(call, count, per, |arena, g, offset, len| {
             for q in (0..world).filter(|&q| q != me || bufs.in_place) {
                 // SAFETY: input holds world·count elements; q·per + len ≤ capacity.
-                unsafe { self.stage(g, q * per, bufs.input, q * count + offset, len) };
+                unsafe { arena.stage(g, q * per, bufs.input, q * count + offset, len) };
             }
-            self.post(g, sig);
-            self.await_all(call, sig, g)?;
+            arena.post(g, sig);
+            arena.await_all(call, sig, g)?;
             {
                 // SAFETY: posted slots; the output range overlaps no source
                 // (in place, this rank's own part is read from its slot).
@@ -811,17 +829,15 @@ impl Arena {
                     if p == me && !bufs.in_place {
                         view(bufs.input, me * count + offset, len)
                     } else {
-                        view(self.payload::<T>(p, g), me * per, len)
+                        view(arena.payload::<T>(p, g), me * per, len)
                     }
                 });
                 if op == ReduceOp::Avg {
                     T::divide_by(out, world);
                 }
             }
-            self.finish(g);
-            offset += len;
-        }
-        Ok(())
+            Ok(())
+        })
     }
 
     /// All-gather: `count` elements per rank. For in-place calls
@@ -838,19 +854,16 @@ impl Arena {
         }
         let (world, me) = (self.world(), self.rank);
         let capacity = self.capacity::<T>();
-        let mut offset = 0;
-        while offset < count {
-            let len = capacity.min(count - offset);
-            let g = self.begin(call)?;
+        self.in_rounds(call, count, capacity, |arena, g, offset, len| {
             // SAFETY: input holds count elements; len ≤ capacity.
-            unsafe { self.stage(g, 0, bufs.input, offset, len) };
-            self.post(g, sig);
-            self.await_all(call, sig, g)?;
+            unsafe { arena.stage(g, 0, bufs.input, offset, len) };
+            arena.post(g, sig);
+            arena.await_all(call, sig, g)?;
             for p in 0..world {
                 // SAFETY: posted slots; output holds world·count elements.
                 unsafe {
                     if p != me {
-                        self.unstage(p, g, 0, bufs.output, p * count + offset, len);
+                        arena.unstage(p, g, 0, bufs.output, p * count + offset, len);
                     } else if !bufs.in_place {
                         std::ptr::copy_nonoverlapping(
                             bufs.input.add(offset),
@@ -860,10 +873,8 @@ impl Arena {
                     }
                 }
             }
-            self.finish(g);
-            offset += len;
-        }
-        Ok(())
+            Ok(())
+        })
     }
 
     /// Broadcast of `count` elements from `root`.
@@ -880,15 +891,12 @@ impl Arena {
         }
         let me = self.rank;
         let capacity = self.capacity::<T>();
-        let mut offset = 0;
-        while offset < count {
-            let len = capacity.min(count - offset);
-            let g = self.begin(call)?;
+        self.in_rounds(call, count, capacity, |arena, g, offset, len| {
             if me == root {
                 // SAFETY: the root's input holds count elements.
-                unsafe { self.stage(g, 0, bufs.input, offset, len) };
+                unsafe { arena.stage(g, 0, bufs.input, offset, len) };
             }
-            self.post(g, sig);
+            arena.post(g, sig);
             if me == root {
                 if !bufs.in_place {
                     // SAFETY: distinct buffers of count elements each.
@@ -901,14 +909,12 @@ impl Arena {
                     };
                 }
             } else {
-                self.await_peer(call, sig, root, g)?;
+                arena.await_peer(call, sig, root, g)?;
                 // SAFETY: the root's slot is posted; output holds count elements.
-                unsafe { self.unstage(root, g, 0, bufs.output, offset, len) };
+                unsafe { arena.unstage(root, g, 0, bufs.output, offset, len) };
             }
-            self.finish(g);
-            offset += len;
-        }
-        Ok(())
+            Ok(())
+        })
     }
 
     /// Reduce of `count` elements to `root`.
@@ -926,17 +932,14 @@ impl Arena {
         }
         let (world, me) = (self.world(), self.rank);
         let capacity = self.capacity::<T>();
-        let mut offset = 0;
-        while offset < count {
-            let len = capacity.min(count - offset);
-            let g = self.begin(call)?;
+        self.in_rounds(call, count, capacity, |arena, g, offset, len| {
             if me != root || bufs.in_place {
                 // SAFETY: input holds count elements.
-                unsafe { self.stage(g, 0, bufs.input, offset, len) };
+                unsafe { arena.stage(g, 0, bufs.input, offset, len) };
             }
-            self.post(g, sig);
+            arena.post(g, sig);
             if me == root {
-                self.await_all(call, sig, g)?;
+                arena.await_all(call, sig, g)?;
                 // SAFETY: posted slots; out of place the output is distinct
                 // from the input, in place the root reads its own slot.
                 let out = unsafe { view_mut(bufs.output, offset, len) };
@@ -944,17 +947,15 @@ impl Arena {
                     if p == me && !bufs.in_place {
                         view(bufs.input, offset, len)
                     } else {
-                        view(self.payload::<T>(p, g), 0, len)
+                        view(arena.payload::<T>(p, g), 0, len)
                     }
                 });
                 if op == ReduceOp::Avg {
                     T::divide_by(out, world);
                 }
             }
-            self.finish(g);
-            offset += len;
-        }
-        Ok(())
+            Ok(())
+        })
     }
 
     /// All-to-all: block `q` of this rank's input goes to rank `q`.
@@ -967,16 +968,13 @@ impl Arena {
     ) -> Result<()> {
         let (world, me) = (self.world(), self.rank);
         let per = (self.capacity::<T>() / world).max(1);
-        let mut offset = 0;
-        while offset < count {
-            let len = per.min(count - offset);
-            let g = self.begin(call)?;
+        self.in_rounds(call, count, per, |arena, g, offset, len| {
             for q in (0..world).filter(|&q| q != me) {
                 // SAFETY: input holds world·count elements.
-                unsafe { self.stage(g, q * per, bufs.input, q * count + offset, len) };
+                unsafe { arena.stage(g, q * per, bufs.input, q * count + offset, len) };
             }
-            self.post(g, sig);
-            self.await_all(call, sig, g)?;
+            arena.post(g, sig);
+            arena.await_all(call, sig, g)?;
             for p in 0..world {
                 // SAFETY: posted slots; distinct input and output buffers.
                 unsafe {
@@ -987,14 +985,12 @@ impl Arena {
                             len,
                         );
                     } else {
-                        self.unstage(p, g, me * per, bufs.output, p * count + offset, len);
+                        arena.unstage(p, g, me * per, bufs.output, p * count + offset, len);
                     }
                 }
             }
-            self.finish(g);
-            offset += len;
-        }
-        Ok(())
+            Ok(())
+        })
     }
 
     /// Barrier: one round with nothing in it.

@@ -37,6 +37,13 @@ fn fold_in_rank_order(rank: Rank, world: usize, own: Span, dst: Span, steps: &mu
     }
 }
 
+/// Sends `src` to every rank but this one.
+fn send_to_others(rank: Rank, world: usize, src: Span, plan: &mut Plan) {
+    for peer in (0..world).filter(|&p| p != rank) {
+        plan.steps.push(Step::Send { peer, src });
+    }
+}
+
 /// Where this rank's contribution is kept during a fold into `dst`: in
 /// place and not first in rank order, a scratch copy (recorded in the plan).
 fn keep_own(rank: Rank, input: Span, dst: Span, plan: &mut Plan) -> Span {
@@ -70,12 +77,7 @@ pub fn all_reduce(
     }
     let input = Span::new(if in_place { BufId::Recv } else { BufId::Send }, 0, count);
     let dst = Span::new(BufId::Recv, 0, count);
-    for p in (0..world).filter(|&p| p != rank) {
-        plan.steps.push(Step::Send {
-            peer: p,
-            src: input,
-        });
-    }
+    send_to_others(rank, world, input, plan);
     let own = keep_own(rank, input, dst, plan);
     fold_in_rank_order(rank, world, own, dst, &mut plan.steps);
     if avg && world > 1 {
@@ -124,9 +126,7 @@ pub fn all_gather(rank: Rank, world: usize, count: usize, in_place: bool, plan: 
     } else {
         Span::new(BufId::Send, 0, count)
     };
-    for p in (0..world).filter(|&p| p != rank) {
-        plan.steps.push(Step::Send { peer: p, src });
-    }
+    send_to_others(rank, world, src, plan);
     if !in_place {
         plan.steps.push(Step::Copy { src, dst: mine });
     }
@@ -157,9 +157,7 @@ pub fn broadcast(
         } else {
             Span::new(BufId::Send, 0, count)
         };
-        for p in (0..world).filter(|&p| p != rank) {
-            plan.steps.push(Step::Send { peer: p, src });
-        }
+        send_to_others(rank, world, src, plan);
         if !in_place {
             plan.steps.push(Step::Copy { src, dst: out });
         }
