@@ -206,8 +206,6 @@ pub(crate) struct Arena {
     rank: Rank,
     /// The next round (identical on every rank between calls).
     round: u64,
-    /// A lower bound on every rank's `done`, refreshed only when needed.
-    done_floor: u64,
     /// Peer process ids to watch (`None` for threads of this process).
     watch_pids: bool,
     aborted: Arc<AtomicBool>,
@@ -331,7 +329,6 @@ impl Arena {
             geometry,
             rank,
             round: 0,
-            done_floor: 0,
             watch_pids,
             aborted,
             timeout,
@@ -487,19 +484,20 @@ impl Arena {
         let g = self.round;
         self.round += 1;
         let depth = self.geometry.depth as u64;
-        if g >= depth && self.done_floor < g + 1 - depth {
-            let need = g + 1 - depth;
-            let mut floor = u64::MAX;
-            for r in 0..self.world() {
-                let control = self.control(r);
+        if g >= depth {
+            // Slot g % depth last held round `prev - 1`. Every rank posts
+            // every round, and posts round r + 1 only after it has read all
+            // it needs of round r, so a peer that has posted `prev` (or a
+            // later round into that slot) no longer reads our old one. This
+            // rank read that header when it awaited round `prev`, so it is
+            // usually still in cache: no cross-core traffic per round.
+            let prev = g + 1 - depth;
+            for r in (0..self.world()).filter(|&r| r != self.rank) {
+                let header = self.header(r, prev);
                 self.wait(call, r, true, || {
-                    control.done.load(Ordering::Acquire) >= need
+                    header.posted.load(Ordering::Acquire) > prev
                 })?;
-                floor = floor.min(control.done.load(Ordering::Acquire));
             }
-            // A departed rank may have stopped short of `need`; the floor
-            // only has to be correct for ranks still reading.
-            self.done_floor = floor.max(need);
         }
         Ok(g)
     }
@@ -551,8 +549,9 @@ impl Arena {
     /// Ends round `g`: this rank has read everything it needs of it (and
     /// of every earlier round).
     fn finish(&mut self, g: u64) {
+        // Nobody waits on `done` (see `begin`); it records progress for
+        // whoever inspects the arena.
         self.control(self.rank).done.store(g + 1, Ordering::Release);
-        self.notify();
     }
 }
 
