@@ -357,35 +357,7 @@ impl CommBuilder {
     /// As [`from_env`](Self::from_env).
     pub fn from_launch_env(&self, env: &LaunchEnv) -> Result<Communicator> {
         let timeout = self.config()?.timeout;
-        let master = format!("{}:{}", env.master_addr, env.master_port);
-        let toward = std::net::ToSocketAddrs::to_socket_addrs(&master)
-            .ok()
-            .and_then(|mut addrs| addrs.next())
-            .map(|a| a.ip());
-        let store: Arc<dyn Store> = if let Some(dir) = &env.file_store {
-            Arc::new(FileStore::new(dir.clone())?)
-        } else if env.rank == 0 {
-            let any: std::net::IpAddr = match toward {
-                Some(std::net::IpAddr::V6(_)) => std::net::Ipv6Addr::UNSPECIFIED.into(),
-                _ => std::net::Ipv4Addr::UNSPECIFIED.into(),
-            };
-            Arc::new(TcpStore::host((any, env.master_port).into()).map_err(|e| {
-                Error::Bootstrap {
-                    context: format!("rank 0 of {}", env.world_size),
-                    detail: e.to_string(),
-                }
-            })?)
-        } else {
-            Arc::new(
-                TcpStore::connect(&master, timeout).map_err(|e| Error::Bootstrap {
-                    context: format!(
-                        "rank {} of {}: reaching the rendezvous store that rank 0 hosts",
-                        env.rank, env.world_size
-                    ),
-                    detail: e.to_string(),
-                })?,
-            )
-        };
+        let (store, toward) = launch_store(env, timeout)?;
         let mut builder = self.clone();
         if builder.job_id.is_none() {
             builder.job_id = env.job_id.clone();
@@ -560,6 +532,47 @@ fn run_in_arena<T: Element>(
 
 /// Marker stored in the split table for ranks that join no group.
 const NO_COLOR: u64 = u64::MAX;
+
+/// The rendezvous store a launched rank uses, and the master's address (to
+/// pick the interface that reaches it): `OXCCL_STORE=file:` → a
+/// [`FileStore`]; otherwise rank 0 hosts a [`TcpStore`] on `MASTER_PORT` on
+/// every interface and the others connect to `MASTER_ADDR:MASTER_PORT`,
+/// retrying until `timeout`. Shared by the host and device communicators.
+pub(crate) fn launch_store(
+    env: &LaunchEnv,
+    timeout: Duration,
+) -> Result<(Arc<dyn Store>, Option<std::net::IpAddr>)> {
+    let master = format!("{}:{}", env.master_addr, env.master_port);
+    let toward = std::net::ToSocketAddrs::to_socket_addrs(&master)
+        .ok()
+        .and_then(|mut addrs| addrs.next())
+        .map(|a| a.ip());
+    let store: Arc<dyn Store> = if let Some(dir) = &env.file_store {
+        Arc::new(FileStore::new(dir.clone())?)
+    } else if env.rank == 0 {
+        let any: std::net::IpAddr = match toward {
+            Some(std::net::IpAddr::V6(_)) => std::net::Ipv6Addr::UNSPECIFIED.into(),
+            _ => std::net::Ipv4Addr::UNSPECIFIED.into(),
+        };
+        Arc::new(
+            TcpStore::host((any, env.master_port).into()).map_err(|e| Error::Bootstrap {
+                context: format!("rank 0 of {}", env.world_size),
+                detail: e.to_string(),
+            })?,
+        )
+    } else {
+        Arc::new(
+            TcpStore::connect(&master, timeout).map_err(|e| Error::Bootstrap {
+                context: format!(
+                    "rank {} of {}: reaching the rendezvous store that rank 0 hosts",
+                    env.rank, env.world_size
+                ),
+                detail: e.to_string(),
+            })?,
+        )
+    };
+    Ok((store, toward))
+}
 
 impl Communicator {
     fn new(rank: Rank, world: usize, config: CommConfig, transport: Transport) -> Communicator {

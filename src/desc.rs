@@ -45,6 +45,29 @@ impl<T: Element> Buffer<T> for Vec<T> {
     }
 }
 
+/// cudarc's device buffers, so one [`CollectiveDesc`] and one `validate()`
+/// serve the GPU backends too.
+#[cfg(feature = "cuda")]
+macro_rules! device_buffer {
+    ($($ty:ty),*) => {$(
+        impl<T: Element> Buffer<T> for $ty {
+            fn elem_count(&self) -> usize {
+                cudarc::driver::DeviceSlice::len(self)
+            }
+            fn memory_kind(&self) -> MemoryKind {
+                MemoryKind::Device
+            }
+        }
+    )*};
+}
+
+#[cfg(feature = "cuda")]
+device_buffer!(
+    cudarc::driver::CudaSlice<T>,
+    cudarc::driver::CudaView<'_, T>,
+    cudarc::driver::CudaViewMut<'_, T>
+);
+
 /// Length and memory kind of one buffer of a call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BufDesc {

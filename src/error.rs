@@ -138,6 +138,69 @@ pub enum Error {
         detail: String,
     },
 
+    /// A shared library oxccl loads at run time (NCCL, the CUDA driver) could
+    /// not be loaded under any of the names tried.
+    #[error("{library} could not be loaded; tried: {}; {hint}", tried.join("; "))]
+    LibraryNotFound {
+        /// Which library (`NCCL`, `CUDA driver`).
+        library: &'static str,
+        /// Each name or path tried, with the loader's reason.
+        tried: Vec<String>,
+        /// How to install it or point oxccl at it.
+        hint: String,
+    },
+
+    /// A run-time library loaded but is too old for what was asked of it.
+    #[error("{library}: {detail}")]
+    LibraryUnsupported {
+        /// Which library.
+        library: &'static str,
+        /// Its version, what needs a newer one, and how to get one.
+        detail: String,
+    },
+
+    /// An NCCL call failed; carries NCCL's own code and text.
+    #[error("rank {rank}: {call} failed: {name} ({code}): {detail}")]
+    Nccl {
+        /// The calling rank.
+        rank: Rank,
+        /// The NCCL function, e.g. `ncclAllReduce`.
+        call: &'static str,
+        /// Its `ncclResult_t`.
+        code: i32,
+        /// The code's name in `nccl.h`, e.g. `ncclUnhandledCudaError`.
+        name: &'static str,
+        /// `ncclGetLastError`, else `ncclGetErrorString`.
+        detail: String,
+    },
+
+    /// A CUDA driver call failed, or no usable device exists.
+    #[error("rank {rank}: {context}: {detail}")]
+    Cuda {
+        /// The calling rank.
+        rank: Rank,
+        /// What was being done (the driver call or the step of set-up).
+        context: String,
+        /// The driver's error text, and where known how to fix it.
+        detail: String,
+    },
+
+    /// A GPU-side wait (communicator initialisation, split, a stream holding
+    /// a collective) passed its deadline; the communicator was aborted so
+    /// nothing stays blocked behind it.
+    #[error(
+        "rank {rank}: {what} did not finish within {waited:?} (communicator aborted; \
+         set OXCCL_TIMEOUT to wait longer)"
+    )]
+    DeviceTimeout {
+        /// The calling rank.
+        rank: Rank,
+        /// What was awaited, e.g. `ncclCommInitRankConfig (world 2, GPU 0)`.
+        what: String,
+        /// How long the wait lasted.
+        waited: Duration,
+    },
+
     /// The communicator failed earlier (timeout, lost peer, mismatch, abort)
     /// and can no longer be used; make a new one.
     #[error("rank {rank}: {op}: communicator unusable after an earlier error: {first_error}")]

@@ -38,9 +38,13 @@ pub mod bootstrap;
 pub mod check;
 mod comm;
 mod desc;
+#[cfg(feature = "nccl")]
+pub mod device;
 mod error;
 pub mod host;
 pub mod launch;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 pub mod schedule;
 mod transport;
 pub mod types;
@@ -50,6 +54,8 @@ pub use comm::{
     DEFAULT_SHM_RING_BYTES, DEFAULT_TIMEOUT,
 };
 pub use desc::{BufDesc, Buffer, CollectiveDesc, MemoryKind};
+#[cfg(feature = "nccl")]
+pub use device::{DeviceCommBuilder, DeviceCommunicator, P2pGroup};
 pub use error::{Error, Result};
 pub use half::{bf16, f16};
 pub use transport::net::TransportKind;

@@ -1,0 +1,1227 @@
+//! The typed device API: [`DeviceCommunicator`], the same operations as the
+//! host [`Communicator`](crate::Communicator) on cudarc's device buffers
+//! (`CudaSlice<T>`, `CudaView<T>`, `CudaViewMut<T>`), stream-ordered on the
+//! communicator's own stream, NCCL underneath.
+//!
+//! Every call builds one [`CollectiveDesc`] and passes the same `validate()`
+//! as the host API before anything is enqueued; a buffer on another GPU than
+//! the communicator's is rejected there too. Calls return once the work is
+//! enqueued on [`stream`](DeviceCommunicator::stream); [`synchronize`](DeviceCommunicator::synchronize)
+//! waits for it with the communicator's deadline and NCCL's asynchronous
+//! error state, so a peer that never arrives is an error, not a hang.
+//!
+//! Buffers may live on any stream of the same context: cudarc's event
+//! tracking makes the communicator's stream wait for their last writes, and
+//! their later users wait for the collective.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{
+    CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, DriverError,
+};
+
+use crate::bootstrap::{LaunchEnv, Store};
+use crate::comm::{launch_store, CommConfig};
+use crate::desc::{BufDesc, Buffer, CollectiveDesc, MemoryKind};
+use crate::error::{Error, Result};
+use crate::nccl::{self, sys, GroupGuard, NcclCall, NcclComm, UniqueId};
+use crate::types::{Element, OpKind, Rank, ReduceOp};
+
+/// An error of the CUDA driver, for `rank` doing `context`.
+fn cuda_error(rank: Rank, context: impl Into<String>) -> impl FnOnce(DriverError) -> Error {
+    let context = context.into();
+    move |e| Error::Cuda {
+        rank,
+        context,
+        detail: e.to_string(),
+    }
+}
+
+/// Opens GPU `ordinal` (its primary context), first checking that the
+/// driver library exists: cudarc panics on a missing `libcuda`, we return
+/// [`Error::LibraryNotFound`].
+pub(crate) fn open_device(rank: Rank, ordinal: Option<usize>) -> Result<Arc<CudaContext>> {
+    // SAFETY: only tries to dlopen the driver library under its known names.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err(Error::LibraryNotFound {
+            library: "CUDA driver",
+            tried: vec!["libcuda.so, libcuda.so.1 and cudarc's other names".into()],
+            hint: "this machine has no NVIDIA driver: GPU communicators need one (the host \
+                   Communicator works without)"
+                .into(),
+        });
+    }
+    let count = CudaContext::device_count().map_err(cuda_error(rank, "counting CUDA devices"))?;
+    let count = usize::try_from(count).unwrap_or(0);
+    if count == 0 {
+        return Err(Error::Cuda {
+            rank,
+            context: "looking for a GPU".into(),
+            detail: "the driver reports no CUDA device (check CUDA_VISIBLE_DEVICES)".into(),
+        });
+    }
+    let ordinal = ordinal.unwrap_or(rank % count);
+    if ordinal >= count {
+        return Err(Error::Cuda {
+            rank,
+            context: format!("opening GPU {ordinal}"),
+            detail: format!("only {count} CUDA device(s) are visible"),
+        });
+    }
+    CudaContext::new(ordinal).map_err(cuda_error(rank, format!("opening GPU {ordinal}")))
+}
+
+/// Each `init` of a device communicator in this process takes the next
+/// generation, so several communicators made from one store (in the same
+/// order on every rank, as collectives require) use distinct id keys.
+static INIT_GENERATION: AtomicU64 = AtomicU64::new(0);
+
+/// Settings for making [`DeviceCommunicator`]s.
+#[derive(Clone, Debug, Default)]
+pub struct DeviceCommBuilder {
+    timeout: Option<Duration>,
+    device: Option<usize>,
+    job_id: Option<String>,
+}
+
+impl DeviceCommBuilder {
+    /// How long initialisation, split, finalisation and
+    /// [`synchronize`](DeviceCommunicator::synchronize) may wait (default
+    /// `OXCCL_TIMEOUT`, else 60 s).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = Some(timeout);
+        self
+    }
+
+    /// Which GPU this rank drives (default: the launcher's local rank modulo
+    /// the visible GPUs, or the rank modulo them for [`init`](Self::init)).
+    pub fn device(mut self, ordinal: usize) -> Self {
+        self.device = Some(ordinal);
+        self
+    }
+
+    /// Distinguishes jobs sharing one store (default `OXCCL_JOB_ID`).
+    pub fn job_id(mut self, id: impl Into<String>) -> Self {
+        self.job_id = Some(id.into());
+        self
+    }
+
+    fn config_timeout(&self) -> Result<Duration> {
+        Ok(match self.timeout {
+            Some(t) => t,
+            None => CommConfig::from_env()?.timeout,
+        })
+    }
+
+    /// Joins a job of `world_size` ranks as `rank`: rank 0 makes the NCCL
+    /// unique id and publishes it in `store`, every rank reads it and starts
+    /// `ncclCommInitRankConfig` (non-blocking), and waits for it with the
+    /// deadline.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a rank out of range;
+    /// [`Error::LibraryNotFound`] / [`Error::LibraryUnsupported`] when NCCL
+    /// or the driver is missing or too old; [`Error::Cuda`] when no GPU can
+    /// be opened; [`Error::RendezvousTimeout`] when rank 0 never publishes
+    /// the id; [`Error::DeviceTimeout`] when NCCL's set-up does not finish
+    /// (a rank that never starts); [`Error::Nccl`] with NCCL's text.
+    pub fn init(
+        &self,
+        rank: Rank,
+        world_size: usize,
+        store: Arc<dyn Store>,
+    ) -> Result<DeviceCommunicator> {
+        self.init_on(rank, world_size, store, self.device)
+    }
+
+    fn init_on(
+        &self,
+        rank: Rank,
+        world_size: usize,
+        store: Arc<dyn Store>,
+        device: Option<usize>,
+    ) -> Result<DeviceCommunicator> {
+        let timeout = self.config_timeout()?;
+        if rank >= world_size {
+            return Err(Error::InvalidArgument {
+                op: OpKind::Split,
+                rank,
+                arg: "rank",
+                reason: format!("rank {rank} is out of range for world size {world_size}"),
+            });
+        }
+        let library = sys::library()?;
+        let ctx = open_device(rank, device)?;
+        ctx.bind_to_thread()
+            .map_err(cuda_error(rank, "binding the GPU to this thread"))?;
+        let generation = INIT_GENERATION.fetch_add(1, Ordering::Relaxed);
+        let job = self
+            .job_id
+            .clone()
+            .or_else(|| std::env::var("OXCCL_JOB_ID").ok())
+            .filter(|id| !id.trim().is_empty())
+            .unwrap_or_else(|| "default".into());
+        let key = format!("oxccl/nccl/{job}/{generation}/unique-id");
+        let id = if rank == 0 {
+            let id = UniqueId::new()?;
+            store.set(&key, id.as_bytes())?;
+            id
+        } else {
+            let missing = store.wait(std::slice::from_ref(&key), timeout)?;
+            if !missing.is_empty() {
+                return Err(Error::RendezvousTimeout {
+                    store: store.describe(),
+                    waited: timeout,
+                    missing: vec![0],
+                });
+            }
+            let bytes = store.try_get(&key)?.unwrap_or_default();
+            UniqueId::from_bytes(&bytes)?
+        };
+        let mut comm = NcclComm::start_init(library, &id, rank, world_size, timeout)?;
+        comm.wait_ready(
+            "ncclCommInitRankConfig",
+            &format!(
+                "rank {rank} of {world_size} on GPU {}: waiting for every rank to join",
+                ctx.ordinal()
+            ),
+        )?;
+        DeviceCommunicator::assemble(ctx, comm, timeout)
+    }
+
+    /// Joins the job the launcher describes (torchrun / `oxccl-run`, Open
+    /// MPI, Slurm variables, as [`Communicator::from_env`](crate::Communicator::from_env)),
+    /// on GPU `LOCAL_RANK` modulo the visible GPUs unless [`device`](Self::device) says otherwise.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] for missing or contradictory variables; as
+    /// [`init`](Self::init).
+    pub fn from_env(&self) -> Result<DeviceCommunicator> {
+        let env = LaunchEnv::from_env()?;
+        let (store, _) = launch_store(&env, self.config_timeout()?)?;
+        let mut builder = self.clone();
+        if builder.job_id.is_none() {
+            builder.job_id = env.job_id.clone();
+        }
+        let device = self.device.or(Some(env.local_rank));
+        let device = match device {
+            Some(d) if self.device.is_none() => {
+                // LOCAL_RANK modulo the visible GPUs, as torchrun users expect.
+                let count = visible_devices(env.rank)?;
+                Some(d % count.max(1))
+            }
+            other => other,
+        };
+        builder.init_on(env.rank, env.world_size, store, device)
+    }
+
+    /// `n` communicators of one process, rank `i` on GPU `i` (NCCL's
+    /// `ncclCommInitAll`, done as one group of non-blocking
+    /// `ncclCommInitRankConfig` so the deadline holds). Hand each to its own
+    /// thread.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for `n == 0`; [`Error::Cuda`] when fewer
+    /// than `n` GPUs are visible (NCCL refuses two ranks on one GPU); as
+    /// [`init`](Self::init).
+    pub fn local_group(&self, n: usize) -> Result<Vec<DeviceCommunicator>> {
+        let timeout = self.config_timeout()?;
+        if n == 0 {
+            return Err(Error::InvalidArgument {
+                op: OpKind::Split,
+                rank: 0,
+                arg: "n",
+                reason: "a group needs at least one rank".into(),
+            });
+        }
+        let library = sys::library()?;
+        let count = visible_devices(0)?;
+        if count < n {
+            return Err(Error::Cuda {
+                rank: 0,
+                context: format!("making a group of {n} GPU communicators"),
+                detail: format!(
+                    "only {count} CUDA device(s) are visible; NCCL needs one GPU per rank \
+                     (\"Duplicate GPU detected\")"
+                ),
+            });
+        }
+        let contexts = (0..n)
+            .map(|i| open_device(i, Some(i)))
+            .collect::<Result<Vec<_>>>()?;
+        let id = UniqueId::new()?;
+        let mut comms = Vec::with_capacity(n);
+        let group = GroupGuard::start(library, 0)?;
+        for (rank, ctx) in contexts.iter().enumerate() {
+            ctx.bind_to_thread()
+                .map_err(cuda_error(rank, "binding the GPU to this thread"))?;
+            comms.push(NcclComm::start_init(library, &id, rank, n, timeout)?);
+        }
+        let rc = group.end();
+        let mut out = Vec::with_capacity(n);
+        for (ctx, mut comm) in contexts.into_iter().zip(comms) {
+            let rank = comm.rank();
+            ctx.bind_to_thread()
+                .map_err(cuda_error(rank, "binding the GPU to this thread"))?;
+            comm.finish_call(
+                "ncclGroupEnd",
+                rc,
+                &format!("group of {n} communicators, rank {rank} on GPU {rank}"),
+            )?;
+            comm.wait_ready(
+                "ncclCommInitRankConfig",
+                &format!("group of {n} communicators, rank {rank} on GPU {rank}"),
+            )?;
+            out.push(DeviceCommunicator::assemble(ctx, comm, timeout)?);
+        }
+        Ok(out)
+    }
+}
+
+/// The number of GPUs the driver shows, with a clear error when it shows none.
+fn visible_devices(rank: Rank) -> Result<usize> {
+    let ctx_probe = open_device(rank, None)?;
+    drop(ctx_probe);
+    let count = CudaContext::device_count().map_err(cuda_error(rank, "counting CUDA devices"))?;
+    Ok(usize::try_from(count).unwrap_or(0))
+}
+
+/// A communicator over GPU buffers: see the [module docs](self).
+///
+/// `Send`, not `Sync`: one thread drives it at a time (NCCL's rule).
+pub struct DeviceCommunicator {
+    rank: Rank,
+    world: usize,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    nccl: NcclComm,
+    /// One element for [`barrier`](Self::barrier): NCCL has none, so a
+    /// barrier is a one-element all-reduce and a wait for the stream.
+    barrier_cell: CudaSlice<f32>,
+    timeout: Duration,
+    /// Collective calls made so far (the number errors carry).
+    seq: u64,
+    /// The first error: after it the communicator refuses every call.
+    failed: Option<String>,
+}
+
+impl std::fmt::Debug for DeviceCommunicator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceCommunicator")
+            .field("rank", &self.rank)
+            .field("world", &self.world)
+            .field("gpu", &self.ctx.ordinal())
+            .field("backend", &"nccl")
+            .finish()
+    }
+}
+
+impl DeviceCommunicator {
+    /// Settings for [`init`](DeviceCommBuilder::init),
+    /// [`from_env`](DeviceCommBuilder::from_env) and
+    /// [`local_group`](DeviceCommBuilder::local_group).
+    pub fn builder() -> DeviceCommBuilder {
+        DeviceCommBuilder::default()
+    }
+
+    /// [`DeviceCommBuilder::init`] with default settings.
+    ///
+    /// # Errors
+    ///
+    /// As [`DeviceCommBuilder::init`].
+    pub fn init(rank: Rank, world_size: usize, store: Arc<dyn Store>) -> Result<Self> {
+        Self::builder().init(rank, world_size, store)
+    }
+
+    /// [`DeviceCommBuilder::from_env`] with default settings.
+    ///
+    /// # Errors
+    ///
+    /// As [`DeviceCommBuilder::from_env`].
+    pub fn from_env() -> Result<Self> {
+        Self::builder().from_env()
+    }
+
+    /// [`DeviceCommBuilder::local_group`] with default settings.
+    ///
+    /// # Errors
+    ///
+    /// As [`DeviceCommBuilder::local_group`].
+    pub fn local_group(n: usize) -> Result<Vec<Self>> {
+        Self::builder().local_group(n)
+    }
+
+    fn assemble(ctx: Arc<CudaContext>, nccl: NcclComm, timeout: Duration) -> Result<Self> {
+        let rank = nccl.rank();
+        let stream = ctx
+            .new_stream()
+            .map_err(cuda_error(rank, "creating the communicator's stream"))?;
+        let barrier_cell = stream
+            .alloc_zeros::<f32>(1)
+            .map_err(cuda_error(rank, "allocating the barrier's element"))?;
+        Ok(DeviceCommunicator {
+            rank,
+            world: nccl.world(),
+            ctx,
+            stream,
+            nccl,
+            barrier_cell,
+            timeout,
+            seq: 0,
+            failed: None,
+        })
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> Rank {
+        self.rank
+    }
+
+    /// The number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.world
+    }
+
+    /// The GPU this rank drives.
+    pub fn device_ordinal(&self) -> usize {
+        self.ctx.ordinal()
+    }
+
+    /// The stream every call is enqueued on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The CUDA context (the GPU's primary context).
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Which backend runs the calls (`nccl`).
+    pub fn backend_name(&self) -> &'static str {
+        "nccl"
+    }
+
+    /// The NCCL in use.
+    pub fn nccl_version(&self) -> nccl::NcclVersion {
+        self.nccl.library().version
+    }
+
+    /// Aborts the communicator (`ncclCommAbort`): work in flight on the GPU
+    /// for it stops, and every later call fails. Peers see their calls fail
+    /// or time out.
+    pub fn abort(&mut self) {
+        self.nccl.abort();
+        self.failed.get_or_insert_with(|| "aborted".into());
+    }
+
+    /// Waits until everything enqueued on the communicator's stream has run,
+    /// polling NCCL's asynchronous error state; past the deadline the
+    /// communicator is aborted.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Nccl`] for an asynchronous NCCL failure (including
+    /// `ncclRemoteError` when a peer failed); [`Error::DeviceTimeout`] on
+    /// expiry; [`Error::Cuda`] for a driver failure.
+    pub fn synchronize(&mut self) -> Result<()> {
+        let what = format!("stream holding collective #{}", self.seq.saturating_sub(1));
+        let result = self.wait_stream(&what);
+        if let Err(e) = &result {
+            self.failed.get_or_insert_with(|| e.to_string());
+        }
+        result
+    }
+
+    fn wait_stream(&mut self, what: &str) -> Result<()> {
+        let rank = self.rank;
+        let done = self
+            .stream
+            .record_event(None)
+            .map_err(cuda_error(rank, "recording an event on the stream"))?;
+        let start = Instant::now();
+        loop {
+            if done
+                .try_is_complete()
+                .map_err(cuda_error(rank, "querying the stream"))?
+            {
+                return Ok(());
+            }
+            self.nccl.poll("the communicator's collectives")?;
+            if start.elapsed() >= self.timeout {
+                self.nccl.abort();
+                return Err(Error::DeviceTimeout {
+                    rank,
+                    what: what.to_owned(),
+                    waited: start.elapsed(),
+                });
+            }
+            std::thread::sleep(Duration::from_micros(20));
+        }
+    }
+
+    fn desc<T: Element>(&self, op: OpKind) -> CollectiveDesc {
+        CollectiveDesc::new(op, T::DTYPE, self.rank, self.world, MemoryKind::Device)
+    }
+
+    /// The one check every call makes before enqueueing: the shared
+    /// `validate()`, that the communicator is still usable, and that every
+    /// buffer lives on this communicator's GPU.
+    fn admit(&self, desc: &CollectiveDesc, ordinals: &[usize]) -> Result<()> {
+        desc.validate()?;
+        if let Some(first) = &self.failed {
+            return Err(Error::Failed {
+                op: desc.op,
+                rank: self.rank,
+                first_error: first.clone(),
+            });
+        }
+        check_same_device(desc, self.ctx.ordinal(), ordinals)
+    }
+
+    /// Enqueues a validated call. `send`/`recv` are device addresses (0 for
+    /// a buffer the call does not have).
+    fn enqueue(
+        &mut self,
+        desc: &CollectiveDesc,
+        elem_bytes: usize,
+        send: u64,
+        recv: u64,
+    ) -> Result<()> {
+        let result = self.enqueue_inner(desc, elem_bytes, send, recv);
+        self.seq += 1;
+        if let Err(e) = &result {
+            self.failed.get_or_insert_with(|| e.to_string());
+        }
+        result
+    }
+
+    fn enqueue_inner(
+        &mut self,
+        desc: &CollectiveDesc,
+        elem_bytes: usize,
+        send: u64,
+        recv: u64,
+    ) -> Result<()> {
+        let rank = self.rank;
+        self.ctx
+            .bind_to_thread()
+            .map_err(cuda_error(rank, "binding the GPU to this thread"))?;
+        let lib = self.nccl.library();
+        let comm = self.nccl.raw();
+        let stream = self.stream.cu_stream() as sys::RawStream;
+        let dtype = nccl::nccl_dtype(desc.dtype);
+        let op = nccl::nccl_op(desc.reduce_op.unwrap_or(ReduceOp::Sum));
+        let at = |base: u64, elems: usize| (base + (elems * elem_bytes) as u64) as *mut _;
+        let detail = format!("{} #{} on rank {rank}", desc.op, self.seq);
+        let (call, rc) = match NcclCall::plan(desc) {
+            // SAFETY (every arm): the addresses come from live device buffers
+            // whose lengths `validate()` checked against the counts passed;
+            // `comm` and `stream` are live and belong to this GPU.
+            NcclCall::AllReduce { count } => ("ncclAllReduce", unsafe {
+                (lib.all_reduce)(at(send, 0), at(recv, 0), count, dtype, op, comm, stream)
+            }),
+            NcclCall::ReduceScatter {
+                recv_count,
+                recv_offset,
+            } => ("ncclReduceScatter", unsafe {
+                (lib.reduce_scatter)(
+                    at(send, 0),
+                    at(recv, recv_offset),
+                    recv_count,
+                    dtype,
+                    op,
+                    comm,
+                    stream,
+                )
+            }),
+            NcclCall::AllGather {
+                send_count,
+                send_offset,
+            } => ("ncclAllGather", unsafe {
+                (lib.all_gather)(
+                    at(send, send_offset),
+                    at(recv, 0),
+                    send_count,
+                    dtype,
+                    comm,
+                    stream,
+                )
+            }),
+            NcclCall::Broadcast { count, root } => ("ncclBroadcast", unsafe {
+                (lib.broadcast)(
+                    at(if send == 0 { recv } else { send }, 0),
+                    at(recv, 0),
+                    count,
+                    dtype,
+                    root as i32,
+                    comm,
+                    stream,
+                )
+            }),
+            NcclCall::Reduce { count, root } => ("ncclReduce", unsafe {
+                (lib.reduce)(
+                    at(send, 0),
+                    at(if recv == 0 { send } else { recv }, 0),
+                    count,
+                    dtype,
+                    op,
+                    root as i32,
+                    comm,
+                    stream,
+                )
+            }),
+            NcclCall::Send { count, peer } => ("ncclSend", unsafe {
+                (lib.send)(at(send, 0), count, dtype, peer as i32, comm, stream)
+            }),
+            NcclCall::Recv { count, peer } => ("ncclRecv", unsafe {
+                (lib.recv)(at(recv, 0), count, dtype, peer as i32, comm, stream)
+            }),
+            NcclCall::AllToAll { block } => {
+                let group = GroupGuard::start(lib, rank)?;
+                for peer in 0..self.world {
+                    // SAFETY: as above; block `peer` of each buffer is in bounds.
+                    let rc = unsafe {
+                        (lib.send)(
+                            at(send, peer * block),
+                            block,
+                            dtype,
+                            peer as i32,
+                            comm,
+                            stream,
+                        )
+                    };
+                    self.nccl.finish_call("ncclSend", rc, &detail)?;
+                    // SAFETY: as above.
+                    let rc = unsafe {
+                        (lib.recv)(
+                            at(recv, peer * block),
+                            block,
+                            dtype,
+                            peer as i32,
+                            comm,
+                            stream,
+                        )
+                    };
+                    self.nccl.finish_call("ncclRecv", rc, &detail)?;
+                }
+                ("ncclGroupEnd", group.end())
+            }
+            NcclCall::Barrier => {
+                let (cell, _record) = self.barrier_cell.device_ptr_mut(&self.stream);
+                let rc = unsafe {
+                    (lib.all_reduce)(
+                        at(cell, 0),
+                        at(cell, 0),
+                        1,
+                        nccl::nccl_dtype(crate::types::DType::F32),
+                        nccl::nccl_op(ReduceOp::Sum),
+                        comm,
+                        stream,
+                    )
+                };
+                ("ncclAllReduce", rc)
+            }
+        };
+        self.nccl.finish_call(call, rc, &detail)
+    }
+
+    /// All-reduce: `recv[i]` = `op` over every rank's `send[i]`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for unequal lengths or a buffer on another
+    /// GPU, before anything is enqueued; [`Error::Nccl`] with NCCL's text.
+    pub fn all_reduce<T, S, R>(&mut self, send: &S, recv: &mut R, op: ReduceOp) -> Result<()>
+    where
+        T: Element,
+        S: DevicePtr<T> + Buffer<T>,
+        R: DevicePtrMut<T> + Buffer<T>,
+    {
+        let desc = self
+            .desc::<T>(OpKind::AllReduce)
+            .with_send(BufDesc::of(send))
+            .with_recv(BufDesc::of(recv))
+            .with_reduce_op(op);
+        self.out_of_place(desc, send, recv)
+    }
+
+    /// All-reduce in place.
+    ///
+    /// # Errors
+    ///
+    /// As [`all_reduce`](Self::all_reduce).
+    pub fn all_reduce_in_place<T, B>(&mut self, buf: &mut B, op: ReduceOp) -> Result<()>
+    where
+        T: Element,
+        B: DevicePtrMut<T> + Buffer<T>,
+    {
+        let desc = self
+            .desc::<T>(OpKind::AllReduce)
+            .with_in_place(BufDesc::of(buf))
+            .with_reduce_op(op);
+        self.in_place(desc, buf)
+    }
+
+    /// Reduce-scatter: `recv` = block `rank` of `op` over every rank's `send`
+    /// (`send.len() == recv.len() * world_size()`).
+    ///
+    /// # Errors
+    ///
+    /// As [`all_reduce`](Self::all_reduce).
+    pub fn reduce_scatter<T, S, R>(&mut self, send: &S, recv: &mut R, op: ReduceOp) -> Result<()>
+    where
+        T: Element,
+        S: DevicePtr<T> + Buffer<T>,
+        R: DevicePtrMut<T> + Buffer<T>,
+    {
+        let desc = self
+            .desc::<T>(OpKind::ReduceScatter)
+            .with_send(BufDesc::of(send))
+            .with_recv(BufDesc::of(recv))
+            .with_reduce_op(op);
+        self.out_of_place(desc, send, recv)
+    }
+
+    /// Reduce-scatter in place: the result lands in block `rank` of `buf`.
+    ///
+    /// # Errors
+    ///
+    /// As [`all_reduce`](Self::all_reduce).
+    pub fn reduce_scatter_in_place<T, B>(&mut self, buf: &mut B, op: ReduceOp) -> Result<()>
+    where
+        T: Element,
+        B: DevicePtrMut<T> + Buffer<T>,
+    {
+        let desc = self
+            .desc::<T>(OpKind::ReduceScatter)
+            .with_in_place(BufDesc::of(buf))
+            .with_reduce_op(op);
+        self.in_place(desc, buf)
+    }
+
+    /// All-gather: `recv` is every rank's `send` in rank order.
+    ///
+    /// # Errors
+    ///
+    /// As [`all_reduce`](Self::all_reduce).
+    pub fn all_gather<T, S, R>(&mut self, send: &S, recv: &mut R) -> Result<()>
+    where
+        T: Element,
+        S: DevicePtr<T> + Buffer<T>,
+        R: DevicePtrMut<T> + Buffer<T>,
+    {
+        let desc = self
+            .desc::<T>(OpKind::AllGather)
+            .with_send(BufDesc::of(send))
+            .with_recv(BufDesc::of(recv));
+        self.out_of_place(desc, send, recv)
+    }
+
+    /// All-gather in place: this rank's part is already in block `rank` of `buf`.
+    ///
+    /// # Errors
+    ///
+    /// As [`all_reduce`](Self::all_reduce).
+    pub fn all_gather_in_place<T, B>(&mut self, buf: &mut B) -> Result<()>
+    where
+        T: Element,
+        B: DevicePtrMut<T> + Buffer<T>,
+    {
+        let desc = self
+            .desc::<T>(OpKind::AllGather)
+            .with_in_place(BufDesc::of(buf));
+        self.in_place(desc, buf)
+    }
+
+    /// Broadcast: every rank's `recv` becomes the root's `send` (off the
+    /// root `send` is not read and may be empty).
+    ///
+    /// # Errors
+    ///
+    /// As [`all_reduce`](Self::all_reduce), and for a root out of range.
+    pub fn broadcast<T, S, R>(&mut self, send: &S, recv: &mut R, root: Rank) -> Result<()>
+    where
+        T: Element,
+        S: DevicePtr<T> + Buffer<T>,
+        R: DevicePtrMut<T> + Buffer<T>,
+    {
+        let desc = self
+            .desc::<T>(OpKind::Broadcast)
+            .with_send(BufDesc::of(send))
+            .with_recv(BufDesc::of(recv))
+            .with_root(root);
+        self.out_of_place(desc, send, recv)
+    }
+
+    /// Broadcast in place.
+    ///
+    /// # Errors
+    ///
+    /// As [`broadcast`](Self::broadcast).
+    pub fn broadcast_in_place<T, B>(&mut self, buf: &mut B, root: Rank) -> Result<()>
+    where
+        T: Element,
+        B: DevicePtrMut<T> + Buffer<T>,
+    {
+        let desc = self
+            .desc::<T>(OpKind::Broadcast)
+            .with_in_place(BufDesc::of(buf))
+            .with_root(root);
+        self.in_place(desc, buf)
+    }
+
+    /// Reduce: the root's `recv` = `op` over every rank's `send` (off the
+    /// root `recv` is not written and may be empty).
+    ///
+    /// # Errors
+    ///
+    /// As [`broadcast`](Self::broadcast).
+    pub fn reduce<T, S, R>(
+        &mut self,
+        send: &S,
+        recv: &mut R,
+        op: ReduceOp,
+        root: Rank,
+    ) -> Result<()>
+    where
+        T: Element,
+        S: DevicePtr<T> + Buffer<T>,
+        R: DevicePtrMut<T> + Buffer<T>,
+    {
+        let desc = self
+            .desc::<T>(OpKind::Reduce)
+            .with_send(BufDesc::of(send))
+            .with_recv(BufDesc::of(recv))
+            .with_reduce_op(op)
+            .with_root(root);
+        self.out_of_place(desc, send, recv)
+    }
+
+    /// Reduce in place: the root's `buf` becomes the reduction.
+    ///
+    /// # Errors
+    ///
+    /// As [`broadcast`](Self::broadcast).
+    pub fn reduce_in_place<T, B>(&mut self, buf: &mut B, op: ReduceOp, root: Rank) -> Result<()>
+    where
+        T: Element,
+        B: DevicePtrMut<T> + Buffer<T>,
+    {
+        let desc = self
+            .desc::<T>(OpKind::Reduce)
+            .with_in_place(BufDesc::of(buf))
+            .with_reduce_op(op)
+            .with_root(root);
+        self.in_place(desc, buf)
+    }
+
+    /// All-to-all: block `p` of `send` goes to rank `p`, block `p` of `recv`
+    /// comes from rank `p` (one NCCL group of sends and receives).
+    ///
+    /// # Errors
+    ///
+    /// As [`all_reduce`](Self::all_reduce).
+    pub fn all_to_all<T, S, R>(&mut self, send: &S, recv: &mut R) -> Result<()>
+    where
+        T: Element,
+        S: DevicePtr<T> + Buffer<T>,
+        R: DevicePtrMut<T> + Buffer<T>,
+    {
+        let desc = self
+            .desc::<T>(OpKind::AllToAll)
+            .with_send(BufDesc::of(send))
+            .with_recv(BufDesc::of(recv));
+        self.out_of_place(desc, send, recv)
+    }
+
+    /// Sends `buf` to `peer`, which calls [`recv`](Self::recv) with the same
+    /// length. Stream-ordered: the transfer runs when both sides' streams
+    /// reach it; several sends and receives that must run together (a
+    /// pipeline exchanging with both neighbours) go in one [`group`](Self::group).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a peer out of range or equal to this rank.
+    pub fn send<T, S>(&mut self, buf: &S, peer: Rank) -> Result<()>
+    where
+        T: Element,
+        S: DevicePtr<T> + Buffer<T>,
+    {
+        let desc = self
+            .desc::<T>(OpKind::Send)
+            .with_send(BufDesc::of(buf))
+            .with_peer(peer);
+        self.admit(&desc, &[DeviceSlice::stream(buf).context().ordinal()])?;
+        let stream = self.stream.clone();
+        let (ptr, _record) = buf.device_ptr(&stream);
+        self.enqueue(&desc, T::DTYPE.size(), ptr, 0)
+    }
+
+    /// Receives `buf.len()` elements from `peer`.
+    ///
+    /// # Errors
+    ///
+    /// As [`send`](Self::send).
+    pub fn recv<T, R>(&mut self, buf: &mut R, peer: Rank) -> Result<()>
+    where
+        T: Element,
+        R: DevicePtrMut<T> + Buffer<T>,
+    {
+        let desc = self
+            .desc::<T>(OpKind::Recv)
+            .with_recv(BufDesc::of(buf))
+            .with_peer(peer);
+        self.admit(&desc, &[DeviceSlice::stream(buf).context().ordinal()])?;
+        let stream = self.stream.clone();
+        let (ptr, _record) = buf.device_ptr_mut(&stream);
+        self.enqueue(&desc, T::DTYPE.size(), 0, ptr)
+    }
+
+    /// Returns once every rank has reached the barrier and this rank's
+    /// stream has drained (a one-element all-reduce, then
+    /// [`synchronize`](Self::synchronize)).
+    ///
+    /// # Errors
+    ///
+    /// As [`synchronize`](Self::synchronize).
+    pub fn barrier(&mut self) -> Result<()> {
+        let desc = self.desc::<f32>(OpKind::Barrier);
+        self.admit(&desc, &[])?;
+        self.enqueue(&desc, 4, 0, 0)?;
+        self.synchronize()
+    }
+
+    /// Opens a group of point-to-point calls that NCCL launches together at
+    /// [`P2pGroup::end`] (`ncclGroupStart`/`ncclGroupEnd`). Dropping the
+    /// group without `end` (an early `?`) still closes it.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Failed`] on a communicator that failed; [`Error::Nccl`].
+    pub fn group(&mut self) -> Result<P2pGroup<'_>> {
+        if let Some(first) = &self.failed {
+            return Err(Error::Failed {
+                op: OpKind::Send,
+                rank: self.rank,
+                first_error: first.clone(),
+            });
+        }
+        let guard = GroupGuard::start(self.nccl.library(), self.rank)?;
+        Ok(P2pGroup {
+            comm: self,
+            guard: Some(guard),
+            touch_after: Vec::new(),
+        })
+    }
+
+    /// Splits into sub-communicators (`ncclCommSplit`): ranks passing the
+    /// same `color` form one, ordered by `key` then by rank. Collective over
+    /// this communicator; the new one uses the same GPU and a new stream.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::LibraryUnsupported`] with NCCL older than 2.18;
+    /// [`Error::DeviceTimeout`]; [`Error::Nccl`].
+    pub fn split(&mut self, color: u32, key: i64) -> Result<DeviceCommunicator> {
+        self.split_or_none(Some(color), key)?
+            .ok_or_else(|| Error::Nccl {
+                rank: self.rank,
+                call: "ncclCommSplit",
+                code: 0,
+                name: "ncclSuccess",
+                detail: "NCCL returned no communicator for a rank with a color".into(),
+            })
+    }
+
+    /// [`split`](Self::split) where `None` leaves this rank out of every
+    /// new communicator (`NCCL_SPLIT_NOCOLOR`).
+    ///
+    /// # Errors
+    ///
+    /// As [`split`](Self::split).
+    pub fn split_or_none(&mut self, color: Option<u32>, key: i64) -> Result<Option<Self>> {
+        let desc = self.desc::<u8>(OpKind::Split);
+        self.admit(&desc, &[])?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(cuda_error(self.rank, "binding the GPU to this thread"))?;
+        let child = self.nccl.split(color, key);
+        self.seq += 1;
+        match child {
+            Ok(Some(child)) => Ok(Some(Self::assemble(self.ctx.clone(), child, self.timeout)?)),
+            Ok(None) => Ok(None),
+            Err(e) => {
+                self.failed.get_or_insert_with(|| e.to_string());
+                Err(e)
+            }
+        }
+    }
+
+    fn out_of_place<T, S, R>(&mut self, desc: CollectiveDesc, send: &S, recv: &mut R) -> Result<()>
+    where
+        T: Element,
+        S: DevicePtr<T> + Buffer<T>,
+        R: DevicePtrMut<T> + Buffer<T>,
+    {
+        self.admit(
+            &desc,
+            &[
+                DeviceSlice::stream(send).context().ordinal(),
+                DeviceSlice::stream(recv).context().ordinal(),
+            ],
+        )?;
+        let stream = self.stream.clone();
+        let (send_len, recv_len) = (Buffer::elem_count(send), Buffer::elem_count(recv));
+        // Empty buffers (a non-root's send of broadcast, recv of reduce) are
+        // passed as 0 and replaced by the other buffer, which NCCL then
+        // does not dereference on that rank.
+        let (send_ptr, _read) = send.device_ptr(&stream);
+        let (recv_ptr, _write) = recv.device_ptr_mut(&stream);
+        let send_ptr = if send_len == 0 { 0 } else { send_ptr };
+        let recv_ptr = if recv_len == 0 { 0 } else { recv_ptr };
+        self.enqueue(&desc, T::DTYPE.size(), send_ptr, recv_ptr)
+    }
+
+    fn in_place<T, B>(&mut self, desc: CollectiveDesc, buf: &mut B) -> Result<()>
+    where
+        T: Element,
+        B: DevicePtrMut<T> + Buffer<T>,
+    {
+        self.admit(&desc, &[DeviceSlice::stream(buf).context().ordinal()])?;
+        let stream = self.stream.clone();
+        let (ptr, _write) = buf.device_ptr_mut(&stream);
+        self.enqueue(&desc, T::DTYPE.size(), ptr, ptr)
+    }
+}
+
+/// Rejects a call whose buffers are on another GPU than the communicator's.
+fn check_same_device(desc: &CollectiveDesc, own: usize, ordinals: &[usize]) -> Result<()> {
+    match ordinals.iter().find(|&&o| o != own) {
+        Some(other) => Err(Error::InvalidArgument {
+            op: desc.op,
+            rank: desc.rank,
+            arg: "buffer",
+            reason: format!("the buffer is on GPU {other}, the communicator works on GPU {own}"),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// Re-records one buffer's use on a stream (see [`P2pGroup`]).
+type Touch<'a> = Box<dyn FnOnce(&CudaStream) + 'a>;
+
+/// An open `ncclGroupStart` … `ncclGroupEnd` of point-to-point calls on one
+/// communicator, from [`DeviceCommunicator::group`]. Buffers must outlive the
+/// group (`'a`); NCCL launches everything at [`end`](Self::end).
+pub struct P2pGroup<'a> {
+    comm: &'a mut DeviceCommunicator,
+    guard: Option<GroupGuard>,
+    /// Re-records each buffer's use on the stream after the group is
+    /// launched, so cudarc's tracking orders later frees and writes after
+    /// the transfer rather than after the (empty) enqueue.
+    touch_after: Vec<Touch<'a>>,
+}
+
+impl<'a> P2pGroup<'a> {
+    /// Adds `ncclSend(buf, peer)`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a bad peer or a buffer on another GPU.
+    pub fn send<T, S>(&mut self, buf: &'a S, peer: Rank) -> Result<()>
+    where
+        T: Element,
+        S: DevicePtr<T> + Buffer<T>,
+    {
+        let desc = self
+            .comm
+            .desc::<T>(OpKind::Send)
+            .with_send(BufDesc::of(buf))
+            .with_peer(peer);
+        self.comm
+            .admit(&desc, &[DeviceSlice::stream(buf).context().ordinal()])?;
+        let stream = self.comm.stream.clone();
+        let (ptr, read) = buf.device_ptr(&stream);
+        drop(read);
+        let ptr = ptr as *const std::ffi::c_void;
+        let result = self.raw_p2p(&desc, |lib, comm, stream, dtype| {
+            // SAFETY: a live buffer of `desc`'s validated length.
+            unsafe {
+                (lib.send)(
+                    ptr,
+                    desc.send.map_or(0, |b| b.len),
+                    dtype,
+                    peer as i32,
+                    comm,
+                    stream,
+                )
+            }
+        });
+        self.touch_after.push(Box::new(move |s| {
+            let _ = buf.device_ptr(s);
+        }));
+        result
+    }
+
+    /// Adds `ncclRecv(buf, peer)`.
+    ///
+    /// # Errors
+    ///
+    /// As [`send`](Self::send).
+    pub fn recv<T, R>(&mut self, buf: &'a mut R, peer: Rank) -> Result<()>
+    where
+        T: Element,
+        R: DevicePtrMut<T> + Buffer<T>,
+    {
+        let desc = self
+            .comm
+            .desc::<T>(OpKind::Recv)
+            .with_recv(BufDesc::of(buf))
+            .with_peer(peer);
+        self.comm
+            .admit(&desc, &[DeviceSlice::stream(buf).context().ordinal()])?;
+        let stream = self.comm.stream.clone();
+        let (ptr, write) = buf.device_ptr_mut(&stream);
+        drop(write);
+        let ptr = ptr as *mut std::ffi::c_void;
+        let result = self.raw_p2p(&desc, |lib, comm, stream, dtype| {
+            // SAFETY: a live buffer of `desc`'s validated length.
+            unsafe {
+                (lib.recv)(
+                    ptr,
+                    desc.recv.map_or(0, |b| b.len),
+                    dtype,
+                    peer as i32,
+                    comm,
+                    stream,
+                )
+            }
+        });
+        self.touch_after.push(Box::new(move |s| {
+            let _ = buf.device_ptr_mut(s);
+        }));
+        result
+    }
+
+    fn raw_p2p(
+        &mut self,
+        desc: &CollectiveDesc,
+        call: impl FnOnce(
+            &sys::NcclLibrary,
+            sys::RawComm,
+            sys::RawStream,
+            sys::NcclDataType,
+        ) -> sys::NcclResult,
+    ) -> Result<()> {
+        let comm = &mut *self.comm;
+        let rc = call(
+            comm.nccl.library(),
+            comm.nccl.raw(),
+            comm.stream.cu_stream() as sys::RawStream,
+            nccl::nccl_dtype(desc.dtype),
+        );
+        let name = if desc.op == OpKind::Send {
+            "ncclSend"
+        } else {
+            "ncclRecv"
+        };
+        let detail = format!("{} in a group on rank {}", desc.op, comm.rank);
+        let result = comm.nccl.finish_call(name, rc, &detail);
+        if let Err(e) = &result {
+            comm.failed.get_or_insert_with(|| e.to_string());
+        }
+        result
+    }
+
+    /// `ncclGroupEnd`: launches every call of the group on the stream.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Nccl`]; [`Error::DeviceTimeout`] when NCCL's launch does not
+    /// finish in time.
+    pub fn end(mut self) -> Result<()> {
+        let rc = match self.guard.take() {
+            Some(guard) => guard.end(),
+            None => sys::NCCL_SUCCESS,
+        };
+        let comm = &mut *self.comm;
+        comm.seq += 1;
+        let detail = format!("point-to-point group on rank {}", comm.rank);
+        let result = comm.nccl.finish_call("ncclGroupEnd", rc, &detail);
+        if let Err(e) = &result {
+            comm.failed.get_or_insert_with(|| e.to_string());
+        }
+        let stream = comm.stream.clone();
+        for touch in self.touch_after.drain(..) {
+            touch(&stream);
+        }
+        result
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::types::DType;
+
+    fn dev(len: usize) -> BufDesc {
+        BufDesc {
+            len,
+            memory: MemoryKind::Device,
+        }
+    }
+
+    /// The checks a device call makes before enqueueing anything: these run
+    /// on machines with no GPU, since they never reach the driver or NCCL.
+    #[test]
+    fn bad_device_calls_are_rejected_before_anything_is_enqueued() {
+        let base = |op| CollectiveDesc::new(op, DType::F32, 1, 4, MemoryKind::Device);
+        let bad_lengths = base(OpKind::AllReduce)
+            .with_send(dev(8))
+            .with_recv(dev(7))
+            .with_reduce_op(ReduceOp::Sum);
+        let e = bad_lengths.validate().unwrap_err().to_string();
+        assert!(e.contains("all_reduce"), "{e}");
+        let bad_gather = base(OpKind::AllGather).with_send(dev(3)).with_recv(dev(11));
+        assert!(bad_gather.validate().is_err());
+        let bad_root = base(OpKind::Broadcast)
+            .with_send(dev(3))
+            .with_recv(dev(3))
+            .with_root(4);
+        assert!(bad_root
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("root"));
+        let self_send = base(OpKind::Send).with_send(dev(3)).with_peer(1);
+        assert!(self_send.validate().is_err());
+        let host_buffer = base(OpKind::AllReduce)
+            .with_send(BufDesc {
+                len: 8,
+                memory: MemoryKind::Host,
+            })
+            .with_recv(dev(8))
+            .with_reduce_op(ReduceOp::Sum);
+        assert!(host_buffer
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("Host"));
+        let good = base(OpKind::AllReduce)
+            .with_send(dev(8))
+            .with_recv(dev(8))
+            .with_reduce_op(ReduceOp::Sum);
+        good.validate().unwrap();
+        let e = check_same_device(&good, 0, &[0, 1])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("GPU 1") && e.contains("GPU 0"), "{e}");
+        check_same_device(&good, 1, &[1, 1]).unwrap();
+    }
+}
