@@ -19,7 +19,7 @@
 //! |---|---|---|
 //! | host, in-process | `&[T]` | built |
 //! | host, shared memory / TCP | `&[T]` | built |
-//! | `nccl` | GPU | not built yet |
+//! | `nccl` | GPU ([`DeviceCommunicator`], feature `nccl`) | built |
 //! | `cuda-ring` | GPU | not built yet |
 //!
 //! ```

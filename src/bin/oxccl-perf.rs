@@ -12,6 +12,10 @@ use std::time::Instant;
 #[path = "perf/report.rs"]
 mod report;
 
+#[cfg(feature = "nccl")]
+#[path = "perf/device.rs"]
+mod device;
+
 use oxccl::check::{fill, input_value, reduced_value};
 use oxccl::{bf16, f16, Communicator, DType, Element, ReduceOp};
 
@@ -37,6 +41,9 @@ usage: oxccl-perf [options]
       --plot <file.svg>   plot busbw against size: this run, and every --compare run
       --compare <file>    a JSON file from an earlier -J run to draw on the same plot (repeatable)
       --plot-only         draw the --compare runs without running a benchmark
+      --backend <name>    host (CPU buffers, default) or nccl (GPU buffers, one GPU per
+                          rank: -t ranks as threads, or one per process under a
+                          launcher; timed with CUDA events; needs the nccl feature)
   -h, --help              this text
 
 The last column, algo, is the algorithm oxccl chose for that size
@@ -125,6 +132,8 @@ struct Args {
     plot: Option<String>,
     compare: Vec<String>,
     plot_only: bool,
+    /// `--backend`: `host` (CPU buffers) or `nccl` (GPU buffers).
+    backend: String,
 }
 
 fn parse_size(s: &str) -> Result<usize, String> {
@@ -160,6 +169,7 @@ fn parse_args() -> Result<Args, String> {
         plot: None,
         compare: Vec::new(),
         plot_only: false,
+        backend: "host".into(),
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -215,6 +225,10 @@ fn parse_args() -> Result<Args, String> {
             "--label" => a.label = Some(value.clone()),
             "--plot" => a.plot = Some(value.clone()),
             "--compare" => a.compare.push(value.clone()),
+            "--backend" => match value.as_str() {
+                "host" | "nccl" => a.backend = value.clone(),
+                _ => return Err(format!("unknown backend {value:?} (host or nccl)")),
+            },
             _ => return Err(format!("unknown option {flag}")),
         }
         i += 2;
@@ -449,16 +463,57 @@ fn op_kind(coll: Coll) -> oxccl::OpKind {
     }
 }
 
-fn bench<T: Element>(comm: &mut Communicator, a: &Args) -> oxccl::Result<RunResult> {
-    let n = comm.world_size();
-    let elem = std::mem::size_of::<T>();
-    let sizes: Vec<usize> = match &a.sizes {
+/// The sizes to run, in bytes: `--sizes`, else `-b` times `-f` up to `-e`.
+fn size_list(a: &Args) -> Vec<usize> {
+    match &a.sizes {
         Some(list) => list.clone(),
         None => std::iter::successors(Some(a.min_bytes), |&s| {
             s.checked_mul(a.factor).filter(|&next| next <= a.max_bytes)
         })
         .collect(),
+    }
+}
+
+/// nccl-tests' element count for `size` bytes: the whole buffer, rounded
+/// down to a multiple of the ranks where each rank holds a block.
+fn count_for(a: &Args, size: usize, elem: usize, n: usize) -> usize {
+    let unit = if a.coll.per_rank() { elem * n } else { elem };
+    (size / unit) * unit / elem
+}
+
+/// One table line, nccl-tests' columns plus the algorithm.
+fn print_row(a: &Args, row: &Row) {
+    let mut cols = String::new();
+    for k in 0..2 {
+        let wrong = if a.check {
+            row.wrong[k].to_string()
+        } else {
+            "N/A".into()
+        };
+        cols += &format!(
+            "  {:7.2}  {:6.2}  {:6.2}  {:>5}",
+            row.time_us[k], row.algbw[k], row.busbw[k], wrong
+        );
+    }
+    let redop = if a.coll.reduces() {
+        a.op.name()
+    } else {
+        "none"
     };
+    let root = if a.coll.rooted() { a.root as i64 } else { -1 };
+    println!(
+        "{:>12}  {:>12}  {:>8}  {redop:>6}  {root:>6}{cols}  {:>8}",
+        row.bytes,
+        row.count,
+        a.dtype.name(),
+        row.algo
+    );
+}
+
+fn bench<T: Element>(comm: &mut Communicator, a: &Args) -> oxccl::Result<RunResult> {
+    let n = comm.world_size();
+    let elem = std::mem::size_of::<T>();
+    let sizes = size_list(a);
     let mut result = RunResult {
         wrong: 0,
         busbw_sum: 0.0,
@@ -467,8 +522,7 @@ fn bench<T: Element>(comm: &mut Communicator, a: &Args) -> oxccl::Result<RunResu
     };
     let mut last_count = usize::MAX;
     for size in sizes {
-        let unit = if a.coll.per_rank() { elem * n } else { elem };
-        let count = (size / unit) * unit / elem;
+        let count = count_for(a, size, elem, n);
         if count == last_count {
             continue;
         }
@@ -480,7 +534,6 @@ fn bench<T: Element>(comm: &mut Communicator, a: &Args) -> oxccl::Result<RunResu
             algo: comm.algorithm_for::<T>(op_kind(a.coll), bytes).to_string(),
             ..Row::default()
         };
-        let mut cols = String::new();
         for (k, in_place) in [false, true].into_iter().enumerate() {
             let s = measure::<T>(comm, a, count, in_place)?;
             let algbw = bytes as f64 / s.time_us / 1e3;
@@ -489,28 +542,9 @@ fn bench<T: Element>(comm: &mut Communicator, a: &Args) -> oxccl::Result<RunResu
             result.busbw_sum += busbw;
             (row.time_us[k], row.algbw[k], row.busbw[k], row.wrong[k]) =
                 (s.time_us, algbw, busbw, s.wrong);
-            let wrong = if a.check {
-                s.wrong.to_string()
-            } else {
-                "N/A".into()
-            };
-            cols += &format!(
-                "  {:7.2}  {:6.2}  {:6.2}  {:>5}",
-                s.time_us, algbw, busbw, wrong
-            );
         }
         if comm.rank() == 0 {
-            let redop = if a.coll.reduces() {
-                a.op.name()
-            } else {
-                "none"
-            };
-            let root = if a.coll.rooted() { a.root as i64 } else { -1 };
-            println!(
-                "{bytes:>12}  {count:>12}  {:>8}  {redop:>6}  {root:>6}{cols}  {:>8}",
-                T::DTYPE.name(),
-                row.algo
-            );
+            print_row(a, &row);
         }
         result.rows.push(row);
     }
@@ -526,8 +560,8 @@ fn under_launcher() -> bool {
 /// The table's header, printed by rank 0 once it knows the transport.
 fn print_header(a: &Args, ranks: usize, what: &str, transport: &str) {
     println!(
-        "# oxccl-perf: collective {:?}, {ranks} ranks ({what}), backend host, transport {transport}",
-        a.coll
+        "# oxccl-perf: collective {:?}, {ranks} ranks ({what}), backend {}, transport {transport}",
+        a.coll, a.backend
     );
     println!(
         "#  minBytes {} maxBytes {} step: {}(factor) warmup iters: {} iters: {} validation: {}",
@@ -581,6 +615,50 @@ fn run_typed<T: Element>(a: &Args) -> Result<RunResult, String> {
     out
 }
 
+/// The host backend's run for `-d`'s element type.
+fn run_on_host(a: &Args) -> Result<RunResult, String> {
+    match a.dtype {
+        DType::I8 => run_typed::<i8>(a),
+        DType::U8 => run_typed::<u8>(a),
+        DType::I32 => run_typed::<i32>(a),
+        DType::U32 => run_typed::<u32>(a),
+        DType::I64 => run_typed::<i64>(a),
+        DType::U64 => run_typed::<u64>(a),
+        DType::F16 => run_typed::<f16>(a),
+        DType::F32 => run_typed::<f32>(a),
+        DType::F64 => run_typed::<f64>(a),
+        DType::BF16 => run_typed::<bf16>(a),
+        _ => Err(format!("unsupported datatype {}", a.dtype)),
+    }
+}
+
+/// `--backend nccl`: the same table on GPU buffers.
+#[cfg(feature = "nccl")]
+fn run_on_gpus(a: &Args) -> Result<RunResult, String> {
+    match a.dtype {
+        DType::I8 => device::run_typed::<i8>(a),
+        DType::U8 => device::run_typed::<u8>(a),
+        DType::I32 => device::run_typed::<i32>(a),
+        DType::U32 => device::run_typed::<u32>(a),
+        DType::I64 => device::run_typed::<i64>(a),
+        DType::U64 => device::run_typed::<u64>(a),
+        DType::F16 => device::run_typed::<f16>(a),
+        DType::F32 => device::run_typed::<f32>(a),
+        DType::F64 => device::run_typed::<f64>(a),
+        DType::BF16 => device::run_typed::<bf16>(a),
+        _ => Err(format!("unsupported datatype {}", a.dtype)),
+    }
+}
+
+#[cfg(not(feature = "nccl"))]
+fn run_on_gpus(_: &Args) -> Result<RunResult, String> {
+    Err(
+        "this oxccl-perf was built without GPU support: rebuild with \
+         `cargo build --release --features nccl`"
+            .into(),
+    )
+}
+
 fn main() -> ExitCode {
     let a = match parse_args() {
         Ok(a) => a,
@@ -598,18 +676,10 @@ fn main() -> ExitCode {
     if let Some(n) = a.processes.filter(|_| !under_launcher()) {
         return launch_self(n);
     }
-    let result = match a.dtype {
-        DType::I8 => run_typed::<i8>(&a),
-        DType::U8 => run_typed::<u8>(&a),
-        DType::I32 => run_typed::<i32>(&a),
-        DType::U32 => run_typed::<u32>(&a),
-        DType::I64 => run_typed::<i64>(&a),
-        DType::U64 => run_typed::<u64>(&a),
-        DType::F16 => run_typed::<f16>(&a),
-        DType::F32 => run_typed::<f32>(&a),
-        DType::F64 => run_typed::<f64>(&a),
-        DType::BF16 => run_typed::<bf16>(&a),
-        _ => Err(format!("unsupported datatype {}", a.dtype)),
+    let result = if a.backend == "nccl" {
+        run_on_gpus(&a)
+    } else {
+        run_on_host(&a)
     };
     let rank0 = !under_launcher() || std::env::var("RANK").map_or(true, |r| r == "0");
     match result {

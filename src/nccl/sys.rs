@@ -181,7 +181,7 @@ macro_rules! nccl_api {
                 unsafe {
                     $( let $field = *library
                         .get::<unsafe extern "C" fn($($arg),*) $(-> $ret)?>(concat!($symbol, "\0").as_bytes())
-                        .map_err(|e| format!("{path}: no symbol {}: {e}", $symbol))?; )*
+                        .map_err(|e| format!("{path}: no symbol {}: {}", $symbol, error_chain(&e)))?; )*
                     $( let $ofield = library
                         .get::<unsafe extern "C" fn($($oarg),*) $(-> $oret)?>(concat!($osymbol, "\0").as_bytes())
                         .ok()
@@ -304,6 +304,20 @@ pub const INSTALL_HINT: &str = "install NCCL (`pip install nvidia-nccl-cu12` put
 <site-packages>/nvidia/nccl/lib/libnccl.so.2; Debian/Ubuntu: `apt install libnccl2`) and set \
 OXCCL_NCCL_LIBRARY to the library's path, or add its directory to LD_LIBRARY_PATH";
 
+/// An error and its sources in one line: libloading's `dlopen failed` keeps
+/// the loader's reason (`cannot open shared object file`, `wrong ELF class`)
+/// in its source.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
 /// Loads the first of `candidates` that opens and resolves, and checks its version.
 ///
 /// # Errors
@@ -319,7 +333,7 @@ pub fn load_from(candidates: &[String]) -> Result<NcclLibrary> {
         let library = match unsafe { libloading::Library::new(path) } {
             Ok(library) => library,
             Err(e) => {
-                tried.push(format!("{path} ({e})"));
+                tried.push(format!("{path} ({})", error_chain(&e)));
                 continue;
             }
         };

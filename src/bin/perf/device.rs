@@ -1,0 +1,214 @@
+//! `oxccl-perf --backend nccl`: the same table on GPU buffers through
+//! [`DeviceCommunicator`], one GPU per rank (`-t` ranks as threads of this
+//! process, or one rank per process under a launcher). Inputs and expected
+//! outputs are the host benchmark's (`prepare`), copied to the GPU; each
+//! size is timed with CUDA events around `-n` back-to-back calls on the
+//! communicator's stream, like nccl-tests, and the slowest rank's time is
+//! reported.
+
+use cudarc::driver::{sys::CUevent_flags, CudaSlice, DeviceRepr};
+use oxccl::{DeviceCommunicator, Element, ReduceOp};
+
+use super::{
+    count_for, prepare, print_header, print_row, size_list, under_launcher, Args, Coll, Row,
+    RunResult,
+};
+
+/// Device copies of one size's buffers.
+struct DeviceBufs<T> {
+    send: CudaSlice<T>,
+    recv: CudaSlice<T>,
+}
+
+fn run_once<T: Element>(
+    comm: &mut DeviceCommunicator,
+    a: &Args,
+    b: &mut DeviceBufs<T>,
+    in_place: bool,
+) -> oxccl::Result<()> {
+    let (rank, n) = (comm.rank(), comm.world_size());
+    let next = (rank + 1) % n;
+    let prev = (rank + n - 1) % n;
+    match (a.coll, in_place) {
+        (Coll::AllReduce, false) => comm.all_reduce(&b.send, &mut b.recv, a.op),
+        (Coll::AllReduce, true) => comm.all_reduce_in_place(&mut b.recv, a.op),
+        (Coll::AllGather, false) => comm.all_gather(&b.send, &mut b.recv),
+        (Coll::AllGather, true) => comm.all_gather_in_place(&mut b.recv),
+        (Coll::ReduceScatter, false) => comm.reduce_scatter(&b.send, &mut b.recv, a.op),
+        (Coll::ReduceScatter, true) => comm.reduce_scatter_in_place(&mut b.recv, a.op),
+        (Coll::Broadcast, false) => comm.broadcast(&b.send, &mut b.recv, a.root),
+        (Coll::Broadcast, true) => comm.broadcast_in_place(&mut b.recv, a.root),
+        (Coll::Reduce, false) => comm.reduce(&b.send, &mut b.recv, a.op, a.root),
+        (Coll::Reduce, true) => comm.reduce_in_place(&mut b.recv, a.op, a.root),
+        (Coll::SendRecv, _) => {
+            // Both directions in one group, as nccl-tests' sendrecv does. In
+            // place, the receive buffer starts as a copy of the send buffer,
+            // so sending the latter moves the same bytes.
+            let mut group = comm.group()?;
+            group.send(&b.send, next)?;
+            group.recv(&mut b.recv, prev)?;
+            group.end()
+        }
+        (Coll::AllToAll, _) => comm.all_to_all(&b.send, &mut b.recv),
+    }
+}
+
+fn upload<T: Element + DeviceRepr>(
+    comm: &DeviceCommunicator,
+    host: &[T],
+) -> Result<CudaSlice<T>, String> {
+    comm.stream()
+        .clone_htod(host)
+        .map_err(|e| format!("rank {}: copying to the GPU: {e}", comm.rank()))
+}
+
+/// One measurement: (slowest rank's µs per call, wrong values on every rank).
+fn measure<T: Element + DeviceRepr>(
+    comm: &mut DeviceCommunicator,
+    a: &Args,
+    count: usize,
+    in_place: bool,
+) -> Result<(f64, u64), String> {
+    let (rank, n) = (comm.rank(), comm.world_size());
+    let err = |e: oxccl::Error| e.to_string();
+    let (host, expected) = prepare::<T>(a, rank, n, count, in_place);
+    let mut b = DeviceBufs {
+        send: upload(comm, &host.send)?,
+        recv: upload(comm, &host.recv)?,
+    };
+    let mut wrong = 0u64;
+    if a.check {
+        run_once(comm, a, &mut b, in_place).map_err(err)?;
+        comm.synchronize().map_err(err)?;
+        let got = comm
+            .stream()
+            .clone_dtoh(&b.recv)
+            .map_err(|e| format!("rank {rank}: copying from the GPU: {e}"))?;
+        let checked = if a.coll == Coll::Reduce && !in_place && rank != a.root {
+            &got[..0]
+        } else {
+            &got[..]
+        };
+        wrong = checked
+            .iter()
+            .zip(&expected)
+            .filter(|(g, e)| e.is_some_and(|e| **g != e))
+            .count() as u64;
+    }
+    for _ in 0..a.warmup {
+        run_once(comm, a, &mut b, in_place).map_err(err)?;
+    }
+    comm.barrier().map_err(err)?;
+    let timing = Some(CUevent_flags::CU_EVENT_DEFAULT);
+    let cuda = |e: cudarc::driver::DriverError| format!("rank {rank}: CUDA event: {e}");
+    let start = comm.stream().record_event(timing).map_err(cuda)?;
+    for _ in 0..a.iters {
+        run_once(comm, a, &mut b, in_place).map_err(err)?;
+    }
+    let end = comm.stream().record_event(timing).map_err(cuda)?;
+    comm.synchronize().map_err(err)?;
+    let ms = start.elapsed_ms(&end).map_err(cuda)?;
+    let mut time_us = f64::from(ms) * 1e3 / a.iters as f64;
+    // The slowest rank's time and every rank's wrong count, reduced on the
+    // GPUs themselves (the only link device communicators have).
+    let mut t = upload(comm, &[time_us])?;
+    comm.all_reduce_in_place(&mut t, ReduceOp::Max)
+        .map_err(err)?;
+    let mut w = upload(comm, &[wrong])?;
+    comm.all_reduce_in_place(&mut w, ReduceOp::Sum)
+        .map_err(err)?;
+    comm.synchronize().map_err(err)?;
+    let copy = |e: cudarc::driver::DriverError| format!("rank {rank}: copying from the GPU: {e}");
+    time_us = comm.stream().clone_dtoh(&t).map_err(copy)?[0];
+    wrong = comm.stream().clone_dtoh(&w).map_err(copy)?[0];
+    Ok((time_us, wrong))
+}
+
+fn bench<T: Element + DeviceRepr>(
+    comm: &mut DeviceCommunicator,
+    a: &Args,
+) -> Result<RunResult, String> {
+    let n = comm.world_size();
+    let elem = std::mem::size_of::<T>();
+    let mut result = RunResult {
+        wrong: 0,
+        busbw_sum: 0.0,
+        rows: Vec::new(),
+        transport: format!("NCCL {}", comm.nccl_version()),
+    };
+    let mut last_count = usize::MAX;
+    for size in size_list(a) {
+        let count = count_for(a, size, elem, n);
+        // A zero-element device buffer cannot be allocated; nccl-tests skips these too.
+        if count == last_count || count == 0 {
+            continue;
+        }
+        last_count = count;
+        let bytes = count * elem;
+        let mut row = Row {
+            bytes,
+            count,
+            algo: "nccl".into(),
+            ..Row::default()
+        };
+        for (k, in_place) in [false, true].into_iter().enumerate() {
+            let (time_us, wrong) = measure::<T>(comm, a, count, in_place)?;
+            let algbw = bytes as f64 / time_us / 1e3;
+            let busbw = algbw * a.coll.bus_factor(n);
+            result.wrong += wrong;
+            result.busbw_sum += busbw;
+            (row.time_us[k], row.algbw[k], row.busbw[k], row.wrong[k]) =
+                (time_us, algbw, busbw, wrong);
+        }
+        if comm.rank() == 0 {
+            print_row(a, &row);
+        }
+        result.rows.push(row);
+    }
+    Ok(result)
+}
+
+/// The header, with the GPU and NCCL, and a plain warning at world size 1.
+fn header(a: &Args, comm: &DeviceCommunicator, what: &str) {
+    let name = comm
+        .context()
+        .name()
+        .unwrap_or_else(|_| "unknown GPU".into());
+    print_header(
+        a,
+        comm.world_size(),
+        what,
+        &format!("NCCL {} on {name}", comm.nccl_version()),
+    );
+    if comm.world_size() == 1 {
+        println!("# world size 1: NCCL moves no data between GPUs; these figures are local copies");
+    }
+}
+
+/// Runs the benchmark on GPUs for element type `T`.
+pub(crate) fn run_typed<T: Element + DeviceRepr>(a: &Args) -> Result<RunResult, String> {
+    if under_launcher() {
+        let mut comm = DeviceCommunicator::from_env().map_err(|e| e.to_string())?;
+        if comm.rank() == 0 {
+            header(a, &comm, "processes");
+        }
+        return bench::<T>(&mut comm, a).map_err(|e| format!("rank {}: {e}", comm.rank()));
+    }
+    let comms = DeviceCommunicator::local_group(a.ranks).map_err(|e| e.to_string())?;
+    header(a, &comms[0], "threads, one GPU each");
+    let handles: Vec<_> = comms
+        .into_iter()
+        .map(|mut comm| {
+            let a = a.clone();
+            std::thread::spawn(move || bench::<T>(&mut comm, &a))
+        })
+        .collect();
+    let mut out = Err("no ranks".to_string());
+    for (rank, h) in handles.into_iter().enumerate() {
+        let r = h.join().map_err(|_| format!("rank {rank} panicked"))?;
+        if rank == 0 || r.is_err() {
+            out = r;
+        }
+    }
+    out
+}
