@@ -600,6 +600,51 @@ mod tests {
         }
     }
 
+    /// NCCL's own initialisation on a machine without a GPU (pip's NCCL,
+    /// as `.ci/run` installs it): an error carrying NCCL's text, quickly —
+    /// not a panic, not a hang. (`DeviceCommunicator` stops earlier, at the
+    /// driver check; this is the path a broken driver or device would take.)
+    #[test]
+    fn nccl_init_without_a_device_is_an_error_not_a_hang() {
+        let Ok(path) = std::env::var("OXCCL_TEST_NCCL_LIBRARY") else {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "CI sets OXCCL_TEST_NCCL_LIBRARY"
+            );
+            eprintln!("skipped: OXCCL_TEST_NCCL_LIBRARY is not set");
+            return;
+        };
+        let library: &'static sys::NcclLibrary =
+            Box::leak(Box::new(sys::load_from(&[path]).unwrap()));
+        let mut raw = sys::RawUniqueId {
+            internal: [0; sys::UNIQUE_ID_BYTES],
+        };
+        // SAFETY: a writable id.
+        let rc = unsafe { (library.get_unique_id)(&mut raw) };
+        assert_eq!(rc, sys::NCCL_SUCCESS);
+        let id = UniqueId(raw.internal.map(|c| c as u8));
+        let start = Instant::now();
+        let result = NcclComm::start_init(library, &id, 0, 1, Duration::from_secs(10)).and_then(
+            |mut comm| {
+                comm.wait_ready("ncclCommInitRankConfig", "test")
+                    .map(|()| comm)
+            },
+        );
+        let e = result
+            .err()
+            .expect("no GPU here, so NCCL cannot make a communicator");
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "{:?}",
+            start.elapsed()
+        );
+        eprintln!("NCCL init without a device: {e}");
+        assert!(
+            matches!(e, Error::Nccl { .. } | Error::DeviceTimeout { .. }),
+            "{e:?}"
+        );
+    }
+
     #[test]
     fn versions_decode_both_encodings() {
         assert_eq!(NcclVersion::from_code(23203).to_string(), "2.32.3");
@@ -611,21 +656,8 @@ mod tests {
 
     #[test]
     fn dtype_and_op_codes_follow_nccl_h() {
-        let codes: Vec<_> = [
-            DType::I8,
-            DType::U8,
-            DType::I32,
-            DType::U32,
-            DType::I64,
-            DType::U64,
-            DType::F16,
-            DType::F32,
-            DType::F64,
-            DType::BF16,
-        ]
-        .into_iter()
-        .map(nccl_dtype)
-        .collect();
+        // DType::ALL is in nccl.h's order.
+        let codes: Vec<_> = DType::ALL.into_iter().map(nccl_dtype).collect();
         assert_eq!(codes, (0..10).collect::<Vec<_>>());
         let ops: Vec<_> = [
             ReduceOp::Sum,
