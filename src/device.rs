@@ -471,8 +471,10 @@ impl DeviceCommunicator {
 
     /// The one check every call makes before enqueueing: the shared
     /// `validate()`, that the communicator is still usable, and that every
-    /// buffer lives on this communicator's GPU.
-    fn admit(&self, desc: &CollectiveDesc, ordinals: &[usize]) -> Result<()> {
+    /// buffer (known by the stream it belongs to) lives on this
+    /// communicator's GPU.
+    fn admit(&self, desc: &CollectiveDesc, streams: &[Arc<CudaStream>]) -> Result<()> {
+        let ordinals: Vec<usize> = streams.iter().map(|s| s.context().ordinal()).collect();
         desc.validate()?;
         if let Some(first) = &self.failed {
             return Err(Error::Failed {
@@ -481,7 +483,33 @@ impl DeviceCommunicator {
                 first_error: first.clone(),
             });
         }
-        check_same_device(desc, self.ctx.ordinal(), ordinals)
+        check_same_device(desc, self.ctx.ordinal(), &ordinals)
+    }
+
+    /// Makes the communicator's stream wait for the work already queued on
+    /// each buffer's own stream. cudarc's event tracking does this only for
+    /// buffers of the same `CudaContext` value, and a user's legacy default
+    /// stream does not order against our non-blocking one, so streams other
+    /// than ours are joined explicitly (one event each).
+    fn wait_for_buffers(&self, streams: &[Arc<CudaStream>]) -> Result<()> {
+        for s in streams.iter().filter(|s| ***s != *self.stream) {
+            self.stream
+                .join(s)
+                .map_err(cuda_error(self.rank, "ordering after the buffer's stream"))?;
+        }
+        Ok(())
+    }
+
+    /// Makes each buffer's own stream wait for the call just enqueued, so
+    /// its later users (and cudarc's stream-ordered free) come after it.
+    fn release_buffers(&self, streams: &[Arc<CudaStream>]) -> Result<()> {
+        for s in streams.iter().filter(|s| ***s != *self.stream) {
+            s.join(&self.stream).map_err(cuda_error(
+                self.rank,
+                "ordering the buffer's stream after the call",
+            ))?;
+        }
+        Ok(())
     }
 
     /// Enqueues a validated call. `send`/`recv` are device addresses (0 for
@@ -490,10 +518,13 @@ impl DeviceCommunicator {
         &mut self,
         desc: &CollectiveDesc,
         elem_bytes: usize,
-        send: u64,
-        recv: u64,
+        (send, recv): (u64, u64),
+        streams: &[Arc<CudaStream>],
     ) -> Result<()> {
-        let result = self.enqueue_inner(desc, elem_bytes, send, recv);
+        let result = self
+            .wait_for_buffers(streams)
+            .and_then(|()| self.enqueue_inner(desc, elem_bytes, send, recv))
+            .and_then(|()| self.release_buffers(streams));
         self.seq += 1;
         if let Err(e) = &result {
             self.failed.get_or_insert_with(|| e.to_string());
@@ -857,10 +888,11 @@ impl DeviceCommunicator {
             .desc::<T>(OpKind::Send)
             .with_send(BufDesc::of(buf))
             .with_peer(peer);
-        self.admit(&desc, &[DeviceSlice::stream(buf).context().ordinal()])?;
+        let streams = [DeviceSlice::stream(buf).clone()];
+        self.admit(&desc, &streams)?;
         let stream = self.stream.clone();
         let (ptr, _record) = buf.device_ptr(&stream);
-        self.enqueue(&desc, T::DTYPE.size(), ptr, 0)
+        self.enqueue(&desc, T::DTYPE.size(), (ptr, 0), &streams)
     }
 
     /// Receives `buf.len()` elements from `peer`.
@@ -877,10 +909,11 @@ impl DeviceCommunicator {
             .desc::<T>(OpKind::Recv)
             .with_recv(BufDesc::of(buf))
             .with_peer(peer);
-        self.admit(&desc, &[DeviceSlice::stream(buf).context().ordinal()])?;
+        let streams = [DeviceSlice::stream(buf).clone()];
+        self.admit(&desc, &streams)?;
         let stream = self.stream.clone();
         let (ptr, _record) = buf.device_ptr_mut(&stream);
-        self.enqueue(&desc, T::DTYPE.size(), 0, ptr)
+        self.enqueue(&desc, T::DTYPE.size(), (0, ptr), &streams)
     }
 
     /// Returns once every rank has reached the barrier and this rank's
@@ -893,13 +926,14 @@ impl DeviceCommunicator {
     pub fn barrier(&mut self) -> Result<()> {
         let desc = self.desc::<f32>(OpKind::Barrier);
         self.admit(&desc, &[])?;
-        self.enqueue(&desc, 4, 0, 0)?;
+        self.enqueue(&desc, 4, (0, 0), &[])?;
         self.synchronize()
     }
 
     /// Opens a group of point-to-point calls that NCCL launches together at
     /// [`P2pGroup::end`] (`ncclGroupStart`/`ncclGroupEnd`). Dropping the
-    /// group without `end` (an early `?`) still closes it.
+    /// group without `end` (an early `?`) still closes NCCL's group, then
+    /// aborts this communicator (its peers expected the whole group).
     ///
     /// # Errors
     ///
@@ -917,6 +951,8 @@ impl DeviceCommunicator {
             comm: self,
             guard: Some(guard),
             touch_after: Vec::new(),
+            streams: Vec::new(),
+            poisoned: None,
         })
     }
 
@@ -969,13 +1005,11 @@ impl DeviceCommunicator {
         S: DevicePtr<T> + Buffer<T>,
         R: DevicePtrMut<T> + Buffer<T>,
     {
-        self.admit(
-            &desc,
-            &[
-                DeviceSlice::stream(send).context().ordinal(),
-                DeviceSlice::stream(recv).context().ordinal(),
-            ],
-        )?;
+        let streams = [
+            DeviceSlice::stream(send).clone(),
+            DeviceSlice::stream(recv).clone(),
+        ];
+        self.admit(&desc, &streams)?;
         let stream = self.stream.clone();
         let (send_len, recv_len) = (Buffer::elem_count(send), Buffer::elem_count(recv));
         // Empty buffers (a non-root's send of broadcast, recv of reduce) are
@@ -985,7 +1019,7 @@ impl DeviceCommunicator {
         let (recv_ptr, _write) = recv.device_ptr_mut(&stream);
         let send_ptr = if send_len == 0 { 0 } else { send_ptr };
         let recv_ptr = if recv_len == 0 { 0 } else { recv_ptr };
-        self.enqueue(&desc, T::DTYPE.size(), send_ptr, recv_ptr)
+        self.enqueue(&desc, T::DTYPE.size(), (send_ptr, recv_ptr), &streams)
     }
 
     fn in_place<T, B>(&mut self, desc: CollectiveDesc, buf: &mut B) -> Result<()>
@@ -993,10 +1027,11 @@ impl DeviceCommunicator {
         T: Element,
         B: DevicePtrMut<T> + Buffer<T>,
     {
-        self.admit(&desc, &[DeviceSlice::stream(buf).context().ordinal()])?;
+        let streams = [DeviceSlice::stream(buf).clone()];
+        self.admit(&desc, &streams)?;
         let stream = self.stream.clone();
         let (ptr, _write) = buf.device_ptr_mut(&stream);
-        self.enqueue(&desc, T::DTYPE.size(), ptr, ptr)
+        self.enqueue(&desc, T::DTYPE.size(), (ptr, ptr), &streams)
     }
 }
 
@@ -1019,6 +1054,11 @@ type Touch<'a> = Box<dyn FnOnce(&CudaStream) + 'a>;
 /// An open `ncclGroupStart` … `ncclGroupEnd` of point-to-point calls on one
 /// communicator, from [`DeviceCommunicator::group`]. Buffers must outlive the
 /// group (`'a`); NCCL launches everything at [`end`](Self::end).
+///
+/// A group cannot be half-run: when a call is rejected inside it, or the
+/// group is dropped without `end` (an early `?`), NCCL's group is still
+/// closed, and the communicator is aborted and marked failed — the peers
+/// expect the whole group, so the communicator cannot be trusted after.
 pub struct P2pGroup<'a> {
     comm: &'a mut DeviceCommunicator,
     guard: Option<GroupGuard>,
@@ -1026,6 +1066,10 @@ pub struct P2pGroup<'a> {
     /// launched, so cudarc's tracking orders later frees and writes after
     /// the transfer rather than after the (empty) enqueue.
     touch_after: Vec<Touch<'a>>,
+    /// The buffers' own streams, ordered after the group once it launches.
+    streams: Vec<Arc<CudaStream>>,
+    /// Set when a call inside the group was rejected.
+    poisoned: Option<String>,
 }
 
 impl<'a> P2pGroup<'a> {
@@ -1033,7 +1077,8 @@ impl<'a> P2pGroup<'a> {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] for a bad peer or a buffer on another GPU.
+    /// [`Error::InvalidArgument`] for a bad peer or a buffer on another GPU
+    /// (the group is then poisoned: see the type's docs).
     pub fn send<T, S>(&mut self, buf: &'a S, peer: Rank) -> Result<()>
     where
         T: Element,
@@ -1044,8 +1089,7 @@ impl<'a> P2pGroup<'a> {
             .desc::<T>(OpKind::Send)
             .with_send(BufDesc::of(buf))
             .with_peer(peer);
-        self.comm
-            .admit(&desc, &[DeviceSlice::stream(buf).context().ordinal()])?;
+        self.admit(&desc, DeviceSlice::stream(buf))?;
         let stream = self.comm.stream.clone();
         let (ptr, read) = buf.device_ptr(&stream);
         drop(read);
@@ -1084,8 +1128,7 @@ impl<'a> P2pGroup<'a> {
             .desc::<T>(OpKind::Recv)
             .with_recv(BufDesc::of(buf))
             .with_peer(peer);
-        self.comm
-            .admit(&desc, &[DeviceSlice::stream(buf).context().ordinal()])?;
+        self.admit(&desc, DeviceSlice::stream(buf))?;
         let stream = self.comm.stream.clone();
         let (ptr, write) = buf.device_ptr_mut(&stream);
         drop(write);
@@ -1107,6 +1150,26 @@ impl<'a> P2pGroup<'a> {
             let _ = buf.device_ptr_mut(s);
         }));
         result
+    }
+
+    /// The communicator's check, poisoning the group when it fails, and the
+    /// ordering of our stream after the buffer's.
+    fn admit(&mut self, desc: &CollectiveDesc, buffer_stream: &Arc<CudaStream>) -> Result<()> {
+        let streams = [buffer_stream.clone()];
+        let admitted = self
+            .comm
+            .admit(desc, &streams)
+            .and_then(|()| self.comm.wait_for_buffers(&streams));
+        match admitted {
+            Ok(()) => {
+                self.streams.push(buffer_stream.clone());
+                Ok(())
+            }
+            Err(e) => {
+                self.poisoned.get_or_insert_with(|| e.to_string());
+                Err(e)
+            }
+        }
     }
 
     fn raw_p2p(
@@ -1139,29 +1202,65 @@ impl<'a> P2pGroup<'a> {
         result
     }
 
+    /// Closes NCCL's group (launching what it holds) and orders every
+    /// buffer after it; returns the group's result.
+    fn close(&mut self) -> Result<()> {
+        let rc = match self.guard.take() {
+            Some(guard) => guard.end(),
+            None => return Ok(()),
+        };
+        let comm = &mut *self.comm;
+        comm.seq += 1;
+        let detail = format!("point-to-point group on rank {}", comm.rank);
+        let launched = comm.nccl.finish_call("ncclGroupEnd", rc, &detail);
+        let stream = comm.stream.clone();
+        for touch in self.touch_after.drain(..) {
+            touch(&stream);
+        }
+        let ordered = comm.release_buffers(&self.streams);
+        launched.and(ordered)
+    }
+
     /// `ncclGroupEnd`: launches every call of the group on the stream.
     ///
     /// # Errors
     ///
     /// [`Error::Nccl`]; [`Error::DeviceTimeout`] when NCCL's launch does not
-    /// finish in time.
+    /// finish in time; [`Error::Failed`] when a call inside the group was
+    /// rejected (the communicator is then aborted).
     pub fn end(mut self) -> Result<()> {
-        let rc = match self.guard.take() {
-            Some(guard) => guard.end(),
-            None => sys::NCCL_SUCCESS,
+        let result = self.close();
+        let result = match (result, self.poisoned.take()) {
+            (Err(e), _) => Err(e),
+            (Ok(()), None) => Ok(()),
+            (Ok(()), Some(first)) => Err(Error::Failed {
+                op: OpKind::Send,
+                rank: self.comm.rank,
+                first_error: format!("a call inside the group was rejected: {first}"),
+            }),
         };
-        let comm = &mut *self.comm;
-        comm.seq += 1;
-        let detail = format!("point-to-point group on rank {}", comm.rank);
-        let result = comm.nccl.finish_call("ncclGroupEnd", rc, &detail);
         if let Err(e) = &result {
-            comm.failed.get_or_insert_with(|| e.to_string());
-        }
-        let stream = comm.stream.clone();
-        for touch in self.touch_after.drain(..) {
-            touch(&stream);
+            self.comm.nccl.abort();
+            self.comm.failed.get_or_insert_with(|| e.to_string());
         }
         result
+    }
+}
+
+impl Drop for P2pGroup<'_> {
+    /// A group dropped without [`end`](P2pGroup::end): close it (NCCL's
+    /// group state is per thread and must not stay open), keep the buffers
+    /// ordered after whatever it launched, then abort the communicator — the
+    /// peers' matching calls can no longer be trusted to pair up.
+    fn drop(&mut self) {
+        if self.guard.is_none() {
+            return;
+        }
+        let _ = self.close();
+        self.comm.nccl.abort();
+        self.comm
+            .failed
+            .get_or_insert_with(|| "a point-to-point group was dropped without end()".into());
     }
 }
 

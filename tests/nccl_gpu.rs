@@ -244,6 +244,15 @@ fn init_from_a_store_split_and_bad_arguments() {
     // An empty point-to-point group opens and closes.
     dev.group().unwrap().end().unwrap();
     dev.barrier().unwrap();
+    // A rejected call inside a group (self-send) poisons it: dropping the
+    // group closes NCCL's group and leaves the communicator failed.
+    {
+        let mut group = dev.group().unwrap();
+        let e = group.send(&a, 0).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument { .. }), "{e:?}");
+    }
+    let e = dev.barrier().unwrap_err();
+    assert!(matches!(e, Error::Failed { .. }), "{e:?}");
 }
 
 #[test]

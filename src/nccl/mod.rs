@@ -479,11 +479,32 @@ impl NcclComm {
             None => -1, // NCCL_SPLIT_NOCOLOR
         };
         let key = c_int::try_from(key).map_err(|_| self.invalid_split("key", key))?;
-        let mut raw: sys::RawComm = std::ptr::null_mut();
-        let mut config = sys::RawConfig::non_blocking();
-        // SAFETY: live parent communicator; `raw`/`config` valid for the call.
-        let rc = unsafe { split(self.raw, color, key, &mut raw, &mut config) };
-        self.finish_call("ncclCommSplit", rc, "splitting the parent communicator")?;
+        // With a non-blocking parent NCCL returns at once (ncclSuccess, not
+        // ncclInProgress) and a background job writes the new communicator
+        // into `newcomm` later; the parent stays busy until it has. So the
+        // out-slot and the config live on the heap, the parent is polled
+        // before the slot is read, and on a timeout both are leaked rather
+        // than freed under NCCL's feet.
+        let slot: *mut sys::RawComm = Box::into_raw(Box::new(std::ptr::null_mut()));
+        let config: *mut sys::RawConfig = Box::into_raw(Box::new(sys::RawConfig::non_blocking()));
+        // SAFETY: live parent communicator; `slot`/`config` stay valid until
+        // NCCL is done with them (freed below only once the parent is idle).
+        let rc = unsafe { split(self.raw, color, key, slot, config) };
+        let free = || {
+            // SAFETY: both came from Box::into_raw above and NCCL no longer uses them.
+            unsafe {
+                drop(Box::from_raw(config));
+                *Box::from_raw(slot)
+            }
+        };
+        if let Err(e) = check(self.library, self.rank, "ncclCommSplit", rc, self.raw) {
+            // Refused synchronously: no job was started.
+            self.broken = true;
+            free();
+            return Err(e);
+        }
+        self.wait_ready("ncclCommSplit", "splitting the parent communicator")?;
+        let raw = free();
         if raw.is_null() {
             return Ok(None);
         }
