@@ -77,6 +77,8 @@ s=4096
 while [ "$s" -le "$MAX_BYTES" ]; do SIZES="$SIZES,$s"; s=$((s * 4)); done
 SMALL=$(echo "$SIZES" | tr , '\n' | awk '$1 <= 65536' | paste -sd,)
 LARGE=$(echo "$SIZES" | tr , '\n' | awk '$1 > 65536' | paste -sd,)
+# alloc_shared runs from 64 KiB, where the targets against (a) start.
+SHARED=$(echo "$SIZES" | tr , '\n' | awk '$1 >= 65536' | paste -sd,)
 
 MPIRUN=(mpirun --allow-run-as-root --oversubscribe --bind-to core -np "$RANKS")
 if [ "$TRANSPORT" = tcp ]; then
@@ -115,6 +117,13 @@ run_oxccl() {
                 >"$OUT/raw/oxccl-$1-$c-large.txt" 2>&1
         fi
     done
+    # All-reduce on buffers from Communicator::alloc_shared (zero copy across
+    # processes), the counterpart of the ceiling's variant (a).
+    if [[ ",$COLLS," == *,allreduce,* ]] && [ "$TRANSPORT" = shm ] && [ -n "$SHARED" ]; then
+        OXCCL_TRANSPORT=shm "$PERF" -np "$RANKS" --shared --sizes "$SHARED" -n 10 -w 3 -c 1 \
+            -J "$OUT/raw/oxccl-$1-allreduce_shared-large.json" \
+            >"$OUT/raw/oxccl-$1-allreduce_shared-large.txt" 2>&1
+    fi
 }
 
 echo "# compare-mpi: $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -n), $(nproc) CPUs, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')"
@@ -180,7 +189,8 @@ for coll in colls:
     with_ceiling = coll == "allreduce" and ceil
     if with_ceiling:
         head += " (a) zero copy | (b) staging | (d) flag | oxccl / (a) | oxccl / (b) |"
-        sep += "---:|---:|---:|---:|---:|"
+        head += " oxccl alloc_shared | alloc_shared / (a) |"
+        sep += "---:|---:|---:|---:|---:|---:|---:|"
     print(head)
     print(sep)
     for b in sorted({k[1] for k in ox if k[0] == coll} | {k[1] for k in mpi if k[0] == coll}):
@@ -200,6 +210,9 @@ for coll in colls:
             ra = ratio(ca, o) if small else ratio(o, ca)
             rb = ratio(cb, o) if small else ratio(o, cb)
             line += f" {fmt(ca, u)} | {fmt(cb, u)} | {fmt(cd, u)} | {ra} | {rb} |"
+            sh = med(ox.get(("allreduce_shared", b), {}).get(pick, []))
+            rs = ratio(ca, sh) if small else ratio(sh, ca)
+            line += f" {fmt(sh, u)} | {rs} |"
         print(line)
     print()
 print("Ratios above 1× mean oxccl is ahead (for times: the other takes longer).")
@@ -218,6 +231,11 @@ for coll in colls:
     dump(f"{coll}-ompi.json", f"Open MPI {coll} ({transport})",
          [(b, med(mpi[(coll, b)]["busbw"]), med(mpi[(coll, b)]["busbw"])) for b in msizes])
     if coll == "allreduce":
+        ssizes = sorted(b for c, b in ox if c == "allreduce_shared")
+        if ssizes:
+            dump(f"{coll}-oxccl-shared.json", f"oxccl {coll} (alloc_shared buffers)",
+                 [(b, med(ox[("allreduce_shared", b)]["oop"]), med(ox[("allreduce_shared", b)]["ip"]))
+                  for b in ssizes])
         for v, name in (("a", "zero copy"), ("b", "staging copy")):
             csizes = sorted(b for vv, b in ceil if vv == v)
             if csizes:

@@ -9,7 +9,7 @@
 
 use crate::comm::Communicator;
 use crate::error::Error;
-use crate::types::{Element, Rank, ReduceOp};
+use crate::types::{Element, OpKind, Rank, ReduceOp};
 use half::{bf16, f16};
 
 /// Rank `rank`'s input element at global index `index`.
@@ -227,6 +227,115 @@ pub fn every_collective<T: Element>(
             ensure(count_wrong_input(&got, prev, 0, op), || {
                 format!("send/recv from {prev} count {count}")
             })?;
+        }
+        comm.barrier()?;
+    }
+    Ok(())
+}
+
+/// The zero-copy collectives on buffers from
+/// [`Communicator::alloc_shared`]: all-reduce, reduce-scatter and
+/// all-gather in and out of place, broadcast and reduce in place, for every
+/// operator, with each result checked. Where the communicator has a shared
+/// arena and a call is large enough (≥ 2 KiB), it must have run zero-copy
+/// (`last_direct_algorithm() == Some("zerocopy")`); the error says otherwise.
+///
+/// # Errors
+///
+/// [`CheckError`] naming the first wrong call, or a communication error.
+pub fn every_collective_shared<T: Element>(
+    comm: &mut Communicator,
+    counts: &[usize],
+) -> Result<(), CheckError> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    for &count in counts {
+        let direct = |comm: &Communicator, what: &str, bytes: usize| {
+            // Ranks joined by a shared arena run a 1 MiB all-reduce in it
+            // (zero-copy between threads, two-shot across processes).
+            let arena = matches!(
+                comm.algorithm_for::<T>(OpKind::AllReduce, 1 << 20),
+                "zerocopy" | "twoshot"
+            );
+            let expect = arena && bytes >= 2048;
+            let ran = comm.last_direct_algorithm();
+            ensure(usize::from(expect && ran != Some("zerocopy")), || {
+                format!("{what} count {count} on alloc_shared buffers ran {ran:?}, not zero-copy")
+            })
+        };
+        let bytes = count * std::mem::size_of::<T>();
+        for op in ReduceOp::ALL {
+            let ctx = || {
+                format!(
+                    "{} {op} count {count} world {world} (alloc_shared)",
+                    T::DTYPE
+                )
+            };
+            let mut send = comm.alloc_shared::<T>(count)?;
+            fill(&mut send, rank, 0, op);
+            let mut recv = comm.alloc_shared::<T>(count)?;
+            comm.all_reduce(&send, &mut recv, op)?;
+            ensure(count_wrong_reduced(&recv, world, 0, op), || {
+                format!("all_reduce {}", ctx())
+            })?;
+            direct(comm, "all_reduce", bytes)?;
+            comm.all_reduce_in_place(&mut send, op)?;
+            ensure(count_wrong_reduced(&send, world, 0, op), || {
+                format!("all_reduce in place {}", ctx())
+            })?;
+            direct(comm, "all_reduce in place", bytes)?;
+
+            let mut full = comm.alloc_shared::<T>(count * world)?;
+            fill(&mut full, rank, 0, op);
+            comm.reduce_scatter(&full, &mut recv, op)?;
+            ensure(count_wrong_reduced(&recv, world, rank * count, op), || {
+                format!("reduce_scatter {}", ctx())
+            })?;
+            comm.reduce_scatter_in_place(&mut full, op)?;
+            ensure(
+                count_wrong_reduced(
+                    &full[rank * count..(rank + 1) * count],
+                    world,
+                    rank * count,
+                    op,
+                ),
+                || format!("reduce_scatter in place {}", ctx()),
+            )?;
+            direct(comm, "reduce_scatter in place", bytes * world)?;
+
+            fill(&mut send, rank, 0, op);
+            comm.reduce_in_place(&mut send, op, world - 1)?;
+            let wrong = if rank == world - 1 {
+                count_wrong_reduced(&send, world, 0, op)
+            } else {
+                count_wrong_input(&send, rank, 0, op)
+            };
+            ensure(wrong, || format!("reduce in place {}", ctx()))?;
+        }
+        let op = ReduceOp::Sum;
+        let mut mine = comm.alloc_shared::<T>(count)?;
+        fill(&mut mine, 0, rank * count, op);
+        let mut gathered = comm.alloc_shared::<T>(count * world)?;
+        comm.all_gather(&mine, &mut gathered)?;
+        ensure(count_wrong_input(&gathered, 0, 0, op), || {
+            format!("all_gather count {count} (alloc_shared)")
+        })?;
+        direct(comm, "all_gather", bytes * world)?;
+        gathered.fill(T::zeroed());
+        gathered[rank * count..(rank + 1) * count].copy_from_slice(&mine);
+        comm.all_gather_in_place(&mut gathered)?;
+        ensure(count_wrong_input(&gathered, 0, 0, op), || {
+            format!("all_gather in place count {count} (alloc_shared)")
+        })?;
+        for root in 0..world {
+            let mut buf = comm.alloc_shared::<T>(count)?;
+            if rank == root {
+                fill(&mut buf, root, 0, op);
+            }
+            comm.broadcast_in_place(&mut buf, root)?;
+            ensure(count_wrong_input(&buf, root, 0, op), || {
+                format!("broadcast in place root {root} count {count} (alloc_shared)")
+            })?;
+            direct(comm, "broadcast in place", bytes)?;
         }
         comm.barrier()?;
     }

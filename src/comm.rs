@@ -11,6 +11,7 @@ use crate::desc::{BufDesc, CollectiveDesc, MemoryKind};
 use crate::error::{Error, Result};
 use crate::host::arena::{self, Arena, Buffers, CallSig, Geometry};
 use crate::host::executor::{self, Bufs, CallInfo};
+use crate::host::shared::{SharedBuffer, SharedRegion};
 use crate::schedule;
 use crate::transport::local::{LocalEndpoint, LocalGroup};
 use crate::transport::net::{self, NetShared, TransportKind};
@@ -521,8 +522,9 @@ fn run_in_arena<T: Element>(
         OpKind::Reduce => arena.reduce(info, &sig, buffers, count, op, root),
         OpKind::AllToAll => arena.all_to_all(info, &sig, buffers, count),
         OpKind::Barrier => arena.barrier(info, &sig),
-        // `uses_arena` keeps these on the point-to-point links.
-        OpKind::Send | OpKind::Recv => Err(Error::Failed {
+        // `uses_arena` keeps these on the point-to-point links, and
+        // allocation has its own entry point.
+        OpKind::Send | OpKind::Recv | OpKind::AllocShared => Err(Error::Failed {
             op: desc.op,
             rank,
             first_error: "internal error: point-to-point call routed to the arena".into(),
@@ -739,6 +741,15 @@ impl Communicator {
             memory: MemoryKind::Host,
         });
         schedule::family_name(self.plan_family(&desc), op)
+    }
+
+    /// How the last collective that ran in the shared arena reached its
+    /// peers' buffers, when it did so directly: `zerocopy` (threads; or
+    /// processes whose buffers all lie in one [`alloc_shared`](Self::alloc_shared)
+    /// allocation) or `cma`; `None` when it was staged through the arena's
+    /// slots or ran over the links. For tools that report what ran.
+    pub fn last_direct_algorithm(&self) -> Option<&'static str> {
+        self.arena.as_ref().and_then(Arena::last_direct_name)
     }
 
     /// The schedule family for a call over the links: forced by
@@ -981,6 +992,72 @@ impl Communicator {
             .with_send(BufDesc::of(send))
             .with_recv(BufDesc::of(recv));
         self.run(desc, Bufs::OutOfPlace { send, recv })
+    }
+
+    /// Allocates `len` zeroed elements that every rank's collectives can
+    /// reach directly — the CPU counterpart of NCCL's `ncclMemAlloc` and
+    /// symmetric memory. Collective: every rank calls it with the same
+    /// `len`, in the same order as its other collectives.
+    ///
+    /// Across processes of one host (shared-memory arena), each rank's
+    /// buffer is a shared-memory segment every peer maps, and a collective
+    /// whose buffers on every rank lie in one such allocation (e.g.
+    /// `all_reduce_in_place(&mut buf, ..)` on every rank) runs zero-copy:
+    /// ranks fold straight out of each other's buffers. Between threads, and
+    /// over TCP or with `OXCCL_ALGO=ring`, it is ordinary memory (threads
+    /// already run zero-copy on any buffer). See `docs/performance.md`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] when `len` elements overflow `usize`
+    /// bytes; [`Error::Bootstrap`] naming the rank whose segment could not be
+    /// created or mapped (e.g. `/dev/shm` full); [`Error::Timeout`],
+    /// [`Error::PeerLost`] or [`Error::Mismatch`] when the ranks do not all
+    /// take part.
+    pub fn alloc_shared<T: Element>(&mut self, len: usize) -> Result<SharedBuffer<T>> {
+        let bytes =
+            len.checked_mul(std::mem::size_of::<T>())
+                .ok_or_else(|| Error::InvalidArgument {
+                    op: OpKind::AllocShared,
+                    rank: self.rank,
+                    arg: "len",
+                    reason: format!("{len} elements overflow the address space"),
+                })?;
+        if let Some(first) = &self.failed {
+            return Err(Error::Failed {
+                op: OpKind::AllocShared,
+                rank: self.rank,
+                first_error: first.clone(),
+            });
+        }
+        let uses_arena = self.arena.is_some() && self.config.algo != Algo::Ring;
+        let region = match self.arena.as_mut() {
+            Some(arena) if uses_arena => {
+                self.seq += 1;
+                let Backend::Host(transport) = &self.backend;
+                let info = CallInfo {
+                    op: OpKind::AllocShared,
+                    seq: self.seq - 1,
+                    space: Space::Collective,
+                    ctx: transport.ctx(),
+                    rank: self.rank,
+                    world: self.world,
+                    reduce_op: ReduceOp::Sum,
+                    timeout: self.config.timeout,
+                };
+                let sig = CallSig {
+                    seq: info.seq,
+                    signature: arena::signature(OpKind::AllocShared, 0, None, 0, bytes),
+                };
+                let region = arena.alloc_shared(&info, &sig, bytes);
+                if let Err(e) = &region {
+                    self.failed = Some(e.to_string());
+                }
+                region?
+            }
+            _ => Arc::new(SharedRegion::heap(0, bytes)),
+        };
+        Ok(SharedBuffer::new(region, len))
     }
 
     /// Returns once every rank has entered the barrier.

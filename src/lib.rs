@@ -58,5 +58,6 @@ pub use desc::{BufDesc, Buffer, CollectiveDesc, MemoryKind};
 pub use device::{DeviceCommBuilder, DeviceCommunicator, P2pGroup};
 pub use error::{Error, Result};
 pub use half::{bf16, f16};
+pub use host::SharedBuffer;
 pub use transport::net::TransportKind;
 pub use types::{DType, Element, OpKind, Rank, ReduceOp};

@@ -48,11 +48,13 @@ pub enum OpKind {
     Barrier,
     /// [`Communicator::split`](crate::Communicator::split).
     Split,
+    /// [`Communicator::alloc_shared`](crate::Communicator::alloc_shared).
+    AllocShared,
 }
 
 impl OpKind {
     /// Every operation, in the order of their wire codes.
-    const ALL: [OpKind; 10] = [
+    const ALL: [OpKind; 11] = [
         OpKind::AllReduce,
         OpKind::ReduceScatter,
         OpKind::AllGather,
@@ -63,6 +65,7 @@ impl OpKind {
         OpKind::AllToAll,
         OpKind::Barrier,
         OpKind::Split,
+        OpKind::AllocShared,
     ];
 
     /// The operation's code in frame headers.
@@ -88,6 +91,7 @@ impl OpKind {
             OpKind::AllToAll => "all_to_all",
             OpKind::Barrier => "barrier",
             OpKind::Split => "split",
+            OpKind::AllocShared => "alloc_shared",
         }
     }
 }

@@ -87,3 +87,22 @@ fn one_byte_chunks_still_move_whole_elements() {
     })
     .unwrap();
 }
+
+/// Buffers from `alloc_shared` between threads (ordinary memory, zero-copy
+/// as any buffer) and on ring-only communicators (no arena).
+#[test]
+fn collectives_on_alloc_shared_buffers_between_threads() {
+    for (world, algo) in [(2, Algo::Auto), (3, Algo::Auto), (3, Algo::Ring)] {
+        let builder = Communicator::builder()
+            .timeout(Duration::from_secs(30))
+            .algo(algo);
+        run_ranks_with(world, builder, |comm| {
+            oxccl::check::every_collective_shared::<f32>(comm, &[0, 1, 7, 4099])
+                .and_then(|()| {
+                    oxccl::check::every_collective_shared::<oxccl::f16>(comm, &[5, 2050])
+                })
+                .map_err(|e| fail(e.to_string()))
+        })
+        .unwrap_or_else(|e| panic!("world {world} {algo:?}: {e}"));
+    }
+}

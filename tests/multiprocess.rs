@@ -184,11 +184,16 @@ fn leftover_segments(port: u16) -> Vec<String> {
 }
 
 fn launched(world: usize, transport: &str) {
+    launched_with(world, transport, &[]);
+}
+
+fn launched_with(world: usize, transport: &str, extra: &[&str]) {
     let mut cmd = Command::new(RUN);
     clean(&mut cmd)
         .args(["--nproc-per-node", &world.to_string()])
         .args(["--master-port", &free_port().to_string()])
         .args(["--", CHECK, "--quick"])
+        .args(extra)
         .env("OXCCL_TRANSPORT", transport)
         .env("OXCCL_TIMEOUT", "30s");
     let deadline = Instant::now() + Duration::from_secs(120);
@@ -211,6 +216,17 @@ fn every_collective_across_processes_over_shared_memory() {
     for world in [2, 3, 4] {
         launched(world, "shm");
     }
+}
+
+/// Buffers from `alloc_shared`: every rank maps every peer's, and the
+/// collectives run zero-copy across processes (`oxccl-check --shared`
+/// fails when a large call did not); over TCP they are ordinary memory.
+#[test]
+fn collectives_on_alloc_shared_buffers_across_processes() {
+    for world in [2, 3] {
+        launched_with(world, "shm", &["--shared", "--counts", "0,1,5,4099"]);
+    }
+    launched_with(2, "tcp", &["--shared", "--counts", "1,4099"]);
 }
 
 #[test]

@@ -26,6 +26,7 @@ use oxccl::{Communicator, ReduceOp};
 const USAGE: &str = "\
 usage: oxccl-check [options]      (one process per rank, under a launcher)
   --quick               f32, i32 and bf16 only, fewer counts
+  --shared              also check the collectives on Communicator::alloc_shared buffers
   --counts a,b,c        element counts to check (default: 0, 1, N-1, N+1, 10007)
   --chunk-bytes n       pipeline piece size (default OXCCL_CHUNK_BYTES or 256K)
   --loop-seconds s      afterwards, all-reduce --size bytes repeatedly for s seconds
@@ -34,6 +35,8 @@ usage: oxccl-check [options]      (one process per rank, under a launcher)
 
 struct Args {
     quick: bool,
+    /// `--shared`: also the collectives on `alloc_shared` buffers.
+    shared: bool,
     counts: Option<Vec<usize>>,
     chunk_bytes: Option<usize>,
     loop_seconds: f64,
@@ -54,6 +57,7 @@ fn parse_size(s: &str) -> Option<usize> {
 fn parse_args() -> Result<Args, String> {
     let mut a = Args {
         quick: false,
+        shared: false,
         counts: None,
         chunk_bytes: None,
         loop_seconds: 0.0,
@@ -72,6 +76,7 @@ fn parse_args() -> Result<Args, String> {
         match flag {
             "-h" | "--help" => return Err(String::new()),
             "--quick" => a.quick = true,
+            "--shared" => a.shared = true,
             "--counts" => {
                 let v = value()?;
                 let counts: Option<Vec<usize>> =
@@ -125,6 +130,11 @@ fn run(a: &Args) -> Result<String, String> {
         every_collective_every_dtype(&mut comm, &counts)
     };
     checked.map_err(|e| e.to_string())?;
+    if a.shared {
+        oxccl::check::every_collective_shared::<f32>(&mut comm, &counts)
+            .and_then(|()| oxccl::check::every_collective_shared::<oxccl::bf16>(&mut comm, &counts))
+            .map_err(|e| e.to_string())?;
+    }
 
     // A split into two halves, used side by side with the parent.
     let color = u32::from(rank >= world.div_ceil(2));

@@ -41,6 +41,9 @@ usage: oxccl-perf [options]
       --plot <file.svg>   plot busbw against size: this run, and every --compare run
       --compare <file>    a JSON file from an earlier -J run to draw on the same plot (repeatable)
       --plot-only         draw the --compare runs without running a benchmark
+      --shared            host buffers from Communicator::alloc_shared (peers in other
+                          processes map them: zero copy); the algo column then says
+                          what ran
       --backend <name>    host (CPU buffers, default) or nccl (GPU buffers, one GPU per
                           rank: -t ranks as threads, or one per process under a
                           launcher; timed with CUDA events; needs the nccl feature)
@@ -134,6 +137,8 @@ struct Args {
     plot_only: bool,
     /// `--backend`: `host` (CPU buffers) or `nccl` (GPU buffers).
     backend: String,
+    /// `--shared`: host buffers from `Communicator::alloc_shared`.
+    shared: bool,
 }
 
 fn parse_size(s: &str) -> Result<usize, String> {
@@ -170,6 +175,7 @@ fn parse_args() -> Result<Args, String> {
         compare: Vec::new(),
         plot_only: false,
         backend: "host".into(),
+        shared: false,
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -180,6 +186,11 @@ fn parse_args() -> Result<Args, String> {
         }
         if flag == "--plot-only" {
             a.plot_only = true;
+            i += 1;
+            continue;
+        }
+        if flag == "--shared" {
+            a.shared = true;
             i += 1;
             continue;
         }
@@ -257,11 +268,63 @@ struct Bufs<T> {
     recv: Vec<T>,
 }
 
+/// Where a host run's buffers live: ordinary vectors, or (`--shared`)
+/// memory from `Communicator::alloc_shared`, which peers in other
+/// processes map (zero copy).
+enum Storage<T: Element> {
+    Plain(Vec<T>),
+    Shared(oxccl::SharedBuffer<T>),
+}
+
+impl<T: Element> std::ops::Deref for Storage<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        match self {
+            Storage::Plain(v) => v,
+            Storage::Shared(s) => s,
+        }
+    }
+}
+
+impl<T: Element> std::ops::DerefMut for Storage<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        match self {
+            Storage::Plain(v) => v,
+            Storage::Shared(s) => s,
+        }
+    }
+}
+
+/// A host run's buffers, placed.
+struct Placed<T: Element> {
+    send: Storage<T>,
+    recv: Storage<T>,
+}
+
+/// Moves prepared buffers where `--shared` wants them (a collective
+/// allocation per buffer, so every rank must place the same buffers).
+fn place<T: Element>(comm: &mut Communicator, a: &Args, b: Bufs<T>) -> oxccl::Result<Placed<T>> {
+    if !a.shared {
+        return Ok(Placed {
+            send: Storage::Plain(b.send),
+            recv: Storage::Plain(b.recv),
+        });
+    }
+    let mut send = comm.alloc_shared::<T>(b.send.len())?;
+    send.copy_from_slice(&b.send);
+    let mut recv = comm.alloc_shared::<T>(b.recv.len())?;
+    recv.copy_from_slice(&b.recv);
+    Ok(Placed {
+        send: Storage::Shared(send),
+        recv: Storage::Shared(recv),
+    })
+}
+
 /// Runs the collective once, out of place or in place.
 fn run_once<T: Element>(
     comm: &mut Communicator,
     a: &Args,
-    b: &mut Bufs<T>,
+    b: &mut Placed<T>,
     in_place: bool,
 ) -> oxccl::Result<()> {
     let (rank, n) = (comm.rank(), comm.world_size());
@@ -385,6 +448,8 @@ fn prepare<T: Element>(
 struct Sample {
     time_us: f64,
     wrong: u64,
+    /// How the timed calls reached their peers, when directly.
+    direct: Option<&'static str>,
 }
 
 fn measure<T: Element>(
@@ -396,7 +461,8 @@ fn measure<T: Element>(
     let (rank, n) = (comm.rank(), comm.world_size());
     let mut wrong = 0u64;
     if a.check {
-        let (mut b, expected) = prepare::<T>(a, rank, n, count, in_place);
+        let (b, expected) = prepare::<T>(a, rank, n, count, in_place);
+        let mut b = place(comm, a, b)?;
         run_once(comm, a, &mut b, in_place)?;
         let got = if a.coll == Coll::Reduce && !in_place && rank != a.root {
             &b.recv[..0]
@@ -409,7 +475,8 @@ fn measure<T: Element>(
             .filter(|(g, e)| e.is_some_and(|e| **g != e))
             .count() as u64;
     }
-    let (mut b, _) = prepare::<T>(a, rank, n, count, in_place);
+    let (b, _) = prepare::<T>(a, rank, n, count, in_place);
+    let mut b = place(comm, a, b)?;
     for _ in 0..a.warmup {
         run_once(comm, a, &mut b, in_place)?;
     }
@@ -418,7 +485,10 @@ fn measure<T: Element>(
     for _ in 0..a.iters {
         run_once(comm, a, &mut b, in_place)?;
     }
-    let mut t = [start.elapsed().as_secs_f64() * 1e6 / a.iters as f64];
+    let elapsed = start.elapsed();
+    let direct = comm.last_direct_algorithm();
+    drop(b);
+    let mut t = [elapsed.as_secs_f64() * 1e6 / a.iters as f64];
     // The slowest rank's time, and every rank's wrong values.
     comm.all_reduce_in_place(&mut t, ReduceOp::Max)?;
     let mut w = [wrong];
@@ -426,6 +496,7 @@ fn measure<T: Element>(
     Ok(Sample {
         time_us: t[0],
         wrong: w[0],
+        direct,
     })
 }
 
@@ -536,6 +607,13 @@ fn bench<T: Element>(comm: &mut Communicator, a: &Args) -> oxccl::Result<RunResu
         };
         for (k, in_place) in [false, true].into_iter().enumerate() {
             let s = measure::<T>(comm, a, count, in_place)?;
+            if a.shared {
+                // What actually ran: zero copy needs every rank's buffers
+                // in one allocation, which the prediction cannot see.
+                if let Some(direct) = s.direct {
+                    row.algo = direct.to_string();
+                }
+            }
             let algbw = bytes as f64 / s.time_us / 1e3;
             let busbw = algbw * a.coll.bus_factor(n);
             result.wrong += s.wrong;

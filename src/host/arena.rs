@@ -30,7 +30,7 @@
 //! processes, a peer process that died.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use crate::error::Result;
@@ -39,6 +39,7 @@ use crate::transport::TransportError;
 use crate::types::{Element, OpKind, Rank, ReduceOp};
 
 use super::executor::CallInfo;
+use super::shared::SharedRegion;
 
 /// Bytes of one control line (two cache lines: no false sharing with the
 /// adjacent-line prefetcher).
@@ -213,6 +214,31 @@ pub(crate) struct Arena {
     /// Whether this rank may read peers' memory with `process_vm_readv`
     /// (probed at set-up; Linux CMA, which containers or Yama may forbid).
     cma: bool,
+    /// This rank's shared allocations (`alloc_shared`), while they live.
+    shared: Vec<Weak<SharedRegion>>,
+    /// Whether `alloc_shared` ever ran on this communicator: from then on
+    /// large calls across processes first exchange where their buffers
+    /// are, to run zero-copy when every rank's are in one allocation.
+    /// Equal on every rank (allocation is collective).
+    shared_ever: bool,
+    /// The next allocation's number.
+    next_shared: u64,
+    /// How the current direct call reaches the peers' buffers.
+    direct: Direct,
+    /// How the last call that could go direct went (`None`: staged).
+    last_direct: Option<Direct>,
+}
+
+/// How a direct (zero-copy / single-copy) call reaches peers' buffers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Direct {
+    /// Same address space (threads): posted addresses are used as they are.
+    Local,
+    /// Every rank's buffers lie in one `alloc_shared` allocation, which
+    /// this process maps: posted (allocation, offset) pairs are translated.
+    Mapped,
+    /// Other processes' private memory: `process_vm_readv`/`writev` (CMA).
+    Cma,
 }
 
 impl Arena {
@@ -333,6 +359,11 @@ impl Arena {
             aborted,
             timeout,
             cma: false,
+            shared: Vec::new(),
+            shared_ever: false,
+            next_shared: 0,
+            direct: Direct::Local,
+            last_direct: None,
         };
         let me = arena.control(rank);
         me.pid
@@ -646,8 +677,8 @@ impl Arena {
         count: usize,
         op: ReduceOp,
     ) -> Result<()> {
-        if self.zero_copy::<T>(count) {
-            return self.zero_copy_all_reduce(call, sig, bufs, count, op);
+        if let Some(g) = self.enter_direct(call, sig, &bufs, (count, count), count, false)? {
+            return self.zero_copy_all_reduce(call, sig, bufs, g, count, op);
         }
         let world = self.world();
         let me = self.rank;
@@ -807,8 +838,9 @@ impl Arena {
         count: usize,
         op: ReduceOp,
     ) -> Result<()> {
-        if self.zero_copy::<T>(count * self.world()) {
-            return self.zero_copy_reduce_scatter(call, sig, bufs, count, op);
+        let full = count * self.world();
+        if let Some(g) = self.enter_direct(call, sig, &bufs, (full, count), full, false)? {
+            return self.zero_copy_reduce_scatter(call, sig, bufs, g, count, op);
         }
         let (world, me) = (self.world(), self.rank);
         // Slot region q (at q·per) carries the piece destined for rank q.
@@ -848,8 +880,9 @@ impl Arena {
         bufs: Buffers<T>,
         count: usize,
     ) -> Result<()> {
-        if self.single_copy::<T>(count * self.world()) {
-            return self.zero_copy_copies(call, sig, bufs, count, None);
+        let full = count * self.world();
+        if let Some(g) = self.enter_direct(call, sig, &bufs, (count, full), full, true)? {
+            return self.zero_copy_copies(call, sig, bufs, g, count, None);
         }
         let (world, me) = (self.world(), self.rank);
         let capacity = self.capacity::<T>();
@@ -885,8 +918,8 @@ impl Arena {
         count: usize,
         root: Rank,
     ) -> Result<()> {
-        if self.single_copy::<T>(count) {
-            return self.zero_copy_copies(call, sig, bufs, count, Some(root));
+        if let Some(g) = self.enter_direct(call, sig, &bufs, (count, count), count, true)? {
+            return self.zero_copy_copies(call, sig, bufs, g, count, Some(root));
         }
         let me = self.rank;
         let capacity = self.capacity::<T>();
@@ -926,8 +959,8 @@ impl Arena {
         op: ReduceOp,
         root: Rank,
     ) -> Result<()> {
-        if self.zero_copy::<T>(count) {
-            return self.zero_copy_reduce(call, sig, bufs, count, op, root);
+        if let Some(g) = self.enter_direct(call, sig, &bufs, (count, count), count, false)? {
+            return self.zero_copy_reduce(call, sig, bufs, g, count, (op, root));
         }
         let (world, me) = (self.world(), self.rank);
         let capacity = self.capacity::<T>();
@@ -1156,42 +1189,258 @@ impl Arena {
         }
     }
 
-    fn zero_copy<T>(&self, elements: usize) -> bool {
-        !self.watch_pids && elements * std::mem::size_of::<T>() >= ZERO_COPY_MIN_BYTES
+    /// Decides whether a call of `elements` (its largest buffer) reaches
+    /// the peers' buffers directly, and if so enters it (posting this
+    /// rank's buffers, awaiting everyone's): threads from
+    /// [`ZERO_COPY_MIN_BYTES`]; across processes, zero-copy from the same
+    /// size when every rank's input and output lie in one shared allocation
+    /// each, else (all-gather, broadcast: `cma_ok`) CMA from
+    /// [`CMA_MIN_BYTES`]. Every rank takes the same decision: it depends
+    /// only on the call, on `shared_ever` and on what every rank posted.
+    /// `lens` are the input's and output's lengths in elements.
+    fn enter_direct<T>(
+        &mut self,
+        call: &CallInfo,
+        sig: &CallSig,
+        bufs: &Buffers<T>,
+        lens: (usize, usize),
+        elements: usize,
+        cma_ok: bool,
+    ) -> Result<Option<u64>> {
+        let entered = self.decide_direct(call, sig, bufs, lens, elements, cma_ok)?;
+        self.last_direct = entered.map(|_| self.direct);
+        Ok(entered)
     }
 
-    /// Whether an all-gather or broadcast of `elements` reads the peers'
-    /// buffers directly: in one process from 2 KiB, across processes with
-    /// CMA from [`CMA_MIN_BYTES`] (a system call per peer and piece).
-    fn single_copy<T>(&self, elements: usize) -> bool {
+    /// The decision of [`enter_direct`](Self::enter_direct).
+    fn decide_direct<T>(
+        &mut self,
+        call: &CallInfo,
+        sig: &CallSig,
+        bufs: &Buffers<T>,
+        lens: (usize, usize),
+        elements: usize,
+        cma_ok: bool,
+    ) -> Result<Option<u64>> {
         let bytes = elements * std::mem::size_of::<T>();
-        self.zero_copy::<T>(elements) || (self.cma && bytes >= CMA_MIN_BYTES)
+        if !self.watch_pids {
+            self.direct = Direct::Local;
+            return if bytes >= ZERO_COPY_MIN_BYTES {
+                self.enter(call, sig, bufs, lens).map(Some)
+            } else {
+                Ok(None)
+            };
+        }
+        let want_mapped = self.shared_ever && bytes >= ZERO_COPY_MIN_BYTES;
+        let want_cma = cma_ok && self.cma && bytes >= CMA_MIN_BYTES;
+        if !want_mapped && !want_cma {
+            return Ok(None);
+        }
+        let g = self.enter(call, sig, bufs, lens)?;
+        if want_mapped && self.all_in_one_allocation(g) {
+            self.direct = Direct::Mapped;
+            Ok(Some(g))
+        } else if want_cma {
+            self.direct = Direct::Cma;
+            Ok(Some(g))
+        } else {
+            self.finish(g);
+            Ok(None)
+        }
     }
 
-    /// Posts this rank's buffer addresses and waits for everyone's.
-    fn enter<T>(&mut self, call: &CallInfo, sig: &CallSig, bufs: &Buffers<T>) -> Result<u64> {
+    /// `(allocation number + 1, offset)` of a buffer of `len` bytes, or
+    /// `(0, 0)` when it is not in a live shared allocation of this rank.
+    fn locate(&self, ptr: *const u8, len: usize) -> (u64, u64) {
+        self.shared
+            .iter()
+            .filter_map(Weak::upgrade)
+            .find_map(|r| {
+                r.offset_of(ptr, len)
+                    .filter(|_| !r.maps.is_empty())
+                    .map(|at| (r.id + 1, at as u64))
+            })
+            .unwrap_or((0, 0))
+    }
+
+    /// Whether every rank posted, in round `g`, its input in one and the
+    /// same allocation and its output in one and the same allocation. Then
+    /// this rank's own buffers are in them too, so it holds both alive.
+    fn all_in_one_allocation(&self, g: u64) -> bool {
+        let tags = |p: Rank| {
+            let slot = self.payload::<u64>(p, g);
+            // SAFETY: posted in round g (awaited by `enter`).
+            unsafe { (slot.add(2).read(), slot.add(4).read()) }
+        };
+        let mine = tags(self.rank);
+        mine.0 != 0 && mine.1 != 0 && (0..self.world()).all(|p| tags(p) == mine)
+    }
+
+    /// Posts this rank's buffer addresses (and where they lie in shared
+    /// allocations) and waits for everyone's.
+    fn enter<T>(
+        &mut self,
+        call: &CallInfo,
+        sig: &CallSig,
+        bufs: &Buffers<T>,
+        (in_len, out_len): (usize, usize),
+    ) -> Result<u64> {
+        let elem = std::mem::size_of::<T>();
+        let (in_tag, in_at) = self.locate(bufs.input.cast(), in_len * elem);
+        let (out_tag, out_at) = self.locate(bufs.output.cast_const().cast(), out_len * elem);
         let g = self.begin(call)?;
         let slot = self.payload::<u64>(self.rank, g);
-        // SAFETY: the slot holds far more than two words.
+        // SAFETY: the slot holds far more than six words.
         unsafe {
-            slot.write(bufs.input as usize as u64);
-            slot.add(1).write(bufs.output as usize as u64);
+            for (i, word) in [
+                bufs.input as usize as u64,
+                bufs.output as usize as u64,
+                in_tag,
+                in_at,
+                out_tag,
+                out_at,
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                slot.add(i).write(word);
+            }
         }
         self.post(g, sig);
         self.await_all(call, sig, g)?;
         Ok(g)
     }
 
-    /// Rank `p`'s `(input, output)` addresses, posted in round `g`.
+    /// Rank `p`'s `(input, output)` addresses, posted in round `g`, as
+    /// this process reaches them: as posted between threads and for CMA,
+    /// translated into this process's mapping of `p`'s allocation when the
+    /// call runs [`Direct::Mapped`].
     fn buffers_of<T>(&self, p: Rank, g: u64) -> (*const T, *mut T) {
         let slot = self.payload::<u64>(p, g);
         // SAFETY: posted in round g (awaited by `enter`).
-        unsafe {
-            (
-                slot.read() as usize as *const T,
-                slot.add(1).read() as usize as *mut T,
-            )
+        let words: [u64; 6] = std::array::from_fn(|i| unsafe { slot.add(i).read() });
+        if self.direct != Direct::Mapped || p == self.rank {
+            return (words[0] as usize as *const T, words[1] as usize as *mut T);
         }
+        let translate = |tag: u64, at: u64| -> *mut T {
+            self.shared
+                .iter()
+                .filter_map(Weak::upgrade)
+                .find(|r| r.id + 1 == tag)
+                // SAFETY: `all_in_one_allocation` checked that this rank's
+                // own buffer is in allocation `tag`, so the region is alive
+                // (the caller holds it) and maps rank p's block; p's buffer
+                // lies inside that block.
+                .map(|r| unsafe { r.maps[p].add(at as usize) as *mut T })
+                .unwrap_or(std::ptr::null_mut())
+        };
+        (
+            translate(words[2], words[3]).cast_const(),
+            translate(words[4], words[5]),
+        )
+    }
+
+    /// A collective allocation of `bytes` per rank (see
+    /// [`SharedBuffer`](crate::host::SharedBuffer)). Across processes: every
+    /// rank creates a segment, then (one round later) maps every peer's,
+    /// then (another round) unlinks its name; any rank's failure is every
+    /// rank's error. Between threads: this process's heap.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Bootstrap`](crate::Error::Bootstrap) naming the rank whose
+    /// segment could not be made or mapped; the round errors (timeout,
+    /// lost peer, abort).
+    pub fn alloc_shared(
+        &mut self,
+        call: &CallInfo,
+        sig: &CallSig,
+        bytes: usize,
+    ) -> Result<Arc<SharedRegion>> {
+        let id = self.next_shared;
+        self.next_shared += 1;
+        let region = if !self.watch_pids {
+            Arc::new(SharedRegion::heap(id, bytes))
+        } else {
+            let prefix = match &*self.memory {
+                Memory::Shm(arena_segment) => arena_segment.name().to_owned(),
+                Memory::Heap { .. } => format!("/oxccl-{}-heap", std::process::id()),
+            };
+            let name = |rank: Rank| format!("{prefix}-s{id}-{rank}");
+            let mine = Segment::create_with_region(&name(self.rank), 0, 4096, bytes.max(1));
+            let mine_err = mine.as_ref().err().map(|e| e.to_string());
+            self.agree(call, sig, mine_err, "create its block")?;
+            let mut mine = mine.map_err(|e| crate::error::Error::Bootstrap {
+                context: format!("rank {}: alloc_shared", self.rank),
+                detail: e.to_string(),
+            })?;
+            let peers: std::io::Result<Vec<Option<Segment>>> = (0..self.world())
+                .map(|p| {
+                    if p == self.rank {
+                        Ok(None)
+                    } else {
+                        Segment::open(&name(p)).map(Some)
+                    }
+                })
+                .collect();
+            let peers_err = peers.as_ref().err().map(|e| e.to_string());
+            self.agree(call, sig, peers_err, "map its peers' blocks")?;
+            mine.unlink();
+            let mut peers = peers.unwrap_or_default();
+            let mut mine = Some(mine);
+            let segments: Vec<Segment> = (0..self.world())
+                .map(|p| {
+                    if p == self.rank {
+                        mine.take()
+                    } else {
+                        peers[p].take()
+                    }
+                })
+                .collect::<Option<_>>()
+                .ok_or_else(|| crate::error::Error::Bootstrap {
+                    context: format!("rank {}: alloc_shared", self.rank),
+                    detail: "a block is missing after set-up".into(),
+                })?;
+            Arc::new(SharedRegion::mapped(id, bytes, self.rank, segments))
+        };
+        self.shared.retain(|w| w.strong_count() > 0);
+        self.shared.push(Arc::downgrade(&region));
+        self.shared_ever = true;
+        Ok(region)
+    }
+
+    /// One round in which every rank says whether its step (`what`)
+    /// worked; an error on any rank is an error on every rank.
+    fn agree(
+        &mut self,
+        call: &CallInfo,
+        sig: &CallSig,
+        failure: Option<String>,
+        what: &str,
+    ) -> Result<()> {
+        let g = self.begin(call)?;
+        // SAFETY: the slot holds far more than one word.
+        unsafe {
+            self.payload::<u64>(self.rank, g)
+                .write(u64::from(failure.is_none()))
+        };
+        self.post(g, sig);
+        self.await_all(call, sig, g)?;
+        // SAFETY: posted in round g.
+        let failed: Vec<Rank> = (0..self.world())
+            .filter(|&p| unsafe { self.payload::<u64>(p, g).read() } != 1)
+            .collect();
+        self.finish(g);
+        if failed.is_empty() {
+            return Ok(());
+        }
+        Err(crate::error::Error::Bootstrap {
+            context: format!("rank {}: alloc_shared", self.rank),
+            detail: match failure {
+                Some(e) => format!("this rank could not {what}: {e}"),
+                None => format!("rank(s) {failed:?} could not {what}"),
+            },
+        })
     }
 
     /// Says this rank is done with everyone's buffers and waits until
@@ -1272,16 +1521,27 @@ impl Arena {
         }
     }
 
+    /// How the last all-reduce, reduce-scatter, all-gather, broadcast or
+    /// reduce reached its peers: `zerocopy` (threads, or every rank's
+    /// buffers in one `alloc_shared` allocation), `cma`, or `None` (staged
+    /// through the slots).
+    pub fn last_direct_name(&self) -> Option<&'static str> {
+        self.last_direct.map(|d| match d {
+            Direct::Local | Direct::Mapped => "zerocopy",
+            Direct::Cma => "cma",
+        })
+    }
+
     fn zero_copy_all_reduce<T: Element>(
         &mut self,
         call: &CallInfo,
         sig: &CallSig,
         bufs: Buffers<T>,
+        g: u64,
         count: usize,
         op: ReduceOp,
     ) -> Result<()> {
         let world = self.world();
-        let g = self.enter(call, sig, &bufs)?;
         let (start, end) = self.share::<T>(count);
         if end > start {
             let peers: Vec<(*const T, *mut T)> =
@@ -1318,11 +1578,11 @@ impl Arena {
         call: &CallInfo,
         sig: &CallSig,
         bufs: Buffers<T>,
+        g: u64,
         count: usize,
         op: ReduceOp,
     ) -> Result<()> {
         let (world, me) = (self.world(), self.rank);
-        let g = self.enter(call, sig, &bufs)?;
         let inputs: Vec<*const T> = (0..world).map(|p| self.buffers_of::<T>(p, g).0).collect();
         if count > 0 {
             // Part `me` of every input folds into this rank's output (in
@@ -1349,15 +1609,15 @@ impl Arena {
         call: &CallInfo,
         sig: &CallSig,
         bufs: Buffers<T>,
+        g: u64,
         count: usize,
         root: Option<Rank>,
     ) -> Result<()> {
         let (world, me) = (self.world(), self.rank);
-        let g = self.enter(call, sig, &bufs)?;
         let bytes = count * std::mem::size_of::<T>();
         let pull = |p: Rank, dst: *mut T| -> Result<()> {
             let (input, _) = self.buffers_of::<T>(p, g);
-            if self.watch_pids && p != me {
+            if (self.direct == Direct::Cma) && p != me {
                 cma_read(self.peer_pid(p), input.cast(), dst.cast(), bytes)
                     .map_err(|e| cma_error(call, p, "reading", e))
             } else {
@@ -1383,7 +1643,7 @@ impl Arena {
         let result = match root {
             Some(root) if root != me => {
                 let (input, _) = self.buffers_of::<T>(root, g);
-                if self.watch_pids {
+                if self.direct == Direct::Cma {
                     cma_read(
                         self.peer_pid(root),
                         input.cast(),
@@ -1411,7 +1671,7 @@ impl Arena {
                         // SAFETY: in range of both buffers; rank p does not touch
                         // [kept, count) of its output during the call.
                         let (src, dst) = unsafe { (bufs.input.add(kept), output.add(kept)) };
-                        if self.watch_pids {
+                        if self.direct == Direct::Cma {
                             cma_write(self.peer_pid(p), src.cast(), dst.cast(), pushed * elem)
                                 .map_err(|e| cma_error(call, p, "writing", e))
                         } else {
@@ -1435,12 +1695,11 @@ impl Arena {
         call: &CallInfo,
         sig: &CallSig,
         bufs: Buffers<T>,
+        g: u64,
         count: usize,
-        op: ReduceOp,
-        root: Rank,
+        (op, root): (ReduceOp, Rank),
     ) -> Result<()> {
         let world = self.world();
-        let g = self.enter(call, sig, &bufs)?;
         if self.rank == root && count > 0 {
             let inputs: Vec<*const T> = (0..world).map(|p| self.buffers_of::<T>(p, g).0).collect();
             // SAFETY: inputs live until `leave`; the root writes only its

@@ -3,3 +3,6 @@
 pub(crate) mod arena;
 pub(crate) mod executor;
 pub mod reduce;
+pub mod shared;
+
+pub use shared::SharedBuffer;

@@ -289,7 +289,7 @@ impl NcclCall {
             OpKind::AllToAll => NcclCall::AllToAll {
                 block: recv_len / world,
             },
-            OpKind::Barrier | OpKind::Split => NcclCall::Barrier,
+            OpKind::Barrier | OpKind::Split | OpKind::AllocShared => NcclCall::Barrier,
         }
     }
 }
