@@ -8,8 +8,10 @@
 #
 # It finds NCCL (OXCCL_NCCL_LIBRARY, else the loader path, else the
 # nvidia-nccl-cu12/cu13 package that PyTorch's pip install brings), runs the
-# GPU tests and the library-loading tests, then oxccl-perf --backend nccl
-# over the collectives, and prints a short summary table last. Exit status:
+# NCCL GPU tests and the library-loading tests, oxccl-perf --backend nccl
+# over the collectives, then the cuda-ring's GPU tests (also host-staged,
+# OXCCL_P2P_DISABLE=1) and oxccl-perf --backend cuda-ring beside the GPU's
+# copy bandwidth, and prints a short summary table last. Exit status:
 # non-zero when any step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -80,9 +82,22 @@ done
 step "oxccl-perf nccl bfloat16 avg" \
     "$BUNDLE/oxccl-perf" --backend nccl -t "$PERF_RANKS" -d bfloat16 -o avg -b 1K -e 16M -f 16 -n 10 -w 2
 
+# The cuda-ring: oxccl's own kernels, several ranks per GPU allowed.
+step "cuda-ring GPU tests (2,3,4,8 ranks)" "$BUNDLE/cuda_ring_gpu" --ignored --test-threads=1 --nocapture
+step "cuda-ring GPU tests, OXCCL_P2P_DISABLE=1" \
+    env OXCCL_P2P_DISABLE=1 OXCCL_DEBUG=INFO "$BUNDLE/cuda_ring_gpu" --ignored --test-threads=1 \
+    every_collective_dtype_and_op_matches_the_host_bit_for_bit
+RING_RANKS=$(( GPUS > 1 ? GPUS : 2 ))
+step "oxccl-perf cuda-ring all_reduce -t $RING_RANKS" \
+    env OXCCL_DEBUG=INFO "$BUNDLE/oxccl-perf" --backend cuda-ring -t "$RING_RANKS" -b 8 -e 256M -f 4 -n 20 -w 5
+for coll in all_gather reduce_scatter broadcast; do
+    step "oxccl-perf cuda-ring $coll -t $RING_RANKS" \
+        "$BUNDLE/oxccl-perf" --backend cuda-ring -t "$RING_RANKS" --collective "$coll" -b 1M -e 256M -f 16 -n 10 -w 2
+done
+
 echo
 echo "=== summary (log: $LOG)"
-grep -E '^# (oxccl-perf|world size|Avg bus|Out of bounds)' "$LOG" | sed 's/^/  /' | tail -n 40
+grep -E '^# (oxccl-perf|world size|device copy|Avg bus|Out of bounds)|^ +(67108864|268435456) ' "$LOG" | sed 's/^/  /' | tail -n 60
 printf '%-44s %-16s %5s\n' "step" "status" "time"
 printf '%s\n' "${SUMMARY[@]}"
 exit "$FAILED"

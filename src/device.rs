@@ -1,7 +1,10 @@
 //! The typed device API: [`DeviceCommunicator`], the same operations as the
 //! host [`Communicator`](crate::Communicator) on cudarc's device buffers
 //! (`CudaSlice<T>`, `CudaView<T>`, `CudaViewMut<T>`), stream-ordered on the
-//! communicator's own stream, NCCL underneath.
+//! communicator's own stream. Two engines run the calls: NCCL (feature
+//! `nccl`) and oxccl's own cuda-ring (`src/cuda/`), chosen by
+//! `OXCCL_BACKEND=nccl|cuda-ring|auto` or [`DeviceCommBuilder::backend`];
+//! the API is the same whichever runs.
 //!
 //! Every call builds one [`CollectiveDesc`] and passes the same `validate()`
 //! as the host API before anything is enqueued; a buffer on another GPU than
@@ -14,19 +17,24 @@
 //! tracking makes the communicator's stream wait for their last writes, and
 //! their later users wait for the collective.
 
+#[cfg(feature = "nccl")]
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{
-    CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, DriverError,
-};
+#[cfg(feature = "nccl")]
+use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, DriverError};
 
 use crate::bootstrap::{LaunchEnv, Store};
 use crate::comm::{launch_store, CommConfig};
+use crate::cuda::lower::{concat, lower, Lowered};
+use crate::cuda::ring::{CallBufs, RingComm, RingGroup};
 use crate::desc::{BufDesc, Buffer, CollectiveDesc, MemoryKind};
 use crate::error::{Error, Result};
+#[cfg(feature = "nccl")]
 use crate::nccl::{self, sys, GroupGuard, NcclCall, NcclComm, UniqueId};
+use crate::schedule::{self, Family};
 use crate::types::{Element, OpKind, Rank, ReduceOp};
 
 /// An error of the CUDA driver, for `rank` doing `context`.
@@ -76,6 +84,7 @@ pub(crate) fn open_device(rank: Rank, ordinal: Option<usize>) -> Result<Arc<Cuda
 /// Each `init` of a device communicator in this process takes the next
 /// generation, so several communicators made from one store (in the same
 /// order on every rank, as collectives require) use distinct id keys.
+#[cfg(feature = "nccl")]
 static INIT_GENERATION: AtomicU64 = AtomicU64::new(0);
 
 /// Settings for making [`DeviceCommunicator`]s.
@@ -84,6 +93,7 @@ pub struct DeviceCommBuilder {
     timeout: Option<Duration>,
     device: Option<usize>,
     job_id: Option<String>,
+    backend: Option<DeviceBackend>,
 }
 
 impl DeviceCommBuilder {
@@ -106,6 +116,45 @@ impl DeviceCommBuilder {
     pub fn job_id(mut self, id: impl Into<String>) -> Self {
         self.job_id = Some(id.into());
         self
+    }
+
+    /// Which engine runs the calls (default `OXCCL_BACKEND`, else `auto`).
+    pub fn backend(mut self, backend: DeviceBackend) -> Self {
+        self.backend = Some(backend);
+        self
+    }
+
+    fn chosen_backend(&self) -> Result<DeviceBackend> {
+        match self.backend {
+            Some(b) => Ok(b),
+            None => DeviceBackend::from_env(),
+        }
+    }
+
+    /// The backend for ranks in separate processes: NCCL (the cuda-ring
+    /// runs threads of one process only).
+    fn process_backend(&self) -> Result<()> {
+        match self.chosen_backend()? {
+            DeviceBackend::CudaRing => Err(Error::Config {
+                name: "OXCCL_BACKEND".into(),
+                value: "cuda-ring".into(),
+                reason: "the cuda-ring backend runs ranks as threads of one process \
+                         (DeviceCommunicator::local_group); between processes it would need \
+                         CUDA IPC, which is not built yet: use NCCL (OXCCL_BACKEND=nccl or auto)"
+                    .into(),
+            }),
+            _ if !cfg!(feature = "nccl") => Err(Error::Config {
+                name: "OXCCL_BACKEND".into(),
+                value: "nccl".into(),
+                reason: "this build has no NCCL backend (feature `nccl`), and the cuda-ring \
+                         runs only local groups"
+                    .into(),
+            }),
+            _ => {
+                log_choice("nccl (ranks in separate processes)");
+                Ok(())
+            }
+        }
     }
 
     fn config_timeout(&self) -> Result<Duration> {
@@ -134,9 +183,22 @@ impl DeviceCommBuilder {
         world_size: usize,
         store: Arc<dyn Store>,
     ) -> Result<DeviceCommunicator> {
+        self.process_backend()?;
         self.init_on(rank, world_size, store, self.device)
     }
 
+    #[cfg(not(feature = "nccl"))]
+    fn init_on(
+        &self,
+        _rank: Rank,
+        _world_size: usize,
+        _store: Arc<dyn Store>,
+        _device: Option<usize>,
+    ) -> Result<DeviceCommunicator> {
+        unreachable!("process_backend refuses builds without NCCL")
+    }
+
+    #[cfg(feature = "nccl")]
     fn init_on(
         &self,
         rank: Rank,
@@ -201,6 +263,7 @@ impl DeviceCommBuilder {
     /// [`Error::Config`] for missing or contradictory variables; as
     /// [`init`](Self::init).
     pub fn from_env(&self) -> Result<DeviceCommunicator> {
+        self.process_backend()?;
         let env = LaunchEnv::from_env()?;
         let (store, _) = launch_store(&env, self.config_timeout()?)?;
         let mut builder = self.clone();
@@ -239,6 +302,53 @@ impl DeviceCommBuilder {
                 reason: "a group needs at least one rank".into(),
             });
         }
+        match self.chosen_backend()? {
+            DeviceBackend::CudaRing => self.ring_local_group(n, timeout),
+            DeviceBackend::Nccl => self.nccl_local_group(n, timeout),
+            DeviceBackend::Auto => {
+                // NCCL when it loads and there is a GPU per rank (it refuses
+                // two ranks on one GPU); otherwise the cuda-ring.
+                #[cfg(feature = "nccl")]
+                match sys::library() {
+                    Ok(_) if visible_devices(0)? >= n => return self.nccl_local_group(n, timeout),
+                    Ok(_) => log_choice("cuda-ring: fewer GPUs than ranks, which NCCL refuses"),
+                    Err(e) => log_choice(&format!("cuda-ring: NCCL is not available ({e})")),
+                }
+                self.ring_local_group(n, timeout)
+            }
+        }
+    }
+
+    /// `n` cuda-ring ranks, rank `i` on GPU `i` modulo the visible GPUs.
+    fn ring_local_group(&self, n: usize, timeout: Duration) -> Result<Vec<DeviceCommunicator>> {
+        let count = visible_devices(0)?;
+        let contexts = (0..n)
+            .map(|i| open_device(i, Some(i % count.max(1))))
+            .collect::<Result<Vec<_>>>()?;
+        log_choice(&format!("cuda-ring, {n} ranks on {} GPU(s)", count.min(n)));
+        let group = RingGroup::new(&contexts)?;
+        contexts
+            .into_iter()
+            .enumerate()
+            .map(|(rank, ctx)| {
+                RingComm::new(group.clone(), rank, ctx, timeout)
+                    .map(|ring| DeviceCommunicator::assemble_ring(ring, timeout))
+            })
+            .collect()
+    }
+
+    #[cfg(not(feature = "nccl"))]
+    fn nccl_local_group(&self, _n: usize, _timeout: Duration) -> Result<Vec<DeviceCommunicator>> {
+        Err(Error::Config {
+            name: "OXCCL_BACKEND".into(),
+            value: "nccl".into(),
+            reason: "this build has no NCCL backend (feature `nccl`): use cuda-ring or auto".into(),
+        })
+    }
+
+    #[cfg(feature = "nccl")]
+    fn nccl_local_group(&self, n: usize, timeout: Duration) -> Result<Vec<DeviceCommunicator>> {
+        log_choice(&format!("nccl, {n} ranks, one GPU each"));
         let library = sys::library()?;
         let count = visible_devices(0)?;
         if count < n {
@@ -291,6 +401,64 @@ fn visible_devices(rank: Rank) -> Result<usize> {
     Ok(usize::try_from(count).unwrap_or(0))
 }
 
+/// Which engine runs a [`DeviceCommunicator`]'s calls (`OXCCL_BACKEND`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DeviceBackend {
+    /// NCCL when it loads (and, for a local group, there is a GPU per
+    /// rank), else the cuda-ring.
+    #[default]
+    Auto,
+    /// NCCL (feature `nccl`).
+    Nccl,
+    /// oxccl's own ring over CUDA kernels: no NCCL needed; ranks are
+    /// threads of one process, several per GPU allowed.
+    CudaRing,
+}
+
+impl DeviceBackend {
+    /// Parses `OXCCL_BACKEND`'s values: `auto`, `nccl`, `cuda-ring`.
+    pub fn from_name(name: &str) -> Option<DeviceBackend> {
+        match name.trim().to_ascii_lowercase().as_str() {
+            "auto" | "" => Some(DeviceBackend::Auto),
+            "nccl" => Some(DeviceBackend::Nccl),
+            "cuda-ring" | "cuda_ring" | "ring" => Some(DeviceBackend::CudaRing),
+            _ => None,
+        }
+    }
+
+    fn from_env() -> Result<DeviceBackend> {
+        match std::env::var("OXCCL_BACKEND") {
+            Ok(v) => DeviceBackend::from_name(&v).ok_or_else(|| Error::Config {
+                name: "OXCCL_BACKEND".into(),
+                value: v,
+                reason: "expected auto, nccl or cuda-ring".into(),
+            }),
+            Err(_) => Ok(DeviceBackend::Auto),
+        }
+    }
+}
+
+/// Says which backend a group was given, with `OXCCL_DEBUG=INFO`.
+fn log_choice(what: &str) {
+    if crate::cuda::ring::debug_info() {
+        eprintln!("oxccl INFO backend: {what}");
+    }
+}
+
+/// The engine behind a device communicator.
+enum Engine {
+    #[cfg(feature = "nccl")]
+    Nccl {
+        comm: NcclComm,
+        /// One element for [`barrier`](DeviceCommunicator::barrier): NCCL
+        /// has none, so a barrier is a one-element all-reduce and a wait
+        /// for the stream.
+        barrier_cell: CudaSlice<f32>,
+    },
+    Ring(RingComm),
+}
+
 /// A communicator over GPU buffers: see the [module docs](self).
 ///
 /// `Send`, not `Sync`: one thread drives it at a time (NCCL's rule).
@@ -299,10 +467,9 @@ pub struct DeviceCommunicator {
     world: usize,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    nccl: NcclComm,
-    /// One element for [`barrier`](Self::barrier): NCCL has none, so a
-    /// barrier is a one-element all-reduce and a wait for the stream.
-    barrier_cell: CudaSlice<f32>,
+    engine: Engine,
+    /// Pipeline piece size of the cuda-ring's schedules.
+    chunk_bytes: usize,
     timeout: Duration,
     /// Collective calls made so far (the number errors carry).
     seq: u64,
@@ -316,7 +483,7 @@ impl std::fmt::Debug for DeviceCommunicator {
             .field("rank", &self.rank)
             .field("world", &self.world)
             .field("gpu", &self.ctx.ordinal())
-            .field("backend", &"nccl")
+            .field("backend", &self.backend_name())
             .finish()
     }
 }
@@ -356,6 +523,7 @@ impl DeviceCommunicator {
         Self::builder().local_group(n)
     }
 
+    #[cfg(feature = "nccl")]
     fn assemble(ctx: Arc<CudaContext>, nccl: NcclComm, timeout: Duration) -> Result<Self> {
         let rank = nccl.rank();
         let stream = ctx
@@ -369,12 +537,29 @@ impl DeviceCommunicator {
             world: nccl.world(),
             ctx,
             stream,
-            nccl,
-            barrier_cell,
+            engine: Engine::Nccl {
+                comm: nccl,
+                barrier_cell,
+            },
+            chunk_bytes: RING_CHUNK_BYTES,
             timeout,
             seq: 0,
             failed: None,
         })
+    }
+
+    fn assemble_ring(ring: RingComm, timeout: Duration) -> Self {
+        DeviceCommunicator {
+            rank: ring.rank(),
+            world: ring.world(),
+            ctx: ring.context().clone(),
+            stream: ring.stream().clone(),
+            engine: Engine::Ring(ring),
+            chunk_bytes: ring_chunk_bytes(),
+            timeout,
+            seq: 0,
+            failed: None,
+        }
     }
 
     /// This rank.
@@ -402,27 +587,58 @@ impl DeviceCommunicator {
         &self.ctx
     }
 
-    /// Which backend runs the calls (`nccl`).
+    /// Which backend runs the calls: `nccl` or `cuda-ring`.
     pub fn backend_name(&self) -> &'static str {
-        "nccl"
+        match self.engine {
+            #[cfg(feature = "nccl")]
+            Engine::Nccl { .. } => "nccl",
+            Engine::Ring(_) => "cuda-ring",
+        }
     }
 
-    /// The NCCL in use.
-    pub fn nccl_version(&self) -> nccl::NcclVersion {
-        self.nccl.library().version
+    /// The backend with its version or paths, for reports: `NCCL 2.32.3`,
+    /// `cuda-ring (same GPU)`.
+    pub fn backend_description(&self) -> String {
+        match &self.engine {
+            #[cfg(feature = "nccl")]
+            Engine::Nccl { comm, .. } => format!("NCCL {}", comm.library().version),
+            Engine::Ring(ring) => format!("cuda-ring ({})", ring.paths_summary()),
+        }
     }
 
-    /// Aborts the communicator (`ncclCommAbort`): work in flight on the GPU
-    /// for it stops, and every later call fails. Peers see their calls fail
-    /// or time out.
+    /// The NCCL in use, when NCCL runs the calls.
+    #[cfg(feature = "nccl")]
+    pub fn nccl_version(&self) -> Option<nccl::NcclVersion> {
+        match &self.engine {
+            Engine::Nccl { comm, .. } => Some(comm.library().version),
+            Engine::Ring(_) => None,
+        }
+    }
+
+    /// Aborts the communicator: with NCCL `ncclCommAbort` (work in flight
+    /// on the GPU for it stops); with the cuda-ring, every rank of the group
+    /// stops waiting and fails. Every later call fails.
     pub fn abort(&mut self) {
-        self.nccl.abort();
+        match &mut self.engine {
+            #[cfg(feature = "nccl")]
+            Engine::Nccl { comm, .. } => comm.abort(),
+            Engine::Ring(ring) => ring.group().abort(),
+        }
         self.failed.get_or_insert_with(|| "aborted".into());
     }
 
+    /// One look at the engine's asynchronous state while waiting.
+    fn poll_engine(&mut self) -> Result<()> {
+        match &mut self.engine {
+            #[cfg(feature = "nccl")]
+            Engine::Nccl { comm, .. } => comm.poll("the communicator's collectives").map(|_| ()),
+            Engine::Ring(ring) => ring.check_group(OpKind::Barrier),
+        }
+    }
+
     /// Waits until everything enqueued on the communicator's stream has run,
-    /// polling NCCL's asynchronous error state; past the deadline the
-    /// communicator is aborted.
+    /// polling NCCL's asynchronous error state (or the cuda-ring group's);
+    /// past the deadline the communicator is aborted.
     ///
     /// # Errors
     ///
@@ -452,9 +668,9 @@ impl DeviceCommunicator {
             {
                 return Ok(());
             }
-            self.nccl.poll("the communicator's collectives")?;
+            self.poll_engine()?;
             if start.elapsed() >= self.timeout {
-                self.nccl.abort();
+                self.abort();
                 return Err(Error::DeviceTimeout {
                     rank,
                     what: what.to_owned(),
@@ -532,6 +748,7 @@ impl DeviceCommunicator {
         result
     }
 
+    #[cfg_attr(not(feature = "nccl"), allow(unused_variables))]
     fn enqueue_inner(
         &mut self,
         desc: &CollectiveDesc,
@@ -543,123 +760,20 @@ impl DeviceCommunicator {
         self.ctx
             .bind_to_thread()
             .map_err(cuda_error(rank, "binding the GPU to this thread"))?;
-        let lib = self.nccl.library();
-        let comm = self.nccl.raw();
-        let stream = self.stream.cu_stream() as sys::RawStream;
-        let dtype = nccl::nccl_dtype(desc.dtype);
-        let op = nccl::nccl_op(desc.reduce_op.unwrap_or(ReduceOp::Sum));
-        let at = |base: u64, elems: usize| (base + (elems * elem_bytes) as u64) as *mut _;
-        let detail = format!("{} #{} on rank {rank}", desc.op, self.seq);
-        let (call, rc) = match NcclCall::plan(desc) {
-            // SAFETY (every arm): the addresses come from live device buffers
-            // whose lengths `validate()` checked against the counts passed;
-            // `comm` and `stream` are live and belong to this GPU.
-            NcclCall::AllReduce { count } => ("ncclAllReduce", unsafe {
-                (lib.all_reduce)(at(send, 0), at(recv, 0), count, dtype, op, comm, stream)
-            }),
-            NcclCall::ReduceScatter {
-                recv_count,
-                recv_offset,
-            } => ("ncclReduceScatter", unsafe {
-                (lib.reduce_scatter)(
-                    at(send, 0),
-                    at(recv, recv_offset),
-                    recv_count,
-                    dtype,
-                    op,
-                    comm,
-                    stream,
-                )
-            }),
-            NcclCall::AllGather {
-                send_count,
-                send_offset,
-            } => ("ncclAllGather", unsafe {
-                (lib.all_gather)(
-                    at(send, send_offset),
-                    at(recv, 0),
-                    send_count,
-                    dtype,
-                    comm,
-                    stream,
-                )
-            }),
-            NcclCall::Broadcast { count, root } => ("ncclBroadcast", unsafe {
-                (lib.broadcast)(
-                    at(if send == 0 { recv } else { send }, 0),
-                    at(recv, 0),
-                    count,
-                    dtype,
-                    root as i32,
-                    comm,
-                    stream,
-                )
-            }),
-            NcclCall::Reduce { count, root } => ("ncclReduce", unsafe {
-                (lib.reduce)(
-                    at(send, 0),
-                    at(if recv == 0 { send } else { recv }, 0),
-                    count,
-                    dtype,
-                    op,
-                    root as i32,
-                    comm,
-                    stream,
-                )
-            }),
-            NcclCall::Send { count, peer } => ("ncclSend", unsafe {
-                (lib.send)(at(send, 0), count, dtype, peer as i32, comm, stream)
-            }),
-            NcclCall::Recv { count, peer } => ("ncclRecv", unsafe {
-                (lib.recv)(at(recv, 0), count, dtype, peer as i32, comm, stream)
-            }),
-            NcclCall::AllToAll { block } => {
-                let group = GroupGuard::start(lib, rank)?;
-                for peer in 0..self.world {
-                    // SAFETY: as above; block `peer` of each buffer is in bounds.
-                    let rc = unsafe {
-                        (lib.send)(
-                            at(send, peer * block),
-                            block,
-                            dtype,
-                            peer as i32,
-                            comm,
-                            stream,
-                        )
-                    };
-                    self.nccl.finish_call("ncclSend", rc, &detail)?;
-                    // SAFETY: as above.
-                    let rc = unsafe {
-                        (lib.recv)(
-                            at(recv, peer * block),
-                            block,
-                            dtype,
-                            peer as i32,
-                            comm,
-                            stream,
-                        )
-                    };
-                    self.nccl.finish_call("ncclRecv", rc, &detail)?;
-                }
-                ("ncclGroupEnd", group.end())
-            }
-            NcclCall::Barrier => {
-                let (cell, _record) = self.barrier_cell.device_ptr_mut(&self.stream);
-                let rc = unsafe {
-                    (lib.all_reduce)(
-                        at(cell, 0),
-                        at(cell, 0),
-                        1,
-                        nccl::nccl_dtype(crate::types::DType::F32),
-                        nccl::nccl_op(ReduceOp::Sum),
-                        comm,
-                        stream,
-                    )
+        match &mut self.engine {
+            #[cfg(feature = "nccl")]
+            Engine::Nccl { comm, barrier_cell } => {
+                let call = NcclEnqueue {
+                    stream: &self.stream,
+                    seq: self.seq,
+                    elem_bytes,
                 };
-                ("ncclAllReduce", rc)
+                call.run(comm, barrier_cell, desc, send, recv)
             }
-        };
-        self.nccl.finish_call(call, rc, &detail)
+            Engine::Ring(ring) => {
+                ring_enqueue(ring, desc, self.chunk_bytes, &[CallBufs { send, recv }])
+            }
+        }
     }
 
     /// All-reduce: `recv[i]` = `op` over every rank's `send[i]`.
@@ -930,10 +1044,13 @@ impl DeviceCommunicator {
         self.synchronize()
     }
 
-    /// Opens a group of point-to-point calls that NCCL launches together at
-    /// [`P2pGroup::end`] (`ncclGroupStart`/`ncclGroupEnd`). Dropping the
-    /// group without `end` (an early `?`) still closes NCCL's group, then
-    /// aborts this communicator (its peers expected the whole group).
+    /// Opens a group of point-to-point calls launched together at
+    /// [`P2pGroup::end`] (NCCL's `ncclGroupStart`/`ncclGroupEnd`; on the
+    /// cuda-ring, one call holding every send, then every receive). Use it
+    /// whenever ranks exchange both ways: a lone `send` waits until its
+    /// receiver has entered the matching `recv` (NCCL's rule too). Dropping
+    /// the group without `end` (an early `?`) closes it, then aborts this
+    /// communicator (its peers expected the whole group).
     ///
     /// # Errors
     ///
@@ -946,32 +1063,38 @@ impl DeviceCommunicator {
                 first_error: first.clone(),
             });
         }
-        let guard = GroupGuard::start(self.nccl.library(), self.rank)?;
+        let kind = match &self.engine {
+            #[cfg(feature = "nccl")]
+            Engine::Nccl { comm, .. } => {
+                GroupKind::Nccl(GroupGuard::start(comm.library(), self.rank)?)
+            }
+            Engine::Ring(_) => GroupKind::Ring(Vec::new()),
+        };
         Ok(P2pGroup {
             comm: self,
-            guard: Some(guard),
+            kind: Some(kind),
             touch_after: Vec::new(),
             streams: Vec::new(),
             poisoned: None,
         })
     }
 
-    /// Splits into sub-communicators (`ncclCommSplit`): ranks passing the
-    /// same `color` form one, ordered by `key` then by rank. Collective over
-    /// this communicator; the new one uses the same GPU and a new stream.
+    /// Splits into sub-communicators (NCCL: `ncclCommSplit`; cuda-ring: the
+    /// members meet in the group and form a new one): ranks passing the same
+    /// `color` form one, ordered by `key` then by rank. Collective over this
+    /// communicator; the new one uses the same GPU and a new stream.
     ///
     /// # Errors
     ///
     /// [`Error::LibraryUnsupported`] with NCCL older than 2.18;
-    /// [`Error::DeviceTimeout`]; [`Error::Nccl`].
+    /// [`Error::DeviceTimeout`]; [`Error::Nccl`]; [`Error::Cuda`].
     pub fn split(&mut self, color: u32, key: i64) -> Result<DeviceCommunicator> {
+        let rank = self.rank;
         self.split_or_none(Some(color), key)?
-            .ok_or_else(|| Error::Nccl {
-                rank: self.rank,
-                call: "ncclCommSplit",
-                code: 0,
-                name: "ncclSuccess",
-                detail: "NCCL returned no communicator for a rank with a color".into(),
+            .ok_or_else(|| Error::Cuda {
+                rank,
+                context: "split".into(),
+                detail: "no communicator came back for a rank with a color".into(),
             })
     }
 
@@ -987,16 +1110,23 @@ impl DeviceCommunicator {
         self.ctx
             .bind_to_thread()
             .map_err(cuda_error(self.rank, "binding the GPU to this thread"))?;
-        let child = self.nccl.split(color, key);
+        let seq = self.seq;
         self.seq += 1;
-        match child {
-            Ok(Some(child)) => Ok(Some(Self::assemble(self.ctx.clone(), child, self.timeout)?)),
-            Ok(None) => Ok(None),
-            Err(e) => {
-                self.failed.get_or_insert_with(|| e.to_string());
-                Err(e)
-            }
+        let timeout = self.timeout;
+        let child = match &mut self.engine {
+            #[cfg(feature = "nccl")]
+            Engine::Nccl { comm, .. } => comm.split(color, key).and_then(|c| {
+                c.map(|c| Self::assemble(self.ctx.clone(), c, timeout))
+                    .transpose()
+            }),
+            Engine::Ring(ring) => ring
+                .split(seq, color, key)
+                .map(|c| c.map(|c| Self::assemble_ring(c, timeout))),
+        };
+        if let Err(e) = &child {
+            self.failed.get_or_insert_with(|| e.to_string());
         }
+        child
     }
 
     fn out_of_place<T, S, R>(&mut self, desc: CollectiveDesc, send: &S, recv: &mut R) -> Result<()>
@@ -1035,6 +1165,181 @@ impl DeviceCommunicator {
     }
 }
 
+/// The cuda-ring's pipeline piece: large, so a call is a few big copies
+/// and kernels rather than many small ones (`OXCCL_CHUNK_BYTES` overrides).
+const RING_CHUNK_BYTES: usize = 4 << 20;
+
+fn ring_chunk_bytes() -> usize {
+    std::env::var("OXCCL_CHUNK_BYTES")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|&b| b > 0)
+        .unwrap_or(RING_CHUNK_BYTES)
+}
+
+/// A validated call's plan on the cuda-ring: the host backend's ring
+/// schedule, lowered to stream operations and run.
+fn ring_plan(desc: &CollectiveDesc, chunk_bytes: usize) -> Lowered {
+    let plan = schedule::plan_with(desc, chunk_bytes, Family::Ring);
+    lower(&plan, desc.world_size)
+}
+
+fn ring_enqueue(
+    ring: &mut RingComm,
+    desc: &CollectiveDesc,
+    chunk_bytes: usize,
+    bufs: &[CallBufs],
+) -> Result<()> {
+    let lowered = ring_plan(desc, chunk_bytes);
+    ring.run(
+        desc.op,
+        desc.dtype,
+        desc.reduce_op.unwrap_or(ReduceOp::Sum),
+        &lowered,
+        bufs,
+    )
+}
+
+/// One NCCL call being enqueued.
+#[cfg(feature = "nccl")]
+struct NcclEnqueue<'a> {
+    stream: &'a Arc<CudaStream>,
+    seq: u64,
+    elem_bytes: usize,
+}
+
+#[cfg(feature = "nccl")]
+impl NcclEnqueue<'_> {
+    fn run(
+        &self,
+        comm: &mut NcclComm,
+        barrier_cell: &mut CudaSlice<f32>,
+        desc: &CollectiveDesc,
+        send: u64,
+        recv: u64,
+    ) -> Result<()> {
+        let (stream, seq, elem_bytes) = (self.stream, self.seq, self.elem_bytes);
+        let rank = comm.rank();
+        let lib = comm.library();
+        let raw = comm.raw();
+        let cu_stream = stream.cu_stream() as sys::RawStream;
+        let dtype = nccl::nccl_dtype(desc.dtype);
+        let op = nccl::nccl_op(desc.reduce_op.unwrap_or(ReduceOp::Sum));
+        let at = |base: u64, elems: usize| (base + (elems * elem_bytes) as u64) as *mut _;
+        let detail = format!("{} #{seq} on rank {rank}", desc.op);
+        let (call, rc) = match NcclCall::plan(desc) {
+            // SAFETY (every arm): the addresses come from live device buffers
+            // whose lengths `validate()` checked against the counts passed;
+            // `comm` and `stream` are live and belong to this GPU.
+            NcclCall::AllReduce { count } => ("ncclAllReduce", unsafe {
+                (lib.all_reduce)(at(send, 0), at(recv, 0), count, dtype, op, raw, cu_stream)
+            }),
+            NcclCall::ReduceScatter {
+                recv_count,
+                recv_offset,
+            } => ("ncclReduceScatter", unsafe {
+                (lib.reduce_scatter)(
+                    at(send, 0),
+                    at(recv, recv_offset),
+                    recv_count,
+                    dtype,
+                    op,
+                    raw,
+                    cu_stream,
+                )
+            }),
+            NcclCall::AllGather {
+                send_count,
+                send_offset,
+            } => ("ncclAllGather", unsafe {
+                (lib.all_gather)(
+                    at(send, send_offset),
+                    at(recv, 0),
+                    send_count,
+                    dtype,
+                    raw,
+                    cu_stream,
+                )
+            }),
+            NcclCall::Broadcast { count, root } => ("ncclBroadcast", unsafe {
+                (lib.broadcast)(
+                    at(if send == 0 { recv } else { send }, 0),
+                    at(recv, 0),
+                    count,
+                    dtype,
+                    root as i32,
+                    raw,
+                    cu_stream,
+                )
+            }),
+            NcclCall::Reduce { count, root } => ("ncclReduce", unsafe {
+                (lib.reduce)(
+                    at(send, 0),
+                    at(if recv == 0 { send } else { recv }, 0),
+                    count,
+                    dtype,
+                    op,
+                    root as i32,
+                    raw,
+                    cu_stream,
+                )
+            }),
+            NcclCall::Send { count, peer } => ("ncclSend", unsafe {
+                (lib.send)(at(send, 0), count, dtype, peer as i32, raw, cu_stream)
+            }),
+            NcclCall::Recv { count, peer } => ("ncclRecv", unsafe {
+                (lib.recv)(at(recv, 0), count, dtype, peer as i32, raw, cu_stream)
+            }),
+            NcclCall::AllToAll { block } => {
+                let group = GroupGuard::start(lib, rank)?;
+                for peer in 0..comm.world() {
+                    // SAFETY: as above; block `peer` of each buffer is in bounds.
+                    let rc = unsafe {
+                        (lib.send)(
+                            at(send, peer * block),
+                            block,
+                            dtype,
+                            peer as i32,
+                            raw,
+                            cu_stream,
+                        )
+                    };
+                    comm.finish_call("ncclSend", rc, &detail)?;
+                    // SAFETY: as above.
+                    let rc = unsafe {
+                        (lib.recv)(
+                            at(recv, peer * block),
+                            block,
+                            dtype,
+                            peer as i32,
+                            raw,
+                            cu_stream,
+                        )
+                    };
+                    comm.finish_call("ncclRecv", rc, &detail)?;
+                }
+                ("ncclGroupEnd", group.end())
+            }
+            NcclCall::Barrier => {
+                let (cell, _record) = barrier_cell.device_ptr_mut(stream);
+                let rc = unsafe {
+                    (lib.all_reduce)(
+                        at(cell, 0),
+                        at(cell, 0),
+                        1,
+                        nccl::nccl_dtype(crate::types::DType::F32),
+                        nccl::nccl_op(ReduceOp::Sum),
+                        raw,
+                        cu_stream,
+                    )
+                };
+                ("ncclAllReduce", rc)
+            }
+        };
+        comm.finish_call(call, rc, &detail)
+    }
+}
+
 /// Rejects a call whose buffers are on another GPU than the communicator's.
 fn check_same_device(desc: &CollectiveDesc, own: usize, ordinals: &[usize]) -> Result<()> {
     match ordinals.iter().find(|&&o| o != own) {
@@ -1046,6 +1351,22 @@ fn check_same_device(desc: &CollectiveDesc, own: usize, ordinals: &[usize]) -> R
         }),
         None => Ok(()),
     }
+}
+
+/// How a group collects its calls.
+enum GroupKind {
+    /// NCCL's thread-local group, open.
+    #[cfg(feature = "nccl")]
+    Nccl(GroupGuard),
+    /// The cuda-ring runs the group as one call at `end`: its parts here
+    /// (sends first, then receives, in the order given).
+    Ring(Vec<RingPart>),
+}
+
+/// One point-to-point call of a cuda-ring group.
+struct RingPart {
+    desc: CollectiveDesc,
+    ptr: u64,
 }
 
 /// Re-records one buffer's use on a stream (see [`P2pGroup`]).
@@ -1061,7 +1382,8 @@ type Touch<'a> = Box<dyn FnOnce(&CudaStream) + 'a>;
 /// expect the whole group, so the communicator cannot be trusted after.
 pub struct P2pGroup<'a> {
     comm: &'a mut DeviceCommunicator,
-    guard: Option<GroupGuard>,
+    /// `None` once closed.
+    kind: Option<GroupKind>,
     /// Re-records each buffer's use on the stream after the group is
     /// launched, so cudarc's tracking orders later frees and writes after
     /// the transfer rather than after the (empty) enqueue.
@@ -1093,7 +1415,15 @@ impl<'a> P2pGroup<'a> {
         let stream = self.comm.stream.clone();
         let (ptr, read) = buf.device_ptr(&stream);
         drop(read);
+        self.touch_after.push(Box::new(move |s| {
+            let _ = buf.device_ptr(s);
+        }));
+        if let Some(GroupKind::Ring(parts)) = &mut self.kind {
+            parts.push(RingPart { desc, ptr });
+            return Ok(());
+        }
         let ptr = ptr as *const std::ffi::c_void;
+        #[cfg(feature = "nccl")]
         let result = self.raw_p2p(&desc, |lib, comm, stream, dtype| {
             // SAFETY: a live buffer of `desc`'s validated length.
             unsafe {
@@ -1107,9 +1437,11 @@ impl<'a> P2pGroup<'a> {
                 )
             }
         });
-        self.touch_after.push(Box::new(move |s| {
-            let _ = buf.device_ptr(s);
-        }));
+        #[cfg(not(feature = "nccl"))]
+        let result = {
+            let _ = ptr;
+            Ok(())
+        };
         result
     }
 
@@ -1132,7 +1464,15 @@ impl<'a> P2pGroup<'a> {
         let stream = self.comm.stream.clone();
         let (ptr, write) = buf.device_ptr_mut(&stream);
         drop(write);
+        self.touch_after.push(Box::new(move |s| {
+            let _ = buf.device_ptr_mut(s);
+        }));
+        if let Some(GroupKind::Ring(parts)) = &mut self.kind {
+            parts.push(RingPart { desc, ptr });
+            return Ok(());
+        }
         let ptr = ptr as *mut std::ffi::c_void;
+        #[cfg(feature = "nccl")]
         let result = self.raw_p2p(&desc, |lib, comm, stream, dtype| {
             // SAFETY: a live buffer of `desc`'s validated length.
             unsafe {
@@ -1146,9 +1486,11 @@ impl<'a> P2pGroup<'a> {
                 )
             }
         });
-        self.touch_after.push(Box::new(move |s| {
-            let _ = buf.device_ptr_mut(s);
-        }));
+        #[cfg(not(feature = "nccl"))]
+        let result = {
+            let _ = ptr;
+            Ok(())
+        };
         result
     }
 
@@ -1172,6 +1514,7 @@ impl<'a> P2pGroup<'a> {
         }
     }
 
+    #[cfg(feature = "nccl")]
     fn raw_p2p(
         &mut self,
         desc: &CollectiveDesc,
@@ -1183,9 +1526,12 @@ impl<'a> P2pGroup<'a> {
         ) -> sys::NcclResult,
     ) -> Result<()> {
         let comm = &mut *self.comm;
+        let Engine::Nccl { comm: nccl, .. } = &mut comm.engine else {
+            return Ok(());
+        };
         let rc = call(
-            comm.nccl.library(),
-            comm.nccl.raw(),
+            nccl.library(),
+            nccl.raw(),
             comm.stream.cu_stream() as sys::RawStream,
             nccl::nccl_dtype(desc.dtype),
         );
@@ -1195,24 +1541,70 @@ impl<'a> P2pGroup<'a> {
             "ncclRecv"
         };
         let detail = format!("{} in a group on rank {}", desc.op, comm.rank);
-        let result = comm.nccl.finish_call(name, rc, &detail);
+        let result = nccl.finish_call(name, rc, &detail);
         if let Err(e) = &result {
             comm.failed.get_or_insert_with(|| e.to_string());
         }
         result
     }
 
-    /// Closes NCCL's group (launching what it holds) and orders every
+    /// Closes the group (NCCL: `ncclGroupEnd`, launching what it holds;
+    /// cuda-ring: one call with every part, sends first) and orders every
     /// buffer after it; returns the group's result.
     fn close(&mut self) -> Result<()> {
-        let rc = match self.guard.take() {
-            Some(guard) => guard.end(),
-            None => return Ok(()),
+        let Some(kind) = self.kind.take() else {
+            return Ok(());
         };
         let comm = &mut *self.comm;
         comm.seq += 1;
-        let detail = format!("point-to-point group on rank {}", comm.rank);
-        let launched = comm.nccl.finish_call("ncclGroupEnd", rc, &detail);
+        let launched = match (kind, &mut comm.engine) {
+            #[cfg(feature = "nccl")]
+            (GroupKind::Nccl(guard), Engine::Nccl { comm: nccl, .. }) => {
+                let detail = format!("point-to-point group on rank {}", comm.rank);
+                nccl.finish_call("ncclGroupEnd", guard.end(), &detail)
+            }
+            (GroupKind::Ring(mut parts), Engine::Ring(ring)) if self.poisoned.is_none() => {
+                // Sends first: they only need the receivers' ready inboxes,
+                // which every rank publishes at the start of its call.
+                parts.sort_by_key(|p| p.desc.op != OpKind::Send);
+                let lowered: Vec<Lowered> = parts
+                    .iter()
+                    .map(|p| ring_plan(&p.desc, comm.chunk_bytes))
+                    .collect();
+                let bufs: Vec<CallBufs> = parts
+                    .iter()
+                    .map(|p| match p.desc.op {
+                        OpKind::Send => CallBufs {
+                            send: p.ptr,
+                            recv: 0,
+                        },
+                        _ => CallBufs {
+                            send: 0,
+                            recv: p.ptr,
+                        },
+                    })
+                    .collect();
+                if lowered.is_empty() {
+                    Ok(())
+                } else {
+                    let dtype = parts[0].desc.dtype;
+                    if parts.iter().any(|p| p.desc.dtype.size() != dtype.size()) {
+                        // Offsets are in elements of one size per call.
+                        Err(Error::InvalidArgument {
+                            op: OpKind::Send,
+                            rank: comm.rank,
+                            arg: "buffer",
+                            reason: "a cuda-ring group mixes element sizes; use one group per \
+                                     element type"
+                                .into(),
+                        })
+                    } else {
+                        ring.run(OpKind::Send, dtype, ReduceOp::Sum, &concat(&lowered), &bufs)
+                    }
+                }
+            }
+            _ => Ok(()),
+        };
         let stream = comm.stream.clone();
         for touch in self.touch_after.drain(..) {
             touch(&stream);
@@ -1240,8 +1632,8 @@ impl<'a> P2pGroup<'a> {
             }),
         };
         if let Err(e) = &result {
-            self.comm.nccl.abort();
-            self.comm.failed.get_or_insert_with(|| e.to_string());
+            self.comm.abort();
+            self.comm.failed = Some(e.to_string());
         }
         result
     }
@@ -1253,14 +1645,17 @@ impl Drop for P2pGroup<'_> {
     /// ordered after whatever it launched, then abort the communicator — the
     /// peers' matching calls can no longer be trusted to pair up.
     fn drop(&mut self) {
-        if self.guard.is_none() {
-            return;
+        match self.kind {
+            None => return,
+            // Nothing of a cuda-ring group ran yet: drop its parts.
+            Some(GroupKind::Ring(_)) => self.kind = None,
+            #[cfg(feature = "nccl")]
+            Some(GroupKind::Nccl(_)) => {
+                let _ = self.close();
+            }
         }
-        let _ = self.close();
-        self.comm.nccl.abort();
-        self.comm
-            .failed
-            .get_or_insert_with(|| "a point-to-point group was dropped without end()".into());
+        self.comm.abort();
+        self.comm.failed = Some("a point-to-point group was dropped without end()".into());
     }
 }
 
@@ -1273,6 +1668,45 @@ mod tests {
         BufDesc {
             len,
             memory: MemoryKind::Device,
+        }
+    }
+
+    #[test]
+    fn backends_parse_and_the_cuda_ring_fails_cleanly_without_a_driver() {
+        assert_eq!(
+            DeviceBackend::from_name("cuda-ring"),
+            Some(DeviceBackend::CudaRing)
+        );
+        assert_eq!(
+            DeviceBackend::from_name(" NCCL "),
+            Some(DeviceBackend::Nccl)
+        );
+        assert_eq!(DeviceBackend::from_name("auto"), Some(DeviceBackend::Auto));
+        assert_eq!(DeviceBackend::from_name("gloo"), None);
+        // Ranks in separate processes need NCCL: refused before any I/O.
+        let store = std::sync::Arc::new(crate::bootstrap::MemoryStore::new());
+        let e = DeviceCommunicator::builder()
+            .backend(DeviceBackend::CudaRing)
+            .init(0, 2, store)
+            .unwrap_err();
+        assert!(matches!(e, Error::Config { .. }), "{e:?}");
+        assert!(e.to_string().contains("CUDA IPC"), "{e}");
+        // SAFETY: only tries to dlopen the driver.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            let e = DeviceCommunicator::builder()
+                .backend(DeviceBackend::CudaRing)
+                .local_group(3)
+                .unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    Error::LibraryNotFound {
+                        library: "CUDA driver",
+                        ..
+                    }
+                ),
+                "{e:?}"
+            );
         }
     }
 

@@ -20,7 +20,7 @@
 //! | host, in-process | `&[T]` | built |
 //! | host, shared memory / TCP | `&[T]` | built |
 //! | `nccl` | GPU ([`DeviceCommunicator`], feature `nccl`) | built |
-//! | `cuda-ring` | GPU | not built yet |
+//! | `cuda-ring` | GPU ([`DeviceCommunicator`], feature `cuda`) | built for ranks as threads of one process |
 //!
 //! ```
 //! use oxccl::{Communicator, ReduceOp};
@@ -37,8 +37,10 @@
 pub mod bootstrap;
 pub mod check;
 mod comm;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod desc;
-#[cfg(feature = "nccl")]
+#[cfg(feature = "cuda")]
 pub mod device;
 mod error;
 pub mod host;
@@ -54,8 +56,8 @@ pub use comm::{
     DEFAULT_SHM_RING_BYTES, DEFAULT_TIMEOUT,
 };
 pub use desc::{BufDesc, Buffer, CollectiveDesc, MemoryKind};
-#[cfg(feature = "nccl")]
-pub use device::{DeviceCommBuilder, DeviceCommunicator, P2pGroup};
+#[cfg(feature = "cuda")]
+pub use device::{DeviceBackend, DeviceCommBuilder, DeviceCommunicator, P2pGroup};
 pub use error::{Error, Result};
 pub use half::{bf16, f16};
 pub use host::SharedBuffer;

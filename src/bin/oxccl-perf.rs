@@ -12,7 +12,7 @@ use std::time::Instant;
 #[path = "perf/report.rs"]
 mod report;
 
-#[cfg(feature = "nccl")]
+#[cfg(feature = "cuda")]
 #[path = "perf/device.rs"]
 mod device;
 
@@ -44,9 +44,12 @@ usage: oxccl-perf [options]
       --shared            host buffers from Communicator::alloc_shared (peers in other
                           processes map them: zero copy); the algo column then says
                           what ran
-      --backend <name>    host (CPU buffers, default) or nccl (GPU buffers, one GPU per
+      --backend <name>    host (CPU buffers, default), nccl (GPU buffers, one GPU per
                           rank: -t ranks as threads, or one per process under a
-                          launcher; timed with CUDA events; needs the nccl feature)
+                          launcher) or cuda-ring (oxccl's own GPU ring: -t ranks as
+                          threads, several per GPU allowed); GPU runs are timed with
+                          CUDA events and print the device's copy bandwidth; need the
+                          cuda (cuda-ring) or nccl feature
   -h, --help              this text
 
 The last column, algo, is the algorithm oxccl chose for that size
@@ -237,8 +240,12 @@ fn parse_args() -> Result<Args, String> {
             "--plot" => a.plot = Some(value.clone()),
             "--compare" => a.compare.push(value.clone()),
             "--backend" => match value.as_str() {
-                "host" | "nccl" => a.backend = value.clone(),
-                _ => return Err(format!("unknown backend {value:?} (host or nccl)")),
+                "host" | "nccl" | "cuda-ring" => a.backend = value.clone(),
+                _ => {
+                    return Err(format!(
+                        "unknown backend {value:?} (host, nccl or cuda-ring)"
+                    ))
+                }
             },
             _ => return Err(format!("unknown option {flag}")),
         }
@@ -710,8 +717,8 @@ fn run_on_host(a: &Args) -> Result<RunResult, String> {
     }
 }
 
-/// `--backend nccl`: the same table on GPU buffers.
-#[cfg(feature = "nccl")]
+/// `--backend nccl|cuda-ring`: the same table on GPU buffers.
+#[cfg(feature = "cuda")]
 fn run_on_gpus(a: &Args) -> Result<RunResult, String> {
     match a.dtype {
         DType::I8 => device::run_typed::<i8>(a),
@@ -728,7 +735,7 @@ fn run_on_gpus(a: &Args) -> Result<RunResult, String> {
     }
 }
 
-#[cfg(not(feature = "nccl"))]
+#[cfg(not(feature = "cuda"))]
 fn run_on_gpus(_: &Args) -> Result<RunResult, String> {
     Err(
         "this oxccl-perf was built without GPU support: rebuild with \
@@ -754,7 +761,7 @@ fn main() -> ExitCode {
     if let Some(n) = a.processes.filter(|_| !under_launcher()) {
         return launch_self(n);
     }
-    let result = if a.backend == "nccl" {
+    let result = if a.backend != "host" {
         run_on_gpus(&a)
     } else {
         run_on_host(&a)

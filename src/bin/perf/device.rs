@@ -1,13 +1,14 @@
-//! `oxccl-perf --backend nccl`: the same table on GPU buffers through
-//! [`DeviceCommunicator`], one GPU per rank (`-t` ranks as threads of this
-//! process, or one rank per process under a launcher). Inputs and expected
+//! `oxccl-perf --backend nccl|cuda-ring`: the same table on GPU buffers
+//! through [`DeviceCommunicator`] (`-t` ranks as threads of this process —
+//! one GPU each for NCCL, several per GPU allowed for the cuda-ring — or,
+//! for NCCL, one rank per process under a launcher). Inputs and expected
 //! outputs are the host benchmark's (`prepare`), copied to the GPU; each
 //! size is timed with CUDA events around `-n` back-to-back calls on the
 //! communicator's stream, like nccl-tests, and the slowest rank's time is
 //! reported.
 
 use cudarc::driver::{sys::CUevent_flags, CudaSlice, DeviceRepr};
-use oxccl::{DeviceCommunicator, Element, ReduceOp};
+use oxccl::{DeviceBackend, DeviceCommunicator, Element, ReduceOp};
 
 use super::{
     count_for, prepare, print_header, print_row, size_list, under_launcher, Args, Coll, Row,
@@ -134,7 +135,7 @@ fn bench<T: Element + DeviceRepr>(
         wrong: 0,
         busbw_sum: 0.0,
         rows: Vec::new(),
-        transport: format!("NCCL {}", comm.nccl_version()),
+        transport: comm.backend_description(),
     };
     let mut last_count = usize::MAX;
     for size in size_list(a) {
@@ -148,7 +149,7 @@ fn bench<T: Element + DeviceRepr>(
         let mut row = Row {
             bytes,
             count,
-            algo: "nccl".into(),
+            algo: comm.backend_name().into(),
             ..Row::default()
         };
         for (k, in_place) in [false, true].into_iter().enumerate() {
@@ -168,7 +169,9 @@ fn bench<T: Element + DeviceRepr>(
     Ok(result)
 }
 
-/// The header, with the GPU and NCCL, and a plain warning at world size 1.
+/// The header, with the GPU and the backend, a plain warning at world
+/// size 1, and the GPU's own copy bandwidth measured now, to read busbw
+/// against.
 fn header(a: &Args, comm: &DeviceCommunicator, what: &str) {
     let name = comm
         .context()
@@ -178,24 +181,70 @@ fn header(a: &Args, comm: &DeviceCommunicator, what: &str) {
         a,
         comm.world_size(),
         what,
-        &format!("NCCL {} on {name}", comm.nccl_version()),
+        &format!("{} on {name}", comm.backend_description()),
     );
     if comm.world_size() == 1 {
-        println!("# world size 1: NCCL moves no data between GPUs; these figures are local copies");
+        println!("# world size 1: no data moves between ranks; these figures are local copies");
+    }
+    match copy_bandwidth(comm, a.max_bytes) {
+        Ok((bytes, gbs)) => println!(
+            "# device copy bandwidth: {gbs:.1} GB/s (device-to-device memcpy of {} MiB on GPU {}, \
+             bytes copied per second; each byte is read once and written once)",
+            bytes >> 20,
+            comm.device_ordinal()
+        ),
+        Err(e) => println!("# device copy bandwidth: not measured ({e})"),
+    }
+}
+
+/// Median of 5 timed device-to-device copies of up to `max_bytes` (at least
+/// 1 MiB, at most 1 GiB) on the communicator's stream, in GB/s.
+fn copy_bandwidth(comm: &DeviceCommunicator, max_bytes: usize) -> Result<(usize, f64), String> {
+    let bytes = max_bytes.clamp(1 << 20, 1 << 30);
+    let stream = comm.stream();
+    let e = |e: cudarc::driver::DriverError| e.to_string();
+    let src = stream.alloc_zeros::<u8>(bytes).map_err(e)?;
+    let mut dst = stream.alloc_zeros::<u8>(bytes).map_err(e)?;
+    let timing = Some(CUevent_flags::CU_EVENT_DEFAULT);
+    let mut samples = Vec::new();
+    for _ in 0..6 {
+        let start = stream.record_event(timing).map_err(e)?;
+        stream.memcpy_dtod(&src, &mut dst).map_err(e)?;
+        let end = stream.record_event(timing).map_err(e)?;
+        end.synchronize().map_err(e)?;
+        samples.push(f64::from(start.elapsed_ms(&end).map_err(e)?));
+    }
+    samples.remove(0); // warm-up
+    samples.sort_by(f64::total_cmp);
+    let ms = samples[samples.len() / 2];
+    Ok((bytes, bytes as f64 / (ms * 1e-3) / 1e9))
+}
+
+fn backend(a: &Args) -> DeviceBackend {
+    match a.backend.as_str() {
+        "cuda-ring" => DeviceBackend::CudaRing,
+        "nccl" => DeviceBackend::Nccl,
+        _ => DeviceBackend::Auto,
     }
 }
 
 /// Runs the benchmark on GPUs for element type `T`.
 pub(crate) fn run_typed<T: Element + DeviceRepr>(a: &Args) -> Result<RunResult, String> {
     if under_launcher() {
-        let mut comm = DeviceCommunicator::from_env().map_err(|e| e.to_string())?;
+        let mut comm = DeviceCommunicator::builder()
+            .backend(backend(a))
+            .from_env()
+            .map_err(|e| e.to_string())?;
         if comm.rank() == 0 {
             header(a, &comm, "processes");
         }
         return bench::<T>(&mut comm, a).map_err(|e| format!("rank {}: {e}", comm.rank()));
     }
-    let comms = DeviceCommunicator::local_group(a.ranks).map_err(|e| e.to_string())?;
-    header(a, &comms[0], "threads, one GPU each");
+    let comms = DeviceCommunicator::builder()
+        .backend(backend(a))
+        .local_group(a.ranks)
+        .map_err(|e| e.to_string())?;
+    header(a, &comms[0], "threads");
     let handles: Vec<_> = comms
         .into_iter()
         .map(|mut comm| {

@@ -1,0 +1,269 @@
+// oxccl's reduction kernels for the cuda-ring backend.
+//
+// Compiled to PTX by scripts/gen-ptx.py (NVRTC 12.0 from pip, so the PTX
+// loads on every driver from CUDA 12.0 on; the driver JIT-compiles it for
+// the GPU at hand). The generated files, kernels.sm80.ptx and
+// kernels.sm90.ptx, are committed and embedded by build.rs; CI regenerates
+// them and fails on any difference.
+//
+// Every kernel reproduces the host backend's arithmetic bit for bit
+// (src/host/reduce.rs), because both backends run the same plans and must
+// give the same bits:
+//   - integers wrap (computed in the unsigned type), min/max as usual;
+//   - f32/f64: one IEEE operation per element (no contraction: each kernel
+//     does a single add, multiply or divide), min/max propagate NaN by
+//     returning a + b when either is NaN;
+//   - f16/bf16: widen both to f32 exactly, apply the f32 operation, round
+//     to nearest even once; NaN stays quiet, as the `half` crate does. The
+//     conversions are done in integer code here rather than with cvt
+//     instructions, so NaN payloads match the host's too;
+//   - Avg combines as Sum; `divide` is its last step (integers truncate
+//     toward zero, floats divide in their own precision, halves in f32).
+//
+// No headers: NVRTC from pip ships none, and none are needed.
+
+typedef unsigned long long u64;
+typedef long long i64;
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+// ---- 16-bit floats <-> f32, bit-identical to the `half` crate ----------
+
+__device__ __forceinline__ float f32_from_bits(u32 x) { return __int_as_float((int)x); }
+__device__ __forceinline__ u32 bits_from_f32(float x) { return (u32)__float_as_int(x); }
+
+__device__ __forceinline__ float bf16_to_f32(u16 h) {
+    u32 v = ((u32)h) << 16;
+    u32 quiet = ((v & 0x7fffffffu) > 0x7f800000u) ? 0x00400000u : 0u;
+    return f32_from_bits(v | quiet);
+}
+
+__device__ __forceinline__ u16 f32_to_bf16(float f) {
+    u32 x = bits_from_f32(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) {
+        return (u16)((x >> 16) | 0x0040u);
+    }
+    // Adding 0x7fff plus the lowest kept bit carries into bit 16 exactly
+    // when rounding to nearest even rounds up.
+    return (u16)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    u32 sign = ((u32)(h & 0x8000u)) << 16;
+    u32 exp = h & 0x7c00u;
+    u32 man = h & 0x03ffu;
+    if ((h & 0x7fffu) == 0) {
+        return f32_from_bits(sign);
+    }
+    if (exp == 0x7c00u) {
+        return f32_from_bits(man == 0 ? (sign | 0x7f800000u) : (sign | 0x7fc00000u | (man << 13)));
+    }
+    if (exp == 0) {
+        // Subnormal: normalise the mantissa.
+        u32 e = (u32)__clz((int)man) - 16u - 6u;
+        u32 bits = sign | ((127u - 15u - e) << 23) | ((man << (14u + e)) & 0x007fffffu);
+        return f32_from_bits(bits);
+    }
+    return f32_from_bits(sign | (((exp >> 10) + 112u) << 23) | (man << 13));
+}
+
+__device__ __forceinline__ u16 f32_to_f16(float f) {
+    u32 x = bits_from_f32(f);
+    u32 sign = (x >> 16) & 0x8000u;
+    u32 exp = x & 0x7f800000u;
+    u32 man = x & 0x007fffffu;
+    if (exp == 0x7f800000u) {
+        // Infinity, or NaN made quiet with the top of its payload kept.
+        return (u16)(man == 0 ? (sign | 0x7c00u) : (sign | 0x7e00u | (man >> 13)));
+    }
+    int half_exp = (int)(exp >> 23) - 127 + 15;
+    if (half_exp >= 0x1f) {
+        return (u16)(sign | 0x7c00u);
+    }
+    if (half_exp <= 0) {
+        if (14 - half_exp > 24) {
+            return (u16)sign;
+        }
+        u32 m = man | 0x00800000u;
+        u32 shift = (u32)(14 - half_exp);
+        u32 half_man = m >> shift;
+        u32 round_bit = 1u << (shift - 1);
+        if ((m & round_bit) != 0 && (m & (3u * round_bit - 1u)) != 0) {
+            half_man += 1;
+        }
+        return (u16)(sign | half_man);
+    }
+    u32 half_exp_bits = ((u32)half_exp) << 10;
+    u32 half_man = man >> 13;
+    u32 round_bit = 0x00001000u;
+    u32 out = sign | half_exp_bits | half_man;
+    if ((man & round_bit) != 0 && (man & (3u * round_bit - 1u)) != 0) {
+        out += 1;
+    }
+    return (u16)out;
+}
+
+// ---- the operators, per storage type ------------------------------------
+
+template <typename F> __device__ __forceinline__ F nan_min(F a, F b) {
+    if (a != a || b != b) return a + b;
+    return b < a ? b : a;
+}
+template <typename F> __device__ __forceinline__ F nan_max(F a, F b) {
+    if (a != a || b != b) return a + b;
+    return b > a ? b : a;
+}
+
+struct Sum {};
+struct Prod {};
+struct Min {};
+struct Max {};
+
+// Integers: arithmetic in the unsigned type of the same width (wrapping).
+template <typename T, typename U> struct IntOps {
+    __device__ static __forceinline__ T apply(Sum, T a, T b) { return (T)(U)((U)a + (U)b); }
+    __device__ static __forceinline__ T apply(Prod, T a, T b) { return (T)(U)((U)a * (U)b); }
+    __device__ static __forceinline__ T apply(Min, T a, T b) { return b < a ? b : a; }
+    __device__ static __forceinline__ T apply(Max, T a, T b) { return b > a ? b : a; }
+};
+
+template <typename F> struct FloatOps {
+    __device__ static __forceinline__ F apply(Sum, F a, F b) { return a + b; }
+    __device__ static __forceinline__ F apply(Prod, F a, F b) { return a * b; }
+    __device__ static __forceinline__ F apply(Min, F a, F b) { return nan_min(a, b); }
+    __device__ static __forceinline__ F apply(Max, F a, F b) { return nan_max(a, b); }
+};
+
+struct Bf16Ops {
+    template <typename Op> __device__ static __forceinline__ u16 apply(Op op, u16 a, u16 b) {
+        return f32_to_bf16(FloatOps<float>::apply(op, bf16_to_f32(a), bf16_to_f32(b)));
+    }
+};
+
+struct F16Ops {
+    template <typename Op> __device__ static __forceinline__ u16 apply(Op op, u16 a, u16 b) {
+        return f32_to_f16(FloatOps<float>::apply(op, f16_to_f32(a), f16_to_f32(b)));
+    }
+};
+
+// ---- combine: dst[i] = a[i] (+) b[i] -------------------------------------
+//
+// `a` may equal `dst` (an in-place fold). When all three pointers are 16-byte
+// aligned the body moves 16 bytes per load and store (uint4); the tail and
+// unaligned calls go element by element. Grid-stride loops: any launch
+// size covers any n.
+
+template <typename T, typename Ops, typename Op>
+__device__ __forceinline__ void combine(T* dst, const T* a, const T* b, u64 n) {
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    const u64 first = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    const int V = 16 / (int)sizeof(T);
+    u64 done = 0;
+    if ((((u64)dst | (u64)a | (u64)b) & 15u) == 0) {
+        const u64 vectors = n / V;
+        for (u64 v = first; v < vectors; v += stride) {
+            uint4 va = ((const uint4*)a)[v];
+            uint4 vb = ((const uint4*)b)[v];
+            uint4 out;
+            const T* ea = (const T*)&va;
+            const T* eb = (const T*)&vb;
+            T* eo = (T*)&out;
+#pragma unroll
+            for (int k = 0; k < V; k++) {
+                eo[k] = Ops::apply(Op(), ea[k], eb[k]);
+            }
+            ((uint4*)dst)[v] = out;
+        }
+        done = vectors * V;
+    }
+    for (u64 i = done + first; i < n; i += stride) {
+        dst[i] = Ops::apply(Op(), a[i], b[i]);
+    }
+}
+
+// ---- divide: the last step of Avg -----------------------------------------
+
+template <typename T> __device__ __forceinline__ T divide_one(T x, u64 world);
+template <> __device__ __forceinline__ signed char divide_one(signed char x, u64 w) { return (signed char)((i64)x / (i64)w); }
+template <> __device__ __forceinline__ unsigned char divide_one(unsigned char x, u64 w) { return (unsigned char)((u64)x / w); }
+template <> __device__ __forceinline__ int divide_one(int x, u64 w) { return (int)((i64)x / (i64)w); }
+template <> __device__ __forceinline__ u32 divide_one(u32 x, u64 w) { return (u32)((u64)x / w); }
+template <> __device__ __forceinline__ i64 divide_one(i64 x, u64 w) { return x / (i64)w; }
+template <> __device__ __forceinline__ u64 divide_one(u64 x, u64 w) { return x / w; }
+template <> __device__ __forceinline__ float divide_one(float x, u64 w) { return x / (float)w; }
+template <> __device__ __forceinline__ double divide_one(double x, u64 w) { return x / (double)w; }
+
+template <typename T> __device__ __forceinline__ void divide(T* x, u64 n, u64 world) {
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        x[i] = divide_one<T>(x[i], world);
+    }
+}
+
+__device__ __forceinline__ void divide_f16(u16* x, u64 n, u64 world) {
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        x[i] = f32_to_f16(f16_to_f32(x[i]) / (float)world);
+    }
+}
+
+__device__ __forceinline__ void divide_bf16(u16* x, u64 n, u64 world) {
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        x[i] = f32_to_bf16(bf16_to_f32(x[i]) / (float)world);
+    }
+}
+
+// ---- the entry points: oxccl_combine_<dtype>_<op>, oxccl_divide_<dtype> ---
+//
+// dtype names are oxccl's (DType::name in src/types.rs): int8 uint8 int32
+// uint32 int64 uint64 half float double bfloat16.
+
+#define COMBINE(NAME, T, OPS, OP)                                                     \
+    extern "C" __global__ void oxccl_combine_##NAME##_##OP(T* dst, const T* a,        \
+                                                          const T* b, u64 n) {        \
+        combine<T, OPS, OP>(dst, a, b, n);                                            \
+    }
+
+#define ALL_OPS(NAME, T, OPS)   \
+    COMBINE(NAME, T, OPS, Sum)  \
+    COMBINE(NAME, T, OPS, Prod) \
+    COMBINE(NAME, T, OPS, Min)  \
+    COMBINE(NAME, T, OPS, Max)
+
+typedef IntOps<signed char, unsigned char> I8Ops;
+typedef IntOps<unsigned char, unsigned char> U8Ops;
+typedef IntOps<int, u32> I32Ops;
+typedef IntOps<u32, u32> U32Ops;
+typedef IntOps<i64, u64> I64Ops;
+typedef IntOps<u64, u64> U64Ops;
+typedef FloatOps<float> F32Ops;
+typedef FloatOps<double> F64Ops;
+
+ALL_OPS(int8, signed char, I8Ops)
+ALL_OPS(uint8, unsigned char, U8Ops)
+ALL_OPS(int32, int, I32Ops)
+ALL_OPS(uint32, u32, U32Ops)
+ALL_OPS(int64, i64, I64Ops)
+ALL_OPS(uint64, u64, U64Ops)
+ALL_OPS(half, u16, F16Ops)
+ALL_OPS(float, float, F32Ops)
+ALL_OPS(double, double, F64Ops)
+ALL_OPS(bfloat16, u16, Bf16Ops)
+
+#define DIVIDE(NAME, T)                                                                \
+    extern "C" __global__ void oxccl_divide_##NAME(T* x, u64 n, u64 world) {           \
+        divide<T>(x, n, world);                                                        \
+    }
+
+DIVIDE(int8, signed char)
+DIVIDE(uint8, unsigned char)
+DIVIDE(int32, int)
+DIVIDE(uint32, u32)
+DIVIDE(int64, i64)
+DIVIDE(uint64, u64)
+DIVIDE(float, float)
+DIVIDE(double, double)
+
+extern "C" __global__ void oxccl_divide_half(u16* x, u64 n, u64 world) { divide_f16(x, n, world); }
+extern "C" __global__ void oxccl_divide_bfloat16(u16* x, u64 n, u64 world) { divide_bf16(x, n, world); }

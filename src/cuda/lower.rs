@@ -1,0 +1,649 @@
+//! From a schedule [`Plan`] to the operations a GPU stream runs: the
+//! cuda-ring executor's launch plan, pure data, checked on the CPU.
+//!
+//! The transport is *eager staging through the receiver's inbox*, the GPU
+//! form of the host transports' eager sends: rank `r` owns one inbox per
+//! peer `p`, sized for everything `p` sends it in the call. A `Send` is a
+//! copy into the receiver's inbox at the pair's running offset, then a
+//! *post* (an event recorded on the sender's stream, handed to the
+//! receiver); a receive *awaits* the next post from that peer (its stream
+//! waits on the event) and reads the inbox at the pair's running offset.
+//! The k-th send of a pair matches its k-th receive with the same length —
+//! the invariant the schedule simulator checks for every plan — so both
+//! sides compute the same offsets without talking.
+//!
+//! Before its first write into a peer's inbox in a call, a sender waits for
+//! that peer's *ready* event of the call (recorded once the peer's stream has
+//! finished reading its inboxes in the previous call): no write lands in an
+//! inbox still being read.
+//!
+//! Step by step (⊕ is the call's combining operator, arguments in the
+//! host executor's order, so the bits match the host backend's):
+//!
+//! | step | operations |
+//! |---|---|
+//! | `Send{peer, src}` | copy `src` → outbox(peer); post(peer) |
+//! | `Recv{peer, dst}` | await(peer); copy inbox(peer) → `dst` |
+//! | `RecvReduce{peer, local, dst}` | await(peer); `dst = local ⊕ inbox(peer)` |
+//! | `RecvReduceSend{from, to, local}` | await(from); `outbox(to) = local ⊕ inbox(from)` — fused: one kernel reads both and writes the next rank's inbox; post(to) |
+//! | `RecvCopySend{from, to, dst}` | await(from); copy inbox(from) → `dst`; copy inbox(from) → outbox(to); post(to) |
+//! | `Copy{src, dst}` | copy |
+//! | `ReduceLocal{src, dst}` | `dst = dst ⊕ src` |
+//! | `DivideByWorld{span}` | divide |
+
+use crate::schedule::{BufId, Plan, Span, Step};
+use crate::types::Rank;
+
+/// A memory a device operation reads or writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Mem {
+    /// A buffer of the call (`Send`, `Recv`) or the executor's scratch.
+    Buf(BufId),
+    /// A buffer of part `i` of a grouped call ([`concat`]).
+    Part(usize, BufId),
+    /// This rank's inbox for messages from `peer`.
+    Inbox(Rank),
+    /// `peer`'s inbox for messages from this rank.
+    Outbox(Rank),
+}
+
+/// An element offset in a [`Mem`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct At {
+    /// Which memory.
+    pub mem: Mem,
+    /// Element offset in it.
+    pub offset: usize,
+}
+
+/// One operation on the rank's stream (or, for `Await`/`AwaitReady`, a
+/// host-side wait for a peer's event followed by a stream wait on it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum DevOp {
+    /// Copy `len` elements.
+    Copy { src: At, dst: At, len: usize },
+    /// `dst[i] = a[i] ⊕ b[i]` for `len` elements (`a` may be `dst`).
+    Combine { dst: At, a: At, b: At, len: usize },
+    /// Divide `len` elements by the world size (the end of `Avg`).
+    Divide { dst: At, len: usize },
+    /// Wait until `to`'s inbox for this rank is free for this call.
+    AwaitReady { to: Rank },
+    /// The message just written into `to`'s inbox is complete: record an
+    /// event and hand it to `to`.
+    Post { to: Rank },
+    /// Wait for the next message from `from`.
+    Await { from: Rank },
+}
+
+/// A lowered plan: the operations, and the inbox sizes they need.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Lowered {
+    /// In stream order.
+    pub ops: Vec<DevOp>,
+    /// Elements this rank receives from each peer in the call (its inbox
+    /// sizes).
+    pub incoming: Vec<usize>,
+    /// Elements this rank sends to each peer (the peers' inbox sizes for it).
+    pub outgoing: Vec<usize>,
+    /// Elements of scratch the plan uses.
+    pub scratch_len: usize,
+}
+
+fn at(span: Span) -> At {
+    At {
+        mem: Mem::Buf(span.buf),
+        offset: span.offset,
+    }
+}
+
+/// Lowers `plan` for a rank of a `world`-rank call.
+pub(crate) fn lower(plan: &Plan, world: usize) -> Lowered {
+    let mut out = Lowered {
+        ops: Vec::with_capacity(plan.steps.len() * 2),
+        incoming: vec![0; world],
+        outgoing: vec![0; world],
+        scratch_len: plan.scratch_len,
+    };
+    let mut readied = vec![false; world];
+    // Cursors are the running totals themselves.
+    // Only a message with data writes the inbox: zero-length messages
+    // (barriers) are a post alone, and need no ready inbox.
+    let mut send_to = |out: &mut Lowered, to: Rank, len: usize| -> At {
+        if !readied[to] && len > 0 {
+            readied[to] = true;
+            out.ops.push(DevOp::AwaitReady { to });
+        }
+        let dst = At {
+            mem: Mem::Outbox(to),
+            offset: out.outgoing[to],
+        };
+        out.outgoing[to] += len;
+        dst
+    };
+    let recv_from = |out: &mut Lowered, from: Rank, len: usize| -> At {
+        out.ops.push(DevOp::Await { from });
+        let src = At {
+            mem: Mem::Inbox(from),
+            offset: out.incoming[from],
+        };
+        out.incoming[from] += len;
+        src
+    };
+    for step in &plan.steps {
+        match *step {
+            Step::Send { peer, src } => {
+                let dst = send_to(&mut out, peer, src.len);
+                out.ops.push(DevOp::Copy {
+                    src: at(src),
+                    dst,
+                    len: src.len,
+                });
+                out.ops.push(DevOp::Post { to: peer });
+            }
+            Step::Recv { peer, dst } => {
+                let src = recv_from(&mut out, peer, dst.len);
+                out.ops.push(DevOp::Copy {
+                    src,
+                    dst: at(dst),
+                    len: dst.len,
+                });
+            }
+            Step::RecvReduce { peer, local, dst } => {
+                let incoming = recv_from(&mut out, peer, dst.len);
+                out.ops.push(DevOp::Combine {
+                    dst: at(dst),
+                    a: at(local),
+                    b: incoming,
+                    len: dst.len,
+                });
+            }
+            Step::RecvReduceSend { from, to, local } => {
+                let incoming = recv_from(&mut out, from, local.len);
+                let dst = send_to(&mut out, to, local.len);
+                out.ops.push(DevOp::Combine {
+                    dst,
+                    a: at(local),
+                    b: incoming,
+                    len: local.len,
+                });
+                out.ops.push(DevOp::Post { to });
+            }
+            Step::RecvCopySend { from, to, dst } => {
+                let incoming = recv_from(&mut out, from, dst.len);
+                out.ops.push(DevOp::Copy {
+                    src: incoming,
+                    dst: at(dst),
+                    len: dst.len,
+                });
+                let forward = send_to(&mut out, to, dst.len);
+                out.ops.push(DevOp::Copy {
+                    src: incoming,
+                    dst: forward,
+                    len: dst.len,
+                });
+                out.ops.push(DevOp::Post { to });
+            }
+            Step::Copy { src, dst } => out.ops.push(DevOp::Copy {
+                src: at(src),
+                dst: at(dst),
+                len: src.len,
+            }),
+            Step::ReduceLocal { src, dst } => out.ops.push(DevOp::Combine {
+                dst: at(dst),
+                a: at(dst),
+                b: at(src),
+                len: dst.len,
+            }),
+            Step::DivideByWorld { span } => out.ops.push(DevOp::Divide {
+                dst: at(span),
+                len: span.len,
+            }),
+        }
+    }
+    out
+}
+
+/// One call made of several lowered parts (a group of point-to-point
+/// calls): part `i`'s buffers become [`Mem::Part`]`(i, ..)`, its inbox and
+/// outbox offsets follow the earlier parts', and each peer's inbox is made
+/// ready once.
+pub(crate) fn concat(parts: &[Lowered]) -> Lowered {
+    let world = parts.first().map_or(0, |p| p.incoming.len());
+    let mut out = Lowered {
+        ops: Vec::new(),
+        incoming: vec![0; world],
+        outgoing: vec![0; world],
+        scratch_len: parts.iter().map(|p| p.scratch_len).max().unwrap_or(0),
+    };
+    let mut readied = vec![false; world];
+    for (i, part) in parts.iter().enumerate() {
+        let (inbox_base, outbox_base) = (out.incoming.clone(), out.outgoing.clone());
+        let place = |at: At| -> At {
+            match at.mem {
+                Mem::Buf(b) => At {
+                    mem: Mem::Part(i, b),
+                    offset: at.offset,
+                },
+                Mem::Inbox(p) => At {
+                    mem: at.mem,
+                    offset: at.offset + inbox_base[p],
+                },
+                Mem::Outbox(p) => At {
+                    mem: at.mem,
+                    offset: at.offset + outbox_base[p],
+                },
+                Mem::Part(..) => at,
+            }
+        };
+        for op in &part.ops {
+            out.ops.push(match *op {
+                DevOp::AwaitReady { to } => {
+                    if std::mem::replace(&mut readied[to], true) {
+                        continue;
+                    }
+                    DevOp::AwaitReady { to }
+                }
+                DevOp::Copy { src, dst, len } => DevOp::Copy {
+                    src: place(src),
+                    dst: place(dst),
+                    len,
+                },
+                DevOp::Combine { dst, a, b, len } => DevOp::Combine {
+                    dst: place(dst),
+                    a: place(a),
+                    b: place(b),
+                    len,
+                },
+                DevOp::Divide { dst, len } => DevOp::Divide {
+                    dst: place(dst),
+                    len,
+                },
+                other => other,
+            });
+        }
+        for p in 0..world {
+            out.incoming[p] += part.incoming[p];
+            out.outgoing[p] += part.outgoing[p];
+        }
+    }
+    // Every ready an op awaits must come before the first write: a part
+    // that writes a peer's inbox after an earlier part readied it is fine,
+    // since readies were moved to the first part that needs them.
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    //! The launch plans, run on the CPU by an interpreter that plays every
+    //! rank's stream over host memory with the host's own reduction code,
+    //! against the host backend itself: same inputs, same plans, and the
+    //! bits must match. (The kernels' arithmetic against the host's is the
+    //! GPU tests' part.)
+
+    use std::collections::VecDeque;
+    use std::time::Duration;
+
+    use super::*;
+    use crate::comm::{Algo, Communicator};
+    use crate::desc::{BufDesc, CollectiveDesc, MemoryKind};
+    use crate::schedule::{plan_with, Family};
+    use crate::types::{Element, OpKind, ReduceOp};
+
+    /// Each rank's memories in the interpreter.
+    struct Rank_<T> {
+        send: Vec<T>,
+        recv: Vec<T>,
+        scratch: Vec<T>,
+        /// inbox[p]: what p sent this rank.
+        inbox: Vec<Vec<T>>,
+        pc: usize,
+        /// Messages posted to this rank by each peer, not yet awaited.
+        posted: Vec<usize>,
+    }
+
+    fn read<T: Element>(ranks: &[Rank_<T>], me: usize, a: At, len: usize) -> Vec<T> {
+        let r = &ranks[me];
+        let v = match a.mem {
+            Mem::Buf(BufId::Send) => &r.send,
+            Mem::Buf(BufId::Recv) => &r.recv,
+            Mem::Buf(BufId::Scratch) => &r.scratch,
+            Mem::Inbox(p) => &r.inbox[p],
+            Mem::Outbox(p) => &ranks[p].inbox[me],
+            Mem::Part(..) => panic!("the interpreter runs single calls"),
+        };
+        v[a.offset..a.offset + len].to_vec()
+    }
+
+    fn write<T: Element>(ranks: &mut [Rank_<T>], me: usize, a: At, data: &[T]) {
+        let v = match a.mem {
+            Mem::Buf(BufId::Send) => panic!("rank {me} writes its send buffer"),
+            Mem::Buf(BufId::Recv) => &mut ranks[me].recv,
+            Mem::Buf(BufId::Scratch) => &mut ranks[me].scratch,
+            Mem::Inbox(p) => panic!("rank {me} writes its own inbox from {p}"),
+            Mem::Outbox(p) => &mut ranks[p].inbox[me],
+            Mem::Part(..) => panic!("the interpreter runs single calls"),
+        };
+        v[a.offset..a.offset + data.len()].copy_from_slice(data);
+    }
+
+    /// Runs every rank's lowered ops until all finish; a rank blocks at an
+    /// `Await` until the peer has posted. Returns each rank's receive buffer.
+    fn interpret<T: Element>(
+        lowered: &[Lowered],
+        mut ranks: Vec<Rank_<T>>,
+        op: ReduceOp,
+        world: usize,
+    ) -> Vec<Vec<T>> {
+        // The inbox sizes each side computed must agree.
+        for (r, low) in lowered.iter().enumerate() {
+            for (p, sender) in lowered.iter().enumerate() {
+                assert_eq!(low.incoming[p], sender.outgoing[r], "inbox {p}->{r}");
+            }
+            ranks[r].inbox = (0..world)
+                .map(|p| vec![T::zeroed(); low.incoming[p]])
+                .collect();
+        }
+        let mut pending: VecDeque<usize> = (0..world).collect();
+        let mut stalls = 0;
+        while let Some(me) = pending.pop_front() {
+            let mut progressed = false;
+            while ranks[me].pc < lowered[me].ops.len() {
+                match lowered[me].ops[ranks[me].pc] {
+                    DevOp::Await { from } => {
+                        if ranks[me].posted[from] == 0 {
+                            break;
+                        }
+                        ranks[me].posted[from] -= 1;
+                    }
+                    DevOp::AwaitReady { .. } => {}
+                    DevOp::Post { to } => ranks[to].posted[me] += 1,
+                    DevOp::Copy { src, dst, len } => {
+                        let data = read(&ranks, me, src, len);
+                        write(&mut ranks, me, dst, &data);
+                    }
+                    DevOp::Combine { dst, a, b, len } => {
+                        let (x, y) = (read(&ranks, me, a, len), read(&ranks, me, b, len));
+                        let mut out = vec![T::zeroed(); len];
+                        T::combine_into(op, &mut out, &x, &y);
+                        write(&mut ranks, me, dst, &out);
+                    }
+                    DevOp::Divide { dst, len } => {
+                        let mut x = read(&ranks, me, dst, len);
+                        T::divide_by(&mut x, world);
+                        write(&mut ranks, me, dst, &x);
+                    }
+                }
+                ranks[me].pc += 1;
+                progressed = true;
+            }
+            if ranks[me].pc < lowered[me].ops.len() {
+                pending.push_back(me);
+                stalls = if progressed { 0 } else { stalls + 1 };
+                assert!(stalls <= world, "deadlock: every rank awaits a message");
+            }
+        }
+        for r in &ranks {
+            assert!(
+                r.posted.iter().all(|&n| n == 0),
+                "a message was never received"
+            );
+        }
+        ranks.into_iter().map(|r| r.recv).collect()
+    }
+
+    /// Inputs with varied bits (and some negative values for the signed types).
+    fn input<T: Element>(rank: usize, len: usize) -> Vec<T> {
+        (0..len)
+            .map(|i| T::from_i64_wrapping(((rank * 131 + i * 17) % 23) as i64 - 7))
+            .collect()
+    }
+
+    #[derive(Clone, Copy, Debug)]
+    struct Case {
+        op: OpKind,
+        reduce: Option<ReduceOp>,
+        root: Option<usize>,
+        in_place: bool,
+        count: usize,
+    }
+
+    fn lens(case: &Case, world: usize) -> (usize, usize) {
+        let c = case.count;
+        match (case.op, case.in_place) {
+            (OpKind::ReduceScatter, false) => (c * world, c),
+            (OpKind::AllGather, false) => (c, c * world),
+            (OpKind::ReduceScatter | OpKind::AllGather | OpKind::AllToAll, true) => {
+                (c * world, c * world)
+            }
+            (OpKind::AllToAll, false) => (c * world, c * world),
+            _ => (c, c),
+        }
+    }
+
+    /// The host backend with the ring schedules, on threads: the reference.
+    fn host_results<T: Element>(case: Case, world: usize, chunk: usize) -> Vec<Vec<T>> {
+        let comms = Communicator::builder()
+            .timeout(Duration::from_secs(20))
+            .chunk_bytes(chunk)
+            .algo(Algo::Ring)
+            .local_group(world)
+            .unwrap();
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|mut comm| {
+                std::thread::spawn(move || {
+                    let r = comm.rank();
+                    let (send_len, recv_len) = lens(&case, world);
+                    let send = input::<T>(r, send_len);
+                    let mut recv = if case.in_place {
+                        input::<T>(r, recv_len)
+                    } else {
+                        vec![T::zeroed(); recv_len]
+                    };
+                    let op = case.reduce.unwrap_or(ReduceOp::Sum);
+                    let root = case.root.unwrap_or(0);
+                    match (case.op, case.in_place) {
+                        (OpKind::AllReduce, false) => comm.all_reduce(&send, &mut recv, op),
+                        (OpKind::AllReduce, true) => comm.all_reduce_in_place(&mut recv, op),
+                        (OpKind::ReduceScatter, false) => comm.reduce_scatter(&send, &mut recv, op),
+                        (OpKind::ReduceScatter, true) => {
+                            comm.reduce_scatter_in_place(&mut recv, op)
+                        }
+                        (OpKind::AllGather, false) => comm.all_gather(&send, &mut recv),
+                        (OpKind::AllGather, true) => {
+                            // This rank's block is already in place.
+                            comm.all_gather_in_place(&mut recv)
+                        }
+                        (OpKind::Broadcast, false) => comm.broadcast(&send, &mut recv, root),
+                        (OpKind::Broadcast, true) => comm.broadcast_in_place(&mut recv, root),
+                        (OpKind::Reduce, false) => comm.reduce(&send, &mut recv, op, root),
+                        (OpKind::Reduce, true) => comm.reduce_in_place(&mut recv, op, root),
+                        (OpKind::AllToAll, _) => comm.all_to_all(&send, &mut recv),
+                        _ => unreachable!(),
+                    }
+                    .unwrap();
+                    recv
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    fn lowered_results<T: Element>(case: Case, world: usize, chunk: usize) -> Vec<Vec<T>> {
+        let (send_len, recv_len) = lens(&case, world);
+        let host = |len| BufDesc {
+            len,
+            memory: MemoryKind::Host,
+        };
+        let mut lowered = Vec::new();
+        let mut ranks = Vec::new();
+        for r in 0..world {
+            let mut desc = CollectiveDesc::new(case.op, T::DTYPE, r, world, MemoryKind::Host);
+            desc = if case.in_place {
+                desc.with_in_place(host(recv_len))
+            } else {
+                desc.with_send(host(send_len)).with_recv(host(recv_len))
+            };
+            if let Some(op) = case.reduce {
+                desc = desc.with_reduce_op(op);
+            }
+            if let Some(root) = case.root {
+                desc = desc.with_root(root);
+            }
+            desc.validate().unwrap();
+            let plan = plan_with(&desc, chunk, Family::Ring);
+            let low = lower(&plan, world);
+            ranks.push(Rank_ {
+                send: input::<T>(r, send_len),
+                recv: if case.in_place {
+                    input::<T>(r, recv_len)
+                } else {
+                    vec![T::zeroed(); recv_len]
+                },
+                scratch: vec![T::zeroed(); low.scratch_len],
+                inbox: Vec::new(),
+                pc: 0,
+                posted: vec![0; world],
+            });
+            lowered.push(low);
+        }
+        interpret(
+            &lowered,
+            ranks,
+            case.reduce.unwrap_or(ReduceOp::Sum).combining(),
+            world,
+        )
+    }
+
+    fn cases(world: usize) -> Vec<Case> {
+        let mut out = Vec::new();
+        for count in [0, 1, world + 1, 1000] {
+            for in_place in [false, true] {
+                for reduce in ReduceOp::ALL {
+                    out.push(Case {
+                        op: OpKind::AllReduce,
+                        reduce: Some(reduce),
+                        root: None,
+                        in_place,
+                        count,
+                    });
+                    out.push(Case {
+                        op: OpKind::ReduceScatter,
+                        reduce: Some(reduce),
+                        root: None,
+                        in_place,
+                        count,
+                    });
+                    out.push(Case {
+                        op: OpKind::Reduce,
+                        reduce: Some(reduce),
+                        root: Some(world - 1),
+                        in_place,
+                        count,
+                    });
+                }
+                out.push(Case {
+                    op: OpKind::AllGather,
+                    reduce: None,
+                    root: None,
+                    in_place,
+                    count,
+                });
+                out.push(Case {
+                    op: OpKind::Broadcast,
+                    reduce: None,
+                    root: Some(world / 2),
+                    in_place,
+                    count,
+                });
+            }
+            out.push(Case {
+                op: OpKind::AllToAll,
+                reduce: None,
+                root: None,
+                in_place: false,
+                count,
+            });
+        }
+        out
+    }
+
+    fn compare<T: Element>(world: usize, chunk: usize) {
+        for case in cases(world) {
+            let host = host_results::<T>(case, world, chunk);
+            let gpu = lowered_results::<T>(case, world, chunk);
+            for r in 0..world {
+                // Off the root, reduce's output is unspecified; in-place
+                // reduce-scatter leaves the other blocks unspecified.
+                let (h, g) = match case.op {
+                    OpKind::Reduce if Some(r) != case.root => continue,
+                    OpKind::ReduceScatter if case.in_place => {
+                        let c = case.count;
+                        (&host[r][r * c..(r + 1) * c], &gpu[r][r * c..(r + 1) * c])
+                    }
+                    _ => (&host[r][..], &gpu[r][..]),
+                };
+                let hb: &[u8] = bytemuck::cast_slice(h);
+                let gb: &[u8] = bytemuck::cast_slice(g);
+                assert!(hb == gb, "{} world {world} rank {r} {case:?}", T::DTYPE);
+            }
+        }
+    }
+
+    #[test]
+    fn launch_plans_give_the_host_backends_bits() {
+        for world in [2, 3, 4] {
+            compare::<f32>(world, 64);
+            compare::<crate::bf16>(world, 256 * 1024);
+        }
+        compare::<i8>(3, 16);
+        compare::<f64>(5, 1 << 20);
+    }
+
+    #[test]
+    fn the_ring_all_reduce_fuses_receive_reduce_send() {
+        let desc = CollectiveDesc::new(
+            OpKind::AllReduce,
+            crate::DType::F32,
+            1,
+            4,
+            MemoryKind::Device,
+        )
+        .with_in_place(BufDesc {
+            len: 4000,
+            memory: MemoryKind::Device,
+        })
+        .with_reduce_op(ReduceOp::Sum);
+        let low = lower(&plan_with(&desc, 1 << 20, Family::Ring), 4);
+        // The ring sends 2(N-1)/N of the buffer to the next rank and
+        // receives as much from the previous one.
+        assert_eq!(low.outgoing, vec![0, 0, 6000, 0]);
+        assert_eq!(low.incoming, vec![6000, 0, 0, 0]);
+        // Middle reduce-scatter steps are one fused kernel writing the next
+        // rank's inbox.
+        let fused = low
+            .ops
+            .iter()
+            .filter(|op| {
+                matches!(
+                    op,
+                    DevOp::Combine {
+                        dst: At {
+                            mem: Mem::Outbox(2),
+                            ..
+                        },
+                        ..
+                    }
+                )
+            })
+            .count();
+        assert_eq!(fused, 2, "{:?}", low.ops);
+        assert_eq!(
+            low.ops
+                .iter()
+                .filter(|op| matches!(op, DevOp::AwaitReady { .. }))
+                .count(),
+            1
+        );
+    }
+}

@@ -1,0 +1,802 @@
+//! The cuda-ring executor: runs lowered plans ([`super::lower`]) on GPU
+//! streams, for ranks that are threads of one process — several per GPU
+//! allowed (single-GPU machines, tests) or one per GPU.
+//!
+//! Each rank owns a stream, its inboxes (one per sending peer, grown to the
+//! largest call seen) and a handle on the group. The group is the host-side
+//! meeting point: per ordered pair of ranks a mailbox in which the receiver
+//! publishes its inbox and *ready* event for each call, and the sender posts
+//! one event per message. Every host-side wait has the communicator's
+//! deadline and notices an aborted group or a departed peer; GPU-side
+//! ordering is by events only (`cuStreamWaitEvent`), so the CPU threads
+//! enqueue and move on.
+//!
+//! Paths between a pair (printed with `OXCCL_DEBUG=INFO`):
+//! - *same GPU*: the inbox is device memory, copies and kernels use it
+//!   directly;
+//! - *peer access*: ranks on different GPUs with peer access enabled both
+//!   ways: the inbox is on the receiver's GPU, the sender's copies and fused
+//!   kernels write it directly;
+//! - *host-staged*: no peer access, or `OXCCL_P2P_DISABLE=1`: the inbox is
+//!   pinned host memory mapped into both GPUs' address space; the sender
+//!   writes it, the receiver reads it (over PCIe).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::sys::{self, CUdeviceptr};
+use cudarc::driver::{
+    CudaContext, CudaEvent, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg,
+};
+
+use super::lower::{At, DevOp, Lowered, Mem};
+use crate::error::{Error, Result};
+use crate::schedule::BufId;
+use crate::types::{DType, OpKind, Rank, ReduceOp};
+
+/// Whether `OXCCL_P2P_DISABLE` forces the host-staged path (NCCL's
+/// `NCCL_P2P_DISABLE`).
+pub(crate) fn p2p_disabled() -> bool {
+    std::env::var("OXCCL_P2P_DISABLE").is_ok_and(|v| v.trim() == "1")
+}
+
+/// Whether `OXCCL_DEBUG` asks for INFO lines (`INFO` or `TRACE`).
+pub(crate) fn debug_info() -> bool {
+    std::env::var("OXCCL_DEBUG")
+        .is_ok_and(|v| matches!(v.trim().to_ascii_uppercase().as_str(), "INFO" | "TRACE"))
+}
+
+/// How one ordered pair of ranks moves data.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Path {
+    /// Both ranks on one GPU.
+    SameGpu,
+    /// Different GPUs with peer access.
+    PeerAccess,
+    /// Through pinned host memory.
+    HostStaged,
+}
+
+impl Path {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Path::SameGpu => "same GPU",
+            Path::PeerAccess => "peer access",
+            Path::HostStaged => "host-staged (pinned memory)",
+        }
+    }
+}
+
+/// What the receiver publishes to one sender for one call in which it
+/// expects data from it.
+struct Ready {
+    inbox: CUdeviceptr,
+    event: Arc<CudaEvent>,
+}
+
+/// One ordered pair's mailbox, written under its mutex. Both queues are
+/// FIFO: the k-th call in which the sender writes to the receiver uses the
+/// receiver's k-th ready inbox, and the k-th message is the k-th receive —
+/// the same pairing as the host transports' (calls in the same order on
+/// every rank; point-to-point matched in order per pair).
+#[derive(Default)]
+struct PairState {
+    readies: VecDeque<Ready>,
+    messages: VecDeque<Arc<CudaEvent>>,
+}
+
+#[derive(Default)]
+struct Pair {
+    state: Mutex<PairState>,
+    changed: Condvar,
+}
+
+/// The host-side meeting point of a group of ranks in one process.
+pub(crate) struct RingGroup {
+    world: usize,
+    /// `pairs[from * world + to]`.
+    pairs: Vec<Pair>,
+    paths: Vec<Path>,
+    aborted: AtomicBool,
+    departed: Vec<AtomicBool>,
+    /// The kernels, loaded once per GPU.
+    modules: Mutex<HashMap<usize, Arc<CudaModule>>>,
+    /// Splits in progress, keyed by the parent's call number.
+    splits: Mutex<HashMap<u64, SplitTable>>,
+    splits_changed: Condvar,
+}
+
+/// What a rank brings to a split: its color, key and GPU.
+type SplitEntry = (Option<u32>, i64, Arc<CudaContext>);
+
+/// One split: every rank's entry, then the groups made.
+struct SplitTable {
+    entries: Vec<Option<SplitEntry>>,
+    children: HashMap<u32, Arc<RingGroup>>,
+    /// Ranks that have read the full table (the last one removes it).
+    done: usize,
+}
+
+/// How long a host-side wait sleeps between checks of abort and departure.
+const WAKE: Duration = Duration::from_millis(50);
+
+impl RingGroup {
+    /// A group of `devices.len()` ranks, rank `i` on GPU `devices[i]`,
+    /// deciding each pair's path (enabling peer access where needed).
+    pub(crate) fn new(contexts: &[Arc<CudaContext>]) -> Result<Arc<RingGroup>> {
+        let world = contexts.len();
+        let devices: Vec<usize> = contexts.iter().map(|c| c.ordinal()).collect();
+        let disabled = p2p_disabled();
+        let mut paths = vec![Path::SameGpu; world * world];
+        for from in 0..world {
+            for to in 0..world {
+                let path = if disabled {
+                    Path::HostStaged
+                } else if devices[from] == devices[to] {
+                    Path::SameGpu
+                } else if peer_access(&contexts[from], &contexts[to])
+                    && peer_access(&contexts[to], &contexts[from])
+                {
+                    Path::PeerAccess
+                } else {
+                    Path::HostStaged
+                };
+                paths[from * world + to] = path;
+                if debug_info() && from != to {
+                    eprintln!(
+                        "oxccl INFO cuda-ring: rank {from} (GPU {}) -> rank {to} (GPU {}): {}{}",
+                        devices[from],
+                        devices[to],
+                        path.name(),
+                        if disabled {
+                            " [OXCCL_P2P_DISABLE=1]"
+                        } else {
+                            ""
+                        }
+                    );
+                }
+            }
+        }
+        Ok(Arc::new(RingGroup {
+            world,
+            pairs: (0..world * world).map(|_| Pair::default()).collect(),
+            paths,
+            aborted: AtomicBool::new(false),
+            departed: (0..world).map(|_| AtomicBool::new(false)).collect(),
+            modules: Mutex::new(HashMap::new()),
+            splits: Mutex::new(HashMap::new()),
+            splits_changed: Condvar::new(),
+        }))
+    }
+
+    fn pair(&self, from: Rank, to: Rank) -> &Pair {
+        &self.pairs[from * self.world + to]
+    }
+
+    /// The path messages from `from` to `to` take.
+    pub(crate) fn path(&self, from: Rank, to: Rank) -> Path {
+        self.paths[from * self.world + to]
+    }
+
+    /// Marks the group aborted and wakes every waiter.
+    pub(crate) fn abort(&self) {
+        self.aborted.store(true, Ordering::SeqCst);
+        self.wake_all();
+    }
+
+    fn module(&self, ctx: &Arc<CudaContext>, rank: Rank) -> Result<Arc<CudaModule>> {
+        let mut modules = self.modules.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(m) = modules.get(&ctx.ordinal()) {
+            return Ok(m.clone());
+        }
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(cuda_error(rank, "reading the GPU's compute capability"))?;
+        let ptx = super::ptx_for(major, minor).ok_or_else(|| Error::Cuda {
+            rank,
+            context: format!("loading the cuda-ring kernels on GPU {}", ctx.ordinal()),
+            detail: format!(
+                "compute capability {major}.{minor}: the cuda-ring kernels need 8.0 or newer"
+            ),
+        })?;
+        let module = ctx
+            .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
+            .map_err(cuda_error(
+                rank,
+                format!(
+                    "loading the cuda-ring kernels (PTX JIT) on GPU {}",
+                    ctx.ordinal()
+                ),
+            ))?;
+        modules.insert(ctx.ordinal(), module.clone());
+        Ok(module)
+    }
+
+    fn wake_all(&self) {
+        for pair in &self.pairs {
+            let _guard = pair.state.lock();
+            pair.changed.notify_all();
+        }
+        let _guard = self.splits.lock();
+        self.splits_changed.notify_all();
+    }
+}
+
+/// Whether `from`'s context may access `to`'s memory, enabling it if so.
+fn peer_access(from: &Arc<CudaContext>, to: &Arc<CudaContext>) -> bool {
+    let mut can = 0;
+    // SAFETY: plain driver queries on live devices.
+    let rc = unsafe { sys::cuDeviceCanAccessPeer(&mut can, from.cu_device(), to.cu_device()) };
+    if rc != sys::CUresult::CUDA_SUCCESS || can == 0 {
+        return false;
+    }
+    if from.bind_to_thread().is_err() {
+        return false;
+    }
+    // SAFETY: `from` is current; enabling twice returns
+    // CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED, which is success for us.
+    let rc = unsafe { sys::cuCtxEnablePeerAccess(to.cu_ctx(), 0) };
+    matches!(
+        rc,
+        sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+    )
+}
+
+/// A driver error, for `rank` doing `context`.
+pub(crate) fn cuda_error(
+    rank: Rank,
+    context: impl Into<String>,
+) -> impl FnOnce(cudarc::driver::DriverError) -> Error {
+    let context = context.into();
+    move |e| Error::Cuda {
+        rank,
+        context,
+        detail: e.to_string(),
+    }
+}
+
+fn check(rank: Rank, what: &str, rc: sys::CUresult) -> Result<()> {
+    if rc == sys::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(Error::Cuda {
+            rank,
+            context: what.to_owned(),
+            detail: format!("{rc:?}"),
+        })
+    }
+}
+
+/// An inbox: device memory of the receiver, or mapped pinned host memory.
+struct Inbox {
+    ptr: CUdeviceptr,
+    bytes: usize,
+    host: bool,
+}
+
+impl Inbox {
+    fn free(&mut self) {
+        if self.bytes == 0 {
+            return;
+        }
+        // SAFETY: allocated by `ensure` with the matching call; the caller
+        // synchronised the stream so nothing uses it any more.
+        unsafe {
+            if self.host {
+                sys::cuMemFreeHost(self.ptr as *mut std::ffi::c_void);
+            } else {
+                sys::cuMemFree_v2(self.ptr);
+            }
+        }
+        self.bytes = 0;
+        self.ptr = 0;
+    }
+}
+
+/// One call's buffers as device addresses (0 where absent).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct CallBufs {
+    pub send: CUdeviceptr,
+    pub recv: CUdeviceptr,
+}
+
+/// One rank of a cuda-ring group.
+pub(crate) struct RingComm {
+    rank: Rank,
+    group: Arc<RingGroup>,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    module: Arc<CudaModule>,
+    functions: HashMap<String, CudaFunction>,
+    inboxes: Vec<Inbox>,
+    scratch: Inbox,
+    timeout: Duration,
+    /// Calls made (numbers the mailbox traffic; equal on every rank).
+    seq: u64,
+    sms: u32,
+}
+
+// SAFETY: the raw device addresses are owned allocations; everything else
+// is Send. One thread drives a RingComm at a time (`&mut self`).
+unsafe impl Send for RingComm {}
+
+impl RingComm {
+    /// Rank `rank` of `group`, on `ctx`'s GPU, with a stream of its own.
+    pub(crate) fn new(
+        group: Arc<RingGroup>,
+        rank: Rank,
+        ctx: Arc<CudaContext>,
+        timeout: Duration,
+    ) -> Result<RingComm> {
+        let stream = ctx
+            .new_stream()
+            .map_err(cuda_error(rank, "creating the rank's stream"))?;
+        let module = group.module(&ctx, rank)?;
+        let sms = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(cuda_error(rank, "reading the GPU's multiprocessor count"))?
+            .max(1) as u32;
+        let world = group.world;
+        Ok(RingComm {
+            rank,
+            group,
+            ctx,
+            stream,
+            module,
+            functions: HashMap::new(),
+            inboxes: (0..world)
+                .map(|_| Inbox {
+                    ptr: 0,
+                    bytes: 0,
+                    host: false,
+                })
+                .collect(),
+            scratch: Inbox {
+                ptr: 0,
+                bytes: 0,
+                host: false,
+            },
+            timeout,
+            seq: 0,
+            sms,
+        })
+    }
+
+    pub(crate) fn rank(&self) -> Rank {
+        self.rank
+    }
+
+    pub(crate) fn world(&self) -> usize {
+        self.group.world
+    }
+
+    pub(crate) fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    pub(crate) fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    pub(crate) fn group(&self) -> &Arc<RingGroup> {
+        &self.group
+    }
+
+    /// The distinct paths this rank's pairs use, for reports.
+    pub(crate) fn paths_summary(&self) -> String {
+        let mut names: Vec<&str> = (0..self.group.world)
+            .filter(|&p| p != self.rank)
+            .flat_map(|p| [self.group.path(self.rank, p), self.group.path(p, self.rank)])
+            .map(Path::name)
+            .collect();
+        names.sort_unstable();
+        names.dedup();
+        if names.is_empty() {
+            "one rank".into()
+        } else {
+            names.join(", ")
+        }
+    }
+
+    /// Grows `inbox` to `bytes` (on this GPU, or pinned host memory).
+    fn ensure(
+        rank: Rank,
+        stream: &CudaStream,
+        inbox: &mut Inbox,
+        bytes: usize,
+        host: bool,
+    ) -> Result<()> {
+        if inbox.bytes >= bytes && inbox.host == host {
+            return Ok(());
+        }
+        // The old inbox may still be read by work queued earlier.
+        stream.synchronize().map_err(cuda_error(
+            rank,
+            "draining the stream before growing an inbox",
+        ))?;
+        inbox.free();
+        let bytes = bytes.next_power_of_two().max(4096);
+        let mut ptr: CUdeviceptr = 0;
+        if host {
+            let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
+            // SAFETY: a plain allocation; PORTABLE|DEVICEMAP makes it usable
+            // from every context, at the same address (UVA).
+            let rc = unsafe {
+                sys::cuMemHostAlloc(
+                    &mut p,
+                    bytes,
+                    sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP,
+                )
+            };
+            check(rank, "allocating a pinned host inbox", rc)?;
+            ptr = p as CUdeviceptr;
+        } else {
+            // SAFETY: a plain allocation on the current context.
+            let rc = unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) };
+            check(rank, "allocating a device inbox", rc)?;
+        }
+        *inbox = Inbox { ptr, bytes, host };
+        Ok(())
+    }
+
+    fn function(&mut self, name: &str) -> Result<CudaFunction> {
+        if let Some(f) = self.functions.get(name) {
+            return Ok(f.clone());
+        }
+        let f = self
+            .module
+            .load_function(name)
+            .map_err(cuda_error(self.rank, format!("finding kernel {name}")))?;
+        self.functions.insert(name.to_owned(), f.clone());
+        Ok(f)
+    }
+
+    fn lost(&self, op: OpKind, peer: Rank) -> Option<Error> {
+        if self.group.aborted.load(Ordering::SeqCst) {
+            return Some(Error::Aborted {
+                op,
+                seq: self.seq,
+                rank: self.rank,
+            });
+        }
+        if self.group.departed[peer].load(Ordering::SeqCst) {
+            return Some(Error::PeerLost {
+                op,
+                seq: self.seq,
+                rank: self.rank,
+                peer,
+            });
+        }
+        None
+    }
+
+    /// Waits on `pair` until `ready` yields, with the deadline.
+    fn wait_pair<R>(
+        &self,
+        op: OpKind,
+        peer: Rank,
+        pair: &Pair,
+        what: &str,
+        mut ready: impl FnMut(&mut PairState) -> Option<R>,
+    ) -> Result<R> {
+        let start = Instant::now();
+        let mut state = pair.state.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(r) = ready(&mut state) {
+                return Ok(r);
+            }
+            if let Some(e) = self.lost(op, peer) {
+                return Err(e);
+            }
+            let waited = start.elapsed();
+            if waited >= self.timeout {
+                return Err(Error::DeviceTimeout {
+                    rank: self.rank,
+                    what: format!("cuda-ring {op} #{}: {what} from rank {peer}", self.seq),
+                    waited,
+                });
+            }
+            let (next, _) = pair
+                .changed
+                .wait_timeout(state, WAKE.min(self.timeout - waited))
+                .unwrap_or_else(|e| e.into_inner());
+            state = next;
+        }
+    }
+
+    /// Runs one lowered call: enqueues everything on the stream; returns
+    /// once enqueued (peers' posts are awaited on the host, their data on
+    /// the GPU).
+    pub(crate) fn run(
+        &mut self,
+        op: OpKind,
+        dtype: DType,
+        reduce: ReduceOp,
+        lowered: &Lowered,
+        bufs: &[CallBufs],
+    ) -> Result<()> {
+        let result = self.run_inner(op, dtype, reduce, lowered, bufs);
+        self.seq += 1;
+        if result.is_err() {
+            // Peers may have queued writes into this rank's inboxes, or
+            // wait for its messages: a failed call poisons the group (as
+            // NCCL's communicators after an error) and they get `Aborted`.
+            self.group.abort();
+        }
+        result
+    }
+
+    fn run_inner(
+        &mut self,
+        op: OpKind,
+        dtype: DType,
+        reduce: ReduceOp,
+        lowered: &Lowered,
+        bufs: &[CallBufs],
+    ) -> Result<()> {
+        let (rank, world) = (self.rank, self.group.world);
+        let elem = dtype.size();
+        self.ctx
+            .bind_to_thread()
+            .map_err(cuda_error(rank, "binding the GPU to this thread"))?;
+        // Inboxes for this call, then "ready" to every sender: the event
+        // orders their writes after everything this stream did before
+        // (including reading the previous call's messages).
+        for from in 0..world {
+            let host = self.group.path(from, rank) == Path::HostStaged;
+            let bytes = lowered.incoming[from] * elem;
+            if bytes > 0 {
+                Self::ensure(rank, &self.stream, &mut self.inboxes[from], bytes, host)?;
+            }
+        }
+        if lowered.scratch_len > 0 {
+            Self::ensure(
+                rank,
+                &self.stream,
+                &mut self.scratch,
+                lowered.scratch_len * elem,
+                false,
+            )?;
+        }
+        let ready = Arc::new(
+            self.stream
+                .record_event(None)
+                .map_err(cuda_error(rank, "recording the ready event"))?,
+        );
+        for from in (0..world).filter(|&p| p != rank && lowered.incoming[p] > 0) {
+            let pair = self.group.pair(from, rank);
+            let mut state = pair.state.lock().unwrap_or_else(|e| e.into_inner());
+            state.readies.push_back(Ready {
+                inbox: self.inboxes[from].ptr,
+                event: ready.clone(),
+            });
+            pair.changed.notify_all();
+        }
+        let mut outboxes: Vec<CUdeviceptr> = vec![0; world];
+        let combine = self.function(&super::combine_kernel(dtype, reduce))?;
+        let divide = self.function(&super::divide_kernel(dtype))?;
+        let part = |at: At| -> CallBufs {
+            let i = match at.mem {
+                Mem::Part(i, _) => i,
+                _ => 0,
+            };
+            bufs.get(i)
+                .copied()
+                .unwrap_or(CallBufs { send: 0, recv: 0 })
+        };
+        for dev_op in &lowered.ops {
+            let addr = |at: At, outboxes: &[CUdeviceptr]| -> CUdeviceptr {
+                let base = match at.mem {
+                    Mem::Buf(BufId::Send) | Mem::Part(_, BufId::Send) => part(at).send,
+                    Mem::Buf(BufId::Recv) | Mem::Part(_, BufId::Recv) => part(at).recv,
+                    Mem::Buf(BufId::Scratch) | Mem::Part(_, BufId::Scratch) => self.scratch.ptr,
+                    Mem::Inbox(p) => self.inboxes[p].ptr,
+                    Mem::Outbox(p) => outboxes[p],
+                };
+                base + (at.offset * elem) as u64
+            };
+            match *dev_op {
+                DevOp::AwaitReady { to } => {
+                    let pair = self.group.pair(rank, to);
+                    let (inbox, event) =
+                        self.wait_pair(op, to, pair, "waiting for the inbox", |s| {
+                            s.readies.pop_front().map(|r| (r.inbox, r.event))
+                        })?;
+                    self.stream
+                        .wait(&event)
+                        .map_err(cuda_error(rank, "ordering after a peer's ready event"))?;
+                    outboxes[to] = inbox;
+                }
+                DevOp::Post { to } => {
+                    let event = self
+                        .stream
+                        .record_event(None)
+                        .map_err(cuda_error(rank, "recording a message event"))?;
+                    let pair = self.group.pair(rank, to);
+                    let mut state = pair.state.lock().unwrap_or_else(|e| e.into_inner());
+                    state.messages.push_back(Arc::new(event));
+                    pair.changed.notify_all();
+                }
+                DevOp::Await { from } => {
+                    let pair = self.group.pair(from, rank);
+                    let event = self.wait_pair(op, from, pair, "waiting for a message", |s| {
+                        s.messages.pop_front()
+                    })?;
+                    self.stream
+                        .wait(&event)
+                        .map_err(cuda_error(rank, "ordering after a peer's message"))?;
+                }
+                DevOp::Copy { src, dst, len } => {
+                    if len > 0 {
+                        let (d, s) = (addr(dst, &outboxes), addr(src, &outboxes));
+                        // SAFETY: both ranges lie in live allocations of at
+                        // least `len` elements (buffers validated; inboxes
+                        // sized by the lowering's totals).
+                        let rc = unsafe {
+                            sys::cuMemcpyAsync(d, s, len * elem, self.stream.cu_stream())
+                        };
+                        check(rank, "enqueueing a copy", rc)?;
+                    }
+                }
+                DevOp::Combine { dst, a, b, len } => {
+                    if len > 0 {
+                        let (d, x, y) =
+                            (addr(dst, &outboxes), addr(a, &outboxes), addr(b, &outboxes));
+                        let n = len as u64;
+                        let cfg = self.launch_config(len, elem);
+                        let mut launch = self.stream.launch_builder(&combine);
+                        launch.arg(&d).arg(&x).arg(&y).arg(&n);
+                        // SAFETY: the kernel's signature is (T*, const T*,
+                        // const T*, u64) and the ranges are live.
+                        unsafe { launch.launch(cfg) }
+                            .map_err(cuda_error(rank, "launching a reduction kernel"))?;
+                    }
+                }
+                DevOp::Divide { dst, len } => {
+                    if len > 0 {
+                        let d = addr(dst, &outboxes);
+                        let (n, w) = (len as u64, world as u64);
+                        let cfg = self.launch_config(len, elem);
+                        let mut launch = self.stream.launch_builder(&divide);
+                        launch.arg(&d).arg(&n).arg(&w);
+                        // SAFETY: (T*, u64, u64) on a live range.
+                        unsafe { launch.launch(cfg) }
+                            .map_err(cuda_error(rank, "launching the divide kernel"))?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Enough 256-thread blocks for one 16-byte vector per thread, at most
+    /// four per multiprocessor (the grid-stride loops cover the rest).
+    fn launch_config(&self, len: usize, elem: usize) -> LaunchConfig {
+        let vectors = (len * elem).div_ceil(16).max(1);
+        let blocks = vectors.div_ceil(256).min(self.sms as usize * 4).max(1) as u32;
+        LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    /// Whether the group can still run calls: `Aborted` after an abort or
+    /// a failed call, `PeerLost` once a rank left.
+    pub(crate) fn check_group(&self, op: OpKind) -> Result<()> {
+        match (0..self.group.world).find_map(|p| self.lost(op, p)) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Splits the group at this rank's call `seq` (equal on every rank):
+    /// every rank deposits (color, key, GPU) in the group's table; once all
+    /// have, ranks of one color form a new group ordered by (key, rank),
+    /// made by the first of them to look. `None` leaves this rank out.
+    pub(crate) fn split(
+        &mut self,
+        seq: u64,
+        color: Option<u32>,
+        key: i64,
+    ) -> Result<Option<RingComm>> {
+        let (rank, world) = (self.rank, self.group.world);
+        let group = self.group.clone();
+        let start = Instant::now();
+        let mut splits = group.splits.lock().unwrap_or_else(|e| e.into_inner());
+        splits
+            .entry(seq)
+            .or_insert_with(|| SplitTable {
+                entries: vec![None; world],
+                children: HashMap::new(),
+                done: 0,
+            })
+            .entries[rank] = Some((color, key, self.ctx.clone()));
+        group.splits_changed.notify_all();
+        let entries = loop {
+            let table = splits
+                .get(&seq)
+                .expect("the table lives until every rank read it");
+            if table.entries.iter().all(Option::is_some) {
+                break table.entries.iter().flatten().cloned().collect::<Vec<_>>();
+            }
+            if let Some(e) = self.check_group(OpKind::Split).err() {
+                return Err(e);
+            }
+            let waited = start.elapsed();
+            if waited >= self.timeout {
+                let missing: Vec<Rank> =
+                    (0..world).filter(|&p| table.entries[p].is_none()).collect();
+                return Err(Error::DeviceTimeout {
+                    rank,
+                    what: format!("cuda-ring split #{seq}: waiting for ranks {missing:?} to join"),
+                    waited,
+                });
+            }
+            splits = group
+                .splits_changed
+                .wait_timeout(splits, WAKE.min(self.timeout - waited))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        };
+        let table = splits
+            .get_mut(&seq)
+            .expect("present until every rank read it");
+        let child = match color {
+            None => None,
+            Some(c) => {
+                let mut members: Vec<(i64, Rank)> = entries
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, e)| e.0 == Some(c))
+                    .map(|(r, e)| (e.1, r))
+                    .collect();
+                members.sort();
+                let new_rank = members.iter().position(|&(_, r)| r == rank).unwrap_or(0);
+                let made = match table.children.get(&c) {
+                    Some(g) => Ok(g.clone()),
+                    None => {
+                        let contexts: Vec<Arc<CudaContext>> =
+                            members.iter().map(|&(_, r)| entries[r].2.clone()).collect();
+                        RingGroup::new(&contexts).inspect(|g| {
+                            table.children.insert(c, g.clone());
+                        })
+                    }
+                };
+                Some((made, new_rank))
+            }
+        };
+        table.done += 1;
+        if table.done == world {
+            splits.remove(&seq);
+        }
+        drop(splits);
+        match child {
+            None => Ok(None),
+            Some((made, new_rank)) => {
+                let made = made?;
+                RingComm::new(made, new_rank, self.ctx.clone(), self.timeout).map(Some)
+            }
+        }
+    }
+}
+
+impl Drop for RingComm {
+    fn drop(&mut self) {
+        self.group.departed[self.rank].store(true, Ordering::SeqCst);
+        self.group.wake_all();
+        // Nothing queued may still use the inboxes when they are freed. In
+        // an aborted group a peer may still have writes queued into them:
+        // those inboxes are leaked rather than freed under its feet.
+        let _ = self.ctx.bind_to_thread();
+        let _ = self.stream.synchronize();
+        if !self.group.aborted.load(Ordering::SeqCst) {
+            for inbox in &mut self.inboxes {
+                inbox.free();
+            }
+            self.scratch.free();
+        }
+    }
+}
