@@ -632,7 +632,7 @@ impl DeviceCommunicator {
         match &mut self.engine {
             #[cfg(feature = "nccl")]
             Engine::Nccl { comm, .. } => comm.poll("the communicator's collectives").map(|_| ()),
-            Engine::Ring(ring) => ring.check_group(OpKind::Barrier),
+            Engine::Ring(ring) => ring.check_aborted(OpKind::Barrier),
         }
     }
 
@@ -1110,7 +1110,6 @@ impl DeviceCommunicator {
         self.ctx
             .bind_to_thread()
             .map_err(cuda_error(self.rank, "binding the GPU to this thread"))?;
-        let seq = self.seq;
         self.seq += 1;
         let timeout = self.timeout;
         let child = match &mut self.engine {
@@ -1120,7 +1119,7 @@ impl DeviceCommunicator {
                     .transpose()
             }),
             Engine::Ring(ring) => ring
-                .split(seq, color, key)
+                .split(color, key)
                 .map(|c| c.map(|c| Self::assemble_ring(c, timeout))),
         };
         if let Err(e) = &child {

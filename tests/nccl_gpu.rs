@@ -12,168 +12,26 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{CudaContext, DeviceRepr};
+#[path = "gpu_common/mod.rs"]
+mod gpu_common;
+
+use cudarc::driver::CudaContext;
+use gpu_common::every_case;
 use oxccl::bootstrap::MemoryStore;
-use oxccl::{bf16, f16, Communicator, DeviceCommunicator, Element, Error, ReduceOp};
-
-#[derive(Clone, Copy, Debug)]
-enum Case {
-    AllReduce(ReduceOp, bool),
-    ReduceScatter(ReduceOp, bool),
-    AllGather(bool),
-    Broadcast(usize, bool),
-    Reduce(ReduceOp, usize, bool),
-    AllToAll,
-}
-
-fn cases(world: usize) -> Vec<Case> {
-    let mut out = Vec::new();
-    for op in ReduceOp::ALL {
-        for in_place in [false, true] {
-            out.push(Case::AllReduce(op, in_place));
-            out.push(Case::ReduceScatter(op, in_place));
-            out.push(Case::Reduce(op, world - 1, in_place));
-        }
-    }
-    for in_place in [false, true] {
-        out.push(Case::AllGather(in_place));
-        out.push(Case::Broadcast(world / 2, in_place));
-    }
-    out.push(Case::AllToAll);
-    out
-}
-
-/// Small values, so products and sums stay exact in every dtype.
-fn input<T: Element>(rank: usize, len: usize) -> Vec<T> {
-    (0..len)
-        .map(|i| T::from_i64_wrapping(((rank * 7 + i * 3) % 5) as i64 + 1))
-        .collect()
-}
-
-/// Runs `case` on the host communicator and on the device communicator of
-/// the same rank with the same input; returns (host, device) outputs.
-fn run_case<T: Element + DeviceRepr>(
-    host: &mut Communicator,
-    dev: &mut DeviceCommunicator,
-    case: Case,
-) -> (Vec<T>, Vec<T>) {
-    let (rank, n) = (host.rank(), host.world_size());
-    let block = 257;
-    let full = block * n;
-    let (send_len, recv_len) = match case {
-        Case::AllReduce(..) | Case::Broadcast(..) | Case::Reduce(..) | Case::AllToAll => {
-            (full, full)
-        }
-        Case::ReduceScatter(_, false) => (full, block),
-        Case::ReduceScatter(_, true) => (full, full),
-        Case::AllGather(false) => (block, full),
-        Case::AllGather(true) => (block, full),
-    };
-    let send = input::<T>(rank, send_len);
-    let mut recv = vec![T::zeroed(); recv_len];
-    if let Case::AllGather(true) = case {
-        recv[rank * block..(rank + 1) * block].copy_from_slice(&send);
-    } else if recv_len == send_len {
-        recv.copy_from_slice(&send);
-    }
-    let stream = dev.stream().clone();
-    let d_send = stream.clone_htod(&send).unwrap();
-    let mut d_recv = stream.clone_htod(&recv).unwrap();
-    let mut h_recv = recv.clone();
-    match case {
-        Case::AllReduce(op, false) => {
-            host.all_reduce(&send, &mut h_recv, op).unwrap();
-            dev.all_reduce(&d_send, &mut d_recv, op).unwrap();
-        }
-        Case::AllReduce(op, true) => {
-            host.all_reduce_in_place(&mut h_recv, op).unwrap();
-            dev.all_reduce_in_place(&mut d_recv, op).unwrap();
-        }
-        Case::ReduceScatter(op, false) => {
-            host.reduce_scatter(&send, &mut h_recv, op).unwrap();
-            dev.reduce_scatter(&d_send, &mut d_recv, op).unwrap();
-        }
-        Case::ReduceScatter(op, true) => {
-            host.reduce_scatter_in_place(&mut h_recv, op).unwrap();
-            dev.reduce_scatter_in_place(&mut d_recv, op).unwrap();
-        }
-        Case::AllGather(false) => {
-            host.all_gather(&send, &mut h_recv).unwrap();
-            dev.all_gather(&d_send, &mut d_recv).unwrap();
-        }
-        Case::AllGather(true) => {
-            host.all_gather_in_place(&mut h_recv).unwrap();
-            dev.all_gather_in_place(&mut d_recv).unwrap();
-        }
-        Case::Broadcast(root, false) => {
-            host.broadcast(&send, &mut h_recv, root).unwrap();
-            dev.broadcast(&d_send, &mut d_recv, root).unwrap();
-        }
-        Case::Broadcast(root, true) => {
-            host.broadcast_in_place(&mut h_recv, root).unwrap();
-            dev.broadcast_in_place(&mut d_recv, root).unwrap();
-        }
-        Case::Reduce(op, root, false) => {
-            host.reduce(&send, &mut h_recv, op, root).unwrap();
-            dev.reduce(&d_send, &mut d_recv, op, root).unwrap();
-        }
-        Case::Reduce(op, root, true) => {
-            host.reduce_in_place(&mut h_recv, op, root).unwrap();
-            dev.reduce_in_place(&mut d_recv, op, root).unwrap();
-        }
-        Case::AllToAll => {
-            host.all_to_all(&send, &mut h_recv).unwrap();
-            dev.all_to_all(&d_send, &mut d_recv).unwrap();
-        }
-    }
-    dev.synchronize().unwrap();
-    let mut d_out = stream.clone_dtoh(&d_recv).unwrap();
-    // Parts the collective leaves unspecified are not compared: in-place
-    // reduce-scatter's other blocks, reduce's output off the root.
-    match case {
-        Case::ReduceScatter(_, true) => {
-            h_recv = h_recv[rank * block..(rank + 1) * block].to_vec();
-            d_out = d_out[rank * block..(rank + 1) * block].to_vec();
-        }
-        Case::Reduce(_, root, false) if root != rank => {
-            h_recv.clear();
-            d_out.clear();
-        }
-        _ => {}
-    }
-    (h_recv, d_out)
-}
-
-/// Every case for one dtype on paired host/device communicators; returns
-/// the cases whose bits differ.
-fn every_case<T: Element + DeviceRepr>(
-    host: &mut Communicator,
-    dev: &mut DeviceCommunicator,
-) -> Vec<String> {
-    let mut bad = Vec::new();
-    for case in cases(host.world_size()) {
-        let (h, d) = run_case::<T>(host, dev, case);
-        let hb: &[u8] = bytemuck::cast_slice(&h);
-        let db: &[u8] = bytemuck::cast_slice(&d);
-        if hb != db {
-            bad.push(format!("{} {case:?}", T::DTYPE.name()));
-        }
-    }
-    bad
-}
+use oxccl::{bf16, f16, Communicator, DeviceCommunicator, Error, ReduceOp};
 
 fn every_dtype(host: &mut Communicator, dev: &mut DeviceCommunicator) -> Vec<String> {
     let mut bad = Vec::new();
-    bad.extend(every_case::<i8>(host, dev));
-    bad.extend(every_case::<u8>(host, dev));
-    bad.extend(every_case::<i32>(host, dev));
-    bad.extend(every_case::<u32>(host, dev));
-    bad.extend(every_case::<i64>(host, dev));
-    bad.extend(every_case::<u64>(host, dev));
-    bad.extend(every_case::<f16>(host, dev));
-    bad.extend(every_case::<f32>(host, dev));
-    bad.extend(every_case::<f64>(host, dev));
-    bad.extend(every_case::<bf16>(host, dev));
+    bad.extend(every_case::<i8>(host, dev, 257));
+    bad.extend(every_case::<u8>(host, dev, 257));
+    bad.extend(every_case::<i32>(host, dev, 257));
+    bad.extend(every_case::<u32>(host, dev, 257));
+    bad.extend(every_case::<i64>(host, dev, 257));
+    bad.extend(every_case::<u64>(host, dev, 257));
+    bad.extend(every_case::<f16>(host, dev, 257));
+    bad.extend(every_case::<f32>(host, dev, 257));
+    bad.extend(every_case::<f64>(host, dev, 257));
+    bad.extend(every_case::<bf16>(host, dev, 257));
     bad
 }
 

@@ -14,11 +14,13 @@
 //     does a single add, multiply or divide), min/max propagate NaN by
 //     returning a + b when either is NaN;
 //   - f16/bf16: widen both to f32 exactly, apply the f32 operation, round
-//     to nearest even once; NaN stays quiet, as the `half` crate does. The
-//     conversions are done in integer code here rather than with cvt
-//     instructions, so NaN payloads match the host's too;
+//     to nearest even once, with the `half` crate's conversions written in
+//     integer code (not cvt instructions);
 //   - Avg combines as Sum; `divide` is its last step (integers truncate
 //     toward zero, floats divide in their own precision, halves in f32).
+// The one exception is NaN *payloads*: GPU arithmetic returns a canonical
+// NaN where x86 keeps the input's payload and sign, so a NaN result is a
+// NaN on both backends but its bits may differ.
 //
 // No headers: NVRTC from pip ships none, and none are needed.
 

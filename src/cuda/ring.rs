@@ -73,6 +73,8 @@ impl Path {
 /// expects data from it.
 struct Ready {
     inbox: CUdeviceptr,
+    /// Bytes the receiver expects from this sender in the call.
+    bytes: usize,
     event: Arc<CudaEvent>,
 }
 
@@ -101,8 +103,9 @@ pub(crate) struct RingGroup {
     paths: Vec<Path>,
     aborted: AtomicBool,
     departed: Vec<AtomicBool>,
-    /// The kernels, loaded once per GPU.
-    modules: Mutex<HashMap<usize, Arc<CudaModule>>>,
+    /// The kernels, loaded once per GPU (shared with groups split from
+    /// this one, so a split does not JIT-compile them again).
+    modules: Arc<Mutex<HashMap<usize, Arc<CudaModule>>>>,
     /// Splits in progress, keyed by the parent's call number.
     splits: Mutex<HashMap<u64, SplitTable>>,
     splits_changed: Condvar,
@@ -126,6 +129,13 @@ impl RingGroup {
     /// A group of `devices.len()` ranks, rank `i` on GPU `devices[i]`,
     /// deciding each pair's path (enabling peer access where needed).
     pub(crate) fn new(contexts: &[Arc<CudaContext>]) -> Result<Arc<RingGroup>> {
+        Self::with_modules(contexts, Arc::default())
+    }
+
+    fn with_modules(
+        contexts: &[Arc<CudaContext>],
+        modules: Arc<Mutex<HashMap<usize, Arc<CudaModule>>>>,
+    ) -> Result<Arc<RingGroup>> {
         let world = contexts.len();
         let devices: Vec<usize> = contexts.iter().map(|c| c.ordinal()).collect();
         let disabled = p2p_disabled();
@@ -165,7 +175,7 @@ impl RingGroup {
             paths,
             aborted: AtomicBool::new(false),
             departed: (0..world).map(|_| AtomicBool::new(false)).collect(),
-            modules: Mutex::new(HashMap::new()),
+            modules,
             splits: Mutex::new(HashMap::new()),
             splits_changed: Condvar::new(),
         }))
@@ -313,8 +323,11 @@ pub(crate) struct RingComm {
     inboxes: Vec<Inbox>,
     scratch: Inbox,
     timeout: Duration,
-    /// Calls made (numbers the mailbox traffic; equal on every rank).
+    /// Calls made (for errors).
     seq: u64,
+    /// Splits made: numbers the split tables (splits are collective, so
+    /// equal on every rank, unlike `seq`, which counts point-to-point calls).
+    splits: u64,
     sms: u32,
 }
 
@@ -360,6 +373,7 @@ impl RingComm {
             },
             timeout,
             seq: 0,
+            splits: 0,
             sms,
         })
     }
@@ -570,6 +584,7 @@ impl RingComm {
             let mut state = pair.state.lock().unwrap_or_else(|e| e.into_inner());
             state.readies.push_back(Ready {
                 inbox: self.inboxes[from].ptr,
+                bytes: lowered.incoming[from] * elem,
                 event: ready.clone(),
             });
             pair.changed.notify_all();
@@ -600,10 +615,28 @@ impl RingComm {
             match *dev_op {
                 DevOp::AwaitReady { to } => {
                     let pair = self.group.pair(rank, to);
-                    let (inbox, event) =
+                    let (inbox, bytes, event) =
                         self.wait_pair(op, to, pair, "waiting for the inbox", |s| {
-                            s.readies.pop_front().map(|r| (r.inbox, r.event))
+                            s.readies.pop_front().map(|r| (r.inbox, r.bytes, r.event))
                         })?;
+                    // The pairing is per call: a call that sends more than
+                    // the receiver's matching call expects (one side groups
+                    // point-to-point calls, the other does not) would write
+                    // past its inbox.
+                    let sending = lowered.outgoing[to] * elem;
+                    if sending != bytes {
+                        return Err(Error::Mismatch {
+                            op,
+                            seq: self.seq,
+                            rank,
+                            peer: to,
+                            detail: format!(
+                                "this call sends {sending} bytes to rank {to}, whose matching \
+                                 call expects {bytes} (on the cuda-ring, point-to-point calls \
+                                 that are grouped on one side must be grouped alike on the other)"
+                            ),
+                        });
+                    }
                     self.stream
                         .wait(&event)
                         .map_err(cuda_error(rank, "ordering after a peer's ready event"))?;
@@ -631,6 +664,11 @@ impl RingComm {
                 DevOp::Copy { src, dst, len } => {
                     if len > 0 {
                         let (d, s) = (addr(dst, &outboxes), addr(src, &outboxes));
+                        // Dropping a peer's event may have made its context
+                        // current on this thread (cudarc binds to destroy).
+                        self.ctx
+                            .bind_to_thread()
+                            .map_err(cuda_error(rank, "binding the GPU to this thread"))?;
                         // SAFETY: both ranges lie in live allocations of at
                         // least `len` elements (buffers validated; inboxes
                         // sized by the lowering's totals).
@@ -683,6 +721,21 @@ impl RingComm {
         }
     }
 
+    /// `Aborted` once the group was aborted (an abort or a failed call):
+    /// what a wait for this rank's own stream checks. A peer that merely
+    /// left is no reason to fail it: every event this stream waits on was
+    /// recorded before the wait was queued.
+    pub(crate) fn check_aborted(&self, op: OpKind) -> Result<()> {
+        if self.group.aborted.load(Ordering::SeqCst) {
+            return Err(Error::Aborted {
+                op,
+                seq: self.seq,
+                rank: self.rank,
+            });
+        }
+        Ok(())
+    }
+
     /// Whether the group can still run calls: `Aborted` after an abort or
     /// a failed call, `PeerLost` once a rank left.
     pub(crate) fn check_group(&self, op: OpKind) -> Result<()> {
@@ -692,17 +745,14 @@ impl RingComm {
         }
     }
 
-    /// Splits the group at this rank's call `seq` (equal on every rank):
-    /// every rank deposits (color, key, GPU) in the group's table; once all
-    /// have, ranks of one color form a new group ordered by (key, rank),
-    /// made by the first of them to look. `None` leaves this rank out.
-    pub(crate) fn split(
-        &mut self,
-        seq: u64,
-        color: Option<u32>,
-        key: i64,
-    ) -> Result<Option<RingComm>> {
+    /// Splits the group: every rank deposits (color, key, GPU) in the
+    /// group's table for this split (numbered alike on every rank); once
+    /// all have, ranks of one color form a new group ordered by (key,
+    /// rank), made by the first of them to look. `None` leaves this rank out.
+    pub(crate) fn split(&mut self, color: Option<u32>, key: i64) -> Result<Option<RingComm>> {
         let (rank, world) = (self.rank, self.group.world);
+        let seq = self.splits;
+        self.splits += 1;
         let group = self.group.clone();
         let start = Instant::now();
         let mut splits = group.splits.lock().unwrap_or_else(|e| e.into_inner());
@@ -760,7 +810,7 @@ impl RingComm {
                     None => {
                         let contexts: Vec<Arc<CudaContext>> =
                             members.iter().map(|&(_, r)| entries[r].2.clone()).collect();
-                        RingGroup::new(&contexts).inspect(|g| {
+                        RingGroup::with_modules(&contexts, group.modules.clone()).inspect(|g| {
                             table.children.insert(c, g.clone());
                         })
                     }

@@ -1,0 +1,153 @@
+//! What the GPU tests of both device backends share: the cases, the
+//! inputs, and one case run on a host and a device rank side by side.
+//! Included with `#[path]` by `tests/nccl_gpu.rs` and `tests/cuda_ring_gpu.rs`.
+
+use cudarc::driver::DeviceRepr;
+use oxccl::{Communicator, DeviceCommunicator, Element, ReduceOp};
+
+/// Inputs whose sums and products stay in range and whose float sums
+/// depend on the order of addition (so a different order shows).
+pub fn input<T: Element>(rank: usize, len: usize) -> Vec<T> {
+    (0..len)
+        .map(|i| T::from_i64_wrapping(((rank * 131 + i * 17) % 23) as i64 - 7))
+        .collect()
+}
+
+#[derive(Clone, Copy, Debug)]
+pub enum Case {
+    AllReduce(ReduceOp, bool),
+    ReduceScatter(ReduceOp, bool),
+    AllGather(bool),
+    Broadcast(usize, bool),
+    Reduce(ReduceOp, usize, bool),
+    AllToAll,
+}
+
+pub fn cases(world: usize) -> Vec<Case> {
+    let mut out = Vec::new();
+    for op in ReduceOp::ALL {
+        for in_place in [false, true] {
+            out.push(Case::AllReduce(op, in_place));
+            out.push(Case::ReduceScatter(op, in_place));
+            out.push(Case::Reduce(op, world - 1, in_place));
+        }
+    }
+    for in_place in [false, true] {
+        out.push(Case::AllGather(in_place));
+        out.push(Case::Broadcast(world / 2, in_place));
+    }
+    out.push(Case::AllToAll);
+    out
+}
+
+/// One case on a paired host and device rank; returns (host, device) bits
+/// of the part of the output the collective defines.
+pub fn run_case<T: Element + DeviceRepr>(
+    host: &mut Communicator,
+    dev: &mut DeviceCommunicator,
+    case: Case,
+    block: usize,
+) -> (Vec<T>, Vec<T>) {
+    let (rank, n) = (host.rank(), host.world_size());
+    let full = block * n;
+    let (send_len, recv_len) = match case {
+        Case::ReduceScatter(_, false) => (full, block),
+        Case::AllGather(false) => (block, full),
+        Case::AllGather(true) | Case::ReduceScatter(_, true) => (full, full),
+        _ => (full, full),
+    };
+    let send = input::<T>(rank, send_len);
+    let recv0 = if matches!(
+        case,
+        Case::AllReduce(_, true)
+            | Case::ReduceScatter(_, true)
+            | Case::AllGather(true)
+            | Case::Broadcast(_, true)
+            | Case::Reduce(_, _, true)
+    ) {
+        input::<T>(rank, recv_len)
+    } else {
+        vec![T::zeroed(); recv_len]
+    };
+    let stream = dev.stream().clone();
+    let d_send = stream.clone_htod(&send).unwrap();
+    let mut d_recv = stream.clone_htod(&recv0).unwrap();
+    let mut h = recv0.clone();
+    match case {
+        Case::AllReduce(op, false) => {
+            host.all_reduce(&send, &mut h, op).unwrap();
+            dev.all_reduce(&d_send, &mut d_recv, op).unwrap();
+        }
+        Case::AllReduce(op, true) => {
+            host.all_reduce_in_place(&mut h, op).unwrap();
+            dev.all_reduce_in_place(&mut d_recv, op).unwrap();
+        }
+        Case::ReduceScatter(op, false) => {
+            host.reduce_scatter(&send, &mut h, op).unwrap();
+            dev.reduce_scatter(&d_send, &mut d_recv, op).unwrap();
+        }
+        Case::ReduceScatter(op, true) => {
+            host.reduce_scatter_in_place(&mut h, op).unwrap();
+            dev.reduce_scatter_in_place(&mut d_recv, op).unwrap();
+        }
+        Case::AllGather(false) => {
+            host.all_gather(&send, &mut h).unwrap();
+            dev.all_gather(&d_send, &mut d_recv).unwrap();
+        }
+        Case::AllGather(true) => {
+            host.all_gather_in_place(&mut h).unwrap();
+            dev.all_gather_in_place(&mut d_recv).unwrap();
+        }
+        Case::Broadcast(root, false) => {
+            host.broadcast(&send, &mut h, root).unwrap();
+            dev.broadcast(&d_send, &mut d_recv, root).unwrap();
+        }
+        Case::Broadcast(root, true) => {
+            host.broadcast_in_place(&mut h, root).unwrap();
+            dev.broadcast_in_place(&mut d_recv, root).unwrap();
+        }
+        Case::Reduce(op, root, false) => {
+            host.reduce(&send, &mut h, op, root).unwrap();
+            dev.reduce(&d_send, &mut d_recv, op, root).unwrap();
+        }
+        Case::Reduce(op, root, true) => {
+            host.reduce_in_place(&mut h, op, root).unwrap();
+            dev.reduce_in_place(&mut d_recv, op, root).unwrap();
+        }
+        Case::AllToAll => {
+            host.all_to_all(&send, &mut h).unwrap();
+            dev.all_to_all(&d_send, &mut d_recv).unwrap();
+        }
+    }
+    dev.synchronize().unwrap();
+    let mut d = stream.clone_dtoh(&d_recv).unwrap();
+    match case {
+        Case::ReduceScatter(_, true) => {
+            h = h[rank * block..(rank + 1) * block].to_vec();
+            d = d[rank * block..(rank + 1) * block].to_vec();
+        }
+        Case::Reduce(_, root, false) if root != rank => {
+            h.clear();
+            d.clear();
+        }
+        _ => {}
+    }
+    (h, d)
+}
+
+pub fn every_case<T: Element + DeviceRepr>(
+    host: &mut Communicator,
+    dev: &mut DeviceCommunicator,
+    block: usize,
+) -> Vec<String> {
+    let mut bad = Vec::new();
+    for case in cases(host.world_size()) {
+        let (h, d) = run_case::<T>(host, dev, case, block);
+        let hb: &[u8] = bytemuck::cast_slice(&h);
+        let db: &[u8] = bytemuck::cast_slice(&d);
+        if hb != db {
+            bad.push(format!("{} {case:?} block {block}", T::DTYPE.name()));
+        }
+    }
+    bad
+}
