@@ -56,6 +56,11 @@ impl FrameHeader {
 }
 
 /// Owned frame bytes, 8-byte aligned so they can be viewed as any element type.
+///
+/// Large buffers come from and return to [`pool`]: a fresh allocation of a
+/// pipeline piece (256 KiB) is an `mmap` whose pages fault in one by one as
+/// they are first written — on this VM about as long as copying the piece
+/// twice — and every frame of a large call needs one on each side.
 #[derive(Debug, Default)]
 pub(crate) struct Payload {
     words: Vec<u64>,
@@ -64,7 +69,7 @@ pub(crate) struct Payload {
 
 impl Payload {
     pub fn from_bytes(data: &[u8]) -> Payload {
-        let mut words = vec![0u64; data.len().div_ceil(8)];
+        let mut words = pool::take(data.len().div_ceil(8));
         bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..data.len()].copy_from_slice(data);
         Payload {
             words,
@@ -72,10 +77,11 @@ impl Payload {
         }
     }
 
-    /// `bytes` zero bytes, to be filled by a receive.
+    /// `bytes` bytes to be filled by a receive (zero, or a recycled
+    /// buffer's old contents: a receive overwrites all of them).
     pub fn zeroed(bytes: usize) -> Payload {
         Payload {
-            words: vec![0u64; bytes.div_ceil(8)],
+            words: pool::take(bytes.div_ceil(8)),
             bytes,
         }
     }
@@ -86,6 +92,87 @@ impl Payload {
 
     pub fn as_bytes_mut(&mut self) -> &mut [u8] {
         &mut bytemuck::cast_slice_mut::<u64, u8>(&mut self.words)[..self.bytes]
+    }
+}
+
+impl Drop for Payload {
+    fn drop(&mut self) {
+        pool::give(std::mem::take(&mut self.words));
+    }
+}
+
+/// Recycled payload buffers, shared by every communicator of the process
+/// (frames are made on one thread and dropped on another).
+mod pool {
+    use std::sync::Mutex;
+
+    /// Buffers below this many words are left to `malloc` (fast, no mmap).
+    const MIN_WORDS: usize = 16 * 1024 / 8;
+    /// Buffers above this are not kept (a pool for pipeline pieces, not for
+    /// whole messages of a large eager send).
+    const MAX_WORDS: usize = 8 * 1024 * 1024 / 8;
+    /// At most this many buffers wait in the pool (≤ 256 MiB at worst, a
+    /// few MiB in steady state: the pieces in flight).
+    const MAX_BUFFERS: usize = 32;
+
+    static POOL: Mutex<Vec<Vec<u64>>> = Mutex::new(Vec::new());
+
+    /// A buffer of exactly `words` initialised words: a recycled one at
+    /// least as long (and not more than 4× longer), truncated, or a new
+    /// zeroed one.
+    pub(super) fn take(words: usize) -> Vec<u64> {
+        if words >= MIN_WORDS {
+            let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(i) = pool
+                .iter()
+                .position(|v| v.len() >= words && v.len() / 4 <= words)
+            {
+                let mut v = pool.swap_remove(i);
+                v.truncate(words);
+                return v;
+            }
+        }
+        vec![0u64; words]
+    }
+
+    /// Keeps `v` for a later `take` when it is worth keeping.
+    pub(super) fn give(v: Vec<u64>) {
+        if v.len() < MIN_WORDS || v.len() > MAX_WORDS {
+            return;
+        }
+        let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
+        if pool.len() < MAX_BUFFERS {
+            pool.push(v);
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn large_buffers_are_recycled_and_sized_exactly() {
+            let v = take(40_000);
+            assert_eq!(v.len(), 40_000);
+            let ptr = v.as_ptr();
+            give(v);
+            // A slightly smaller request reuses it (truncated, same memory)...
+            let w = take(39_000);
+            assert_eq!(w.len(), 39_000);
+            let reused = w.as_ptr() == ptr;
+            give(w);
+            // ...unless another test thread took it first; but a tiny one
+            // never takes a large buffer, and small ones are never pooled.
+            assert_eq!(take(10).len(), 10);
+            assert!(reused || POOL.lock().unwrap().len() <= MAX_BUFFERS);
+            let big = take(MAX_WORDS + 1);
+            give(big);
+            assert!(POOL
+                .lock()
+                .unwrap()
+                .iter()
+                .all(|v| v.len() <= MAX_WORDS && v.len() >= MIN_WORDS));
+        }
     }
 }
 
