@@ -139,8 +139,15 @@ pub(crate) fn execute<T: Element>(
                     BufId::Scratch => &scratch[src.range()],
                     _ => bufs.read(src),
                 };
-                let payload = Payload::from_bytes(bytemuck::cast_slice(data));
-                send(&mut counters, peer, payload, src.len)?;
+                let step = counters.sent[peer];
+                counters.sent[peer] += 1;
+                transport
+                    .send_bytes(
+                        peer,
+                        header::<T>(info, step, src.len),
+                        bytemuck::cast_slice(data),
+                    )
+                    .map_err(|e| info.error(peer, e))?;
             }
             Step::Recv { peer, dst } => {
                 let payload = recv(&mut counters, peer, dst.len)?;
