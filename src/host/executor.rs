@@ -150,9 +150,12 @@ pub(crate) fn execute<T: Element>(
                     .map_err(|e| info.error(peer, e))?;
             }
             Step::Recv { peer, dst } => {
-                let payload = recv(&mut counters, peer, dst.len)?;
-                bufs.recv_mut()[dst.range()]
-                    .copy_from_slice(bytemuck::cast_slice(payload.as_bytes()));
+                let step = counters.received[peer];
+                counters.received[peer] += 1;
+                let out = bytemuck::cast_slice_mut(&mut bufs.recv_mut()[dst.range()]);
+                transport
+                    .recv_into(peer, &header::<T>(info, step, dst.len), info.timeout, out)
+                    .map_err(|e| info.error(peer, e))?;
             }
             Step::RecvReduce { peer, local, dst } => {
                 let payload = recv(&mut counters, peer, dst.len)?;

@@ -235,6 +235,25 @@ impl Transport {
         }
     }
 
+    /// [`recv`](Self::recv) into `dst`: the multi-process transport reads a
+    /// frame that arrives while this waits straight into `dst`.
+    pub fn recv_into(
+        &self,
+        peer: usize,
+        expect: &FrameHeader,
+        timeout: Duration,
+        dst: &mut [u8],
+    ) -> Result<(), TransportError> {
+        match self {
+            Transport::Local(t) => {
+                let payload = t.recv(peer, expect, timeout)?;
+                dst.copy_from_slice(payload.as_bytes());
+                Ok(())
+            }
+            Transport::Net(t) => t.recv_into(peer, expect, timeout, dst),
+        }
+    }
+
     /// Waits until this rank's queued frames have left (sends are eager, so
     /// a call must not return while its last frames sit in a queue no one
     /// will drain). Returns the peer concerned on failure.

@@ -176,6 +176,36 @@ enum Incoming {
         payload: Payload,
         filled: usize,
     },
+    /// A data frame a receive is waiting for, read straight into that
+    /// receive's buffer (see [`Posted`]).
+    Direct {
+        header: FrameHeader,
+        key: Key,
+        to: Posted,
+        filled: usize,
+    },
+}
+
+/// A receive's destination, registered while the receive waits: a frame
+/// for its key that starts arriving meanwhile is read into it directly
+/// instead of into a frame buffer copied later.
+#[derive(Clone, Copy, Debug)]
+struct Posted {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the pointer is used only under the fabric's lock, and only while
+// the receive that posted it is inside `recv_into` (it unposts, under the
+// lock, before returning — converting a half-read frame into an owned one).
+unsafe impl Send for Posted {}
+
+/// A delivered frame: its body in a buffer, or already in the posted
+/// receive's destination (`landed`).
+struct Arrived {
+    header: FrameHeader,
+    payload: Payload,
+    landed: bool,
 }
 
 impl Incoming {
@@ -216,7 +246,9 @@ pub(crate) struct Fabric {
     rank: usize,
     /// Per global rank; `None` for this rank.
     peers: Vec<Option<Peer>>,
-    arrived: HashMap<Key, (FrameHeader, Payload)>,
+    arrived: HashMap<Key, Arrived>,
+    /// Receives waiting with a destination (see [`Posted`]).
+    posted: HashMap<Key, Posted>,
     /// Per `(ctx, space, source)`: the sequence number of the last frame
     /// consumed; anything older arriving later is stale.
     consumed: HashMap<(u64, Space, usize), u64>,
@@ -267,9 +299,9 @@ impl Fabric {
             }
             moved |= Self::write_queued(peer);
             let mut delivered = Vec::new();
-            moved |= Self::read_arrived(peer, &mut delivered);
-            for (kind, header, payload) in delivered {
-                self.deliver(source, kind, header, payload);
+            moved |= Self::read_arrived(peer, source, &self.posted, &mut delivered);
+            for (kind, header, payload, landed) in delivered {
+                self.deliver(source, kind, header, payload, landed);
             }
             self.log_if_lost(source);
         }
@@ -324,7 +356,12 @@ impl Fabric {
         moved
     }
 
-    fn read_arrived(peer: &mut Peer, delivered: &mut Vec<(u8, FrameHeader, Payload)>) -> bool {
+    fn read_arrived(
+        peer: &mut Peer,
+        source: usize,
+        posted: &HashMap<Key, Posted>,
+        delivered: &mut Vec<(u8, FrameHeader, Payload, bool)>,
+    ) -> bool {
         let mut moved = false;
         loop {
             let result = match &mut peer.incoming {
@@ -336,12 +373,32 @@ impl Fabric {
                             if *filled == FRAME_HEADER_BYTES {
                                 match decode(buf) {
                                     Ok((kind, header)) => {
-                                        let payload = Payload::zeroed(header.bytes);
-                                        peer.incoming = Incoming::Payload {
-                                            kind,
-                                            header,
-                                            payload,
-                                            filled: 0,
+                                        let key = (
+                                            source,
+                                            header.ctx,
+                                            header.space,
+                                            header.seq,
+                                            header.step,
+                                        );
+                                        peer.incoming = match posted.get(&key) {
+                                            Some(&to)
+                                                if kind == KIND_DATA
+                                                    && to.len == header.bytes
+                                                    && to.len > 0 =>
+                                            {
+                                                Incoming::Direct {
+                                                    header,
+                                                    key,
+                                                    to,
+                                                    filled: 0,
+                                                }
+                                            }
+                                            _ => Incoming::Payload {
+                                                kind,
+                                                header,
+                                                payload: Payload::zeroed(header.bytes),
+                                                filled: 0,
+                                            },
                                         };
                                     }
                                     Err(why) => {
@@ -373,6 +430,21 @@ impl Fabric {
                         Ok(())
                     }
                 }
+                Incoming::Direct { to, filled, .. } => {
+                    // SAFETY: the receive that posted `to` is waiting (see
+                    // `Posted`), and `filled < to.len`.
+                    let rest = unsafe {
+                        std::slice::from_raw_parts_mut(to.ptr.add(*filled), to.len - *filled)
+                    };
+                    match peer.link.read_some(rest) {
+                        Ok(0) => break,
+                        Ok(n) => {
+                            *filled += n;
+                            Ok(())
+                        }
+                        Err(e) => Err(e),
+                    }
+                }
             };
             if let Err(e) = result {
                 // Frames that arrived before the end of the stream are kept.
@@ -385,27 +457,39 @@ impl Fabric {
                 return moved;
             }
             moved = true;
-            if let Incoming::Payload {
-                payload, filled, ..
-            } = &peer.incoming
-            {
-                if *filled == payload.as_bytes().len() {
-                    if let Incoming::Payload {
+            let complete = match &peer.incoming {
+                Incoming::Payload {
+                    payload, filled, ..
+                } => *filled == payload.as_bytes().len(),
+                Incoming::Direct { to, filled, .. } => *filled == to.len,
+                Incoming::Header { .. } => false,
+            };
+            if complete {
+                match std::mem::replace(&mut peer.incoming, Incoming::new()) {
+                    Incoming::Payload {
                         kind,
                         header,
                         payload,
                         ..
-                    } = std::mem::replace(&mut peer.incoming, Incoming::new())
-                    {
-                        delivered.push((kind, header, payload));
+                    } => delivered.push((kind, header, payload, false)),
+                    Incoming::Direct { header, .. } => {
+                        delivered.push((KIND_DATA, header, Payload::default(), true))
                     }
+                    Incoming::Header { .. } => {}
                 }
             }
         }
         moved
     }
 
-    fn deliver(&mut self, source: usize, kind: u8, header: FrameHeader, payload: Payload) {
+    fn deliver(
+        &mut self,
+        source: usize,
+        kind: u8,
+        header: FrameHeader,
+        payload: Payload,
+        landed: bool,
+    ) {
         let Some(peer) = self.peers[source].as_mut() else {
             return;
         };
@@ -434,11 +518,51 @@ impl Fabric {
             return;
         }
         let key = (source, header.ctx, header.space, header.seq, header.step);
-        if self.arrived.insert(key, (header, payload)).is_some() {
+        let arrived = Arrived {
+            header,
+            payload,
+            landed,
+        };
+        if self.arrived.insert(key, arrived).is_some() {
             peer.gone = Some(Gone::Corrupt(format!(
                 "duplicate frame: {} #{} step {}",
                 header.op, header.seq, header.step
             )));
+        }
+    }
+
+    /// Withdraws the destination posted for `key`. A frame for it already
+    /// being read into the destination is moved into a buffer of its own
+    /// (what arrived so far copied over), so nothing writes the
+    /// destination once its receive has returned.
+    fn unpost(&mut self, key: Key) {
+        if self.posted.remove(&key).is_none() {
+            return;
+        }
+        for peer in self.peers.iter_mut().flatten() {
+            let Incoming::Direct {
+                header,
+                key: k,
+                to,
+                filled,
+            } = peer.incoming
+            else {
+                continue;
+            };
+            if k != key {
+                continue;
+            }
+            let mut payload = Payload::zeroed(header.bytes);
+            // SAFETY: `to` is still valid (its receive is returning now) and
+            // holds `filled` bytes of the frame.
+            let so_far = unsafe { std::slice::from_raw_parts(to.ptr, filled) };
+            payload.as_bytes_mut()[..filled].copy_from_slice(so_far);
+            peer.incoming = Incoming::Payload {
+                kind: KIND_DATA,
+                header,
+                payload,
+                filled,
+            };
         }
     }
 
@@ -466,9 +590,9 @@ impl Fabric {
                     // Its goodbye frame, with how far it got, is in the ring
                     // before the flag was set; read it first.
                     let mut delivered = Vec::new();
-                    Self::read_arrived(peer, &mut delivered);
-                    for (kind, header, payload) in delivered {
-                        self.deliver(source, kind, header, payload);
+                    Self::read_arrived(peer, source, &self.posted, &mut delivered);
+                    for (kind, header, payload, landed) in delivered {
+                        self.deliver(source, kind, header, payload, landed);
                     }
                     let Some(peer) = self.peers[source].as_mut() else {
                         continue;
@@ -776,11 +900,47 @@ impl NetEndpoint {
         expect: &FrameHeader,
         timeout: Duration,
     ) -> std::result::Result<Payload, TransportError> {
+        // Without a destination the frame always comes back as a buffer.
+        self.receive(peer, expect, timeout, None)
+            .map(Option::unwrap_or_default)
+    }
+
+    /// [`recv`](Self::recv) into `dst` (`expect.bytes` long): while this
+    /// waits, a matching frame that starts arriving is read straight into
+    /// `dst`; one that arrived earlier is copied from its buffer.
+    pub fn recv_into(
+        &self,
+        peer: usize,
+        expect: &FrameHeader,
+        timeout: Duration,
+        dst: &mut [u8],
+    ) -> std::result::Result<(), TransportError> {
+        let to = Posted {
+            ptr: dst.as_mut_ptr(),
+            len: dst.len(),
+        };
+        if let Some(payload) = self.receive(peer, expect, timeout, Some(to))? {
+            dst.copy_from_slice(payload.as_bytes());
+        }
+        Ok(())
+    }
+
+    /// The receive loop: `Ok(None)` when the frame landed in `to`.
+    fn receive(
+        &self,
+        peer: usize,
+        expect: &FrameHeader,
+        timeout: Duration,
+        to: Option<Posted>,
+    ) -> std::result::Result<Option<Payload>, TransportError> {
         let source = self.members[peer];
         let key = (source, expect.ctx, expect.space, expect.seq, expect.step);
         let start = Instant::now();
         let deadline = start + timeout;
         let mut backoff = Backoff::new();
+        if let Some(to) = to.filter(|t| t.len > 0) {
+            self.shared.lock().posted.insert(key, to);
+        }
         loop {
             {
                 let mut fabric = self.shared.lock();
@@ -793,13 +953,18 @@ impl NetEndpoint {
                 // looking for the frame: a frame that arrived just before its
                 // sender left is delivered, not reported as lost.
                 fabric.check_liveness();
-                if let Some((header, payload)) = fabric.arrived.remove(&key) {
+                if let Some(arrived) = fabric.arrived.remove(&key) {
+                    fabric.unpost(key);
                     fabric
                         .consumed
                         .insert((expect.ctx, expect.space, source), expect.seq);
-                    return header.check_matches(expect).map(|()| payload);
+                    return arrived
+                        .header
+                        .check_matches(expect)
+                        .map(|()| (!arrived.landed).then_some(arrived.payload));
                 }
                 if self.shared.aborted.load(Ordering::SeqCst) {
+                    fabric.unpost(key);
                     return Err(TransportError::Aborted);
                 }
                 if let Some(e) = self.failure(&fabric, peer, Some(expect)) {
@@ -811,11 +976,13 @@ impl NetEndpoint {
                     if fabric.arrived.contains_key(&key) {
                         continue; // it came after all: take it above
                     }
+                    fabric.unpost(key);
                     return Err(self.failure(&fabric, peer, Some(expect)).unwrap_or(e));
                 }
             }
             let now = Instant::now();
             if now >= deadline {
+                self.shared.lock().unpost(key);
                 return Err(TransportError::Timeout(now - start));
             }
             backoff.wait(&self.shared, deadline);
@@ -1268,6 +1435,7 @@ pub(crate) fn connect(setup: Setup) -> Result<(NetEndpoint, Option<Segment>)> {
         rank,
         peers,
         arrived: HashMap::new(),
+        posted: HashMap::new(),
         consumed: HashMap::new(),
         entered: HashMap::new(),
         next_liveness_check: Instant::now(),
@@ -1311,6 +1479,7 @@ mod tests {
                 }),
             ],
             arrived: HashMap::new(),
+            posted: HashMap::new(),
             consumed: HashMap::new(),
             entered: HashMap::new(),
             next_liveness_check: Instant::now(),
@@ -1338,6 +1507,43 @@ mod tests {
             op: OpKind::AllReduce,
             bytes: 8,
         }
+    }
+
+    #[test]
+    fn receives_land_in_place_and_a_withdrawn_one_keeps_its_half_frame() {
+        let (endpoint, mut raw) = endpoint_with_raw_peer();
+        let wait = Duration::from_secs(5);
+        let mut header = frame(0, 0);
+        header.bytes = 64;
+        // A frame that arrives while the receive waits lands in its buffer.
+        let writer = {
+            let mut raw = raw.try_clone().unwrap();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(50));
+                raw.write_all(&encode(KIND_DATA, &header)).unwrap();
+                raw.write_all(&[5u8; 64]).unwrap();
+            })
+        };
+        let mut dst = [0u8; 64];
+        endpoint.recv_into(1, &header, wait, &mut dst).unwrap();
+        writer.join().unwrap();
+        assert_eq!(dst, [5u8; 64]);
+        // Half a frame, then the receive gives up: what was read moves into
+        // a buffer of the fabric's, and the rest completes it later.
+        let mut second = frame(0, 1);
+        second.bytes = 64;
+        raw.write_all(&encode(KIND_DATA, &second)).unwrap();
+        raw.write_all(&[9u8; 32]).unwrap();
+        let mut gone = [0u8; 64];
+        let short = Duration::from_millis(100);
+        assert!(matches!(
+            endpoint.recv_into(1, &second, short, &mut gone),
+            Err(TransportError::Timeout(_))
+        ));
+        assert!(endpoint.shared.lock().posted.is_empty());
+        raw.write_all(&[9u8; 32]).unwrap();
+        let got = endpoint.recv(1, &second, wait).unwrap();
+        assert_eq!(got.as_bytes(), &[9u8; 64]);
     }
 
     #[test]
