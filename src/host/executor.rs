@@ -139,15 +139,8 @@ pub(crate) fn execute<T: Element>(
                     BufId::Scratch => &scratch[src.range()],
                     _ => bufs.read(src),
                 };
-                let step = counters.sent[peer];
-                counters.sent[peer] += 1;
-                transport
-                    .send_bytes(
-                        peer,
-                        header::<T>(info, step, src.len),
-                        bytemuck::cast_slice(data),
-                    )
-                    .map_err(|e| info.error(peer, e))?;
+                let payload = Payload::from_bytes(bytemuck::cast_slice(data));
+                send(&mut counters, peer, payload, src.len)?;
             }
             Step::Recv { peer, dst } => {
                 let step = counters.received[peer];

@@ -209,20 +209,6 @@ impl Transport {
         }
     }
 
-    /// [`send`](Self::send) from a borrowed slice: the multi-process
-    /// transport writes it straight to the link when it can (no copy).
-    pub fn send_bytes(
-        &self,
-        peer: usize,
-        header: FrameHeader,
-        data: &[u8],
-    ) -> Result<(), TransportError> {
-        match self {
-            Transport::Local(t) => t.send(peer, header, Payload::from_bytes(data)),
-            Transport::Net(t) => t.send_bytes(peer, header, data),
-        }
-    }
-
     pub fn recv(
         &self,
         peer: usize,

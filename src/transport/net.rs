@@ -151,12 +151,6 @@ impl Link {
     }
 }
 
-/// A frame's body as handed to a send.
-enum Body<'a> {
-    Owned(Payload),
-    Borrowed(&'a [u8]),
-}
-
 /// A frame waiting to be written, with how much of it already went out.
 struct Outgoing {
     header: [u8; FRAME_HEADER_BYTES],
@@ -816,28 +810,6 @@ impl NetEndpoint {
         header: FrameHeader,
         payload: Payload,
     ) -> std::result::Result<(), TransportError> {
-        self.send_frame(peer, header, Body::Owned(payload))
-    }
-
-    /// [`send`](Self::send) from a borrowed slice: when nothing is queued
-    /// for the peer the bytes go straight from `data` to the link, and only
-    /// what the link does not take at once is copied into a queued frame
-    /// (so sends stay eager, without a copy in the common case).
-    pub fn send_bytes(
-        &self,
-        peer: usize,
-        header: FrameHeader,
-        data: &[u8],
-    ) -> std::result::Result<(), TransportError> {
-        self.send_frame(peer, header, Body::Borrowed(data))
-    }
-
-    fn send_frame(
-        &self,
-        peer: usize,
-        header: FrameHeader,
-        body: Body<'_>,
-    ) -> std::result::Result<(), TransportError> {
         if self.shared.aborted.load(Ordering::SeqCst) {
             return Err(TransportError::Aborted);
         }
@@ -855,40 +827,10 @@ impl NetEndpoint {
         let Some(p) = fabric.peers.get_mut(global).and_then(|p| p.as_mut()) else {
             return Err(TransportError::PeerLost { rank: Some(peer) });
         };
-        let encoded = encode(KIND_DATA, &header);
-        let (payload, written) = match body {
-            Body::Owned(payload) => (payload, 0),
-            Body::Borrowed(data) => {
-                let total = FRAME_HEADER_BYTES + data.len();
-                let mut written = 0;
-                // Frames leave in order: write directly only behind an
-                // empty queue.
-                while p.out.is_empty() && written < total {
-                    let (a, b) = if written < FRAME_HEADER_BYTES {
-                        (&encoded[written..], data)
-                    } else {
-                        (&[][..], &data[written - FRAME_HEADER_BYTES..])
-                    };
-                    match p.link.write_two(a, b) {
-                        Ok(0) => break,
-                        Ok(n) => written += n,
-                        Err(e) => {
-                            p.gone
-                                .get_or_insert(Gone::Died(format!("link failed: {e}")));
-                            return Ok(());
-                        }
-                    }
-                }
-                if written == total {
-                    return Ok(());
-                }
-                (Payload::from_bytes(data), written)
-            }
-        };
         p.out.push_back(Outgoing {
-            header: encoded,
+            header: encode(KIND_DATA, &header),
             payload,
-            written,
+            written: 0,
         });
         Fabric::write_queued(p);
         Ok(())
