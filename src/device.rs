@@ -195,7 +195,12 @@ impl DeviceCommBuilder {
         _store: Arc<dyn Store>,
         _device: Option<usize>,
     ) -> Result<DeviceCommunicator> {
-        unreachable!("process_backend refuses builds without NCCL")
+        // `process_backend` refuses builds without NCCL before this point.
+        Err(Error::Config {
+            name: "OXCCL_BACKEND".into(),
+            value: "nccl".into(),
+            reason: "this build has no NCCL backend (feature `nccl`)".into(),
+        })
     }
 
     #[cfg(feature = "nccl")]

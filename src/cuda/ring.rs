@@ -234,6 +234,16 @@ impl RingGroup {
     }
 }
 
+/// A split table gone before this rank read it: only a bug removes it
+/// early (the last rank to read it does), but it is an error, not a panic.
+fn split_lost(rank: Rank) -> Error {
+    Error::Cuda {
+        rank,
+        context: "split".into(),
+        detail: "the split's table disappeared before this rank read it".into(),
+    }
+}
+
 /// Whether `from`'s context may access `to`'s memory, enabling it if so.
 fn peer_access(from: &Arc<CudaContext>, to: &Arc<CudaContext>) -> bool {
     let mut can = 0;
@@ -766,9 +776,9 @@ impl RingComm {
             .entries[rank] = Some((color, key, self.ctx.clone()));
         group.splits_changed.notify_all();
         let entries = loop {
-            let table = splits
-                .get(&seq)
-                .expect("the table lives until every rank read it");
+            let Some(table) = splits.get(&seq) else {
+                return Err(split_lost(rank));
+            };
             if table.entries.iter().all(Option::is_some) {
                 break table.entries.iter().flatten().cloned().collect::<Vec<_>>();
             }
@@ -791,9 +801,9 @@ impl RingComm {
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         };
-        let table = splits
-            .get_mut(&seq)
-            .expect("present until every rank read it");
+        let Some(table) = splits.get_mut(&seq) else {
+            return Err(split_lost(rank));
+        };
         let child = match color {
             None => None,
             Some(c) => {
