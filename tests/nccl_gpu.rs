@@ -18,7 +18,7 @@ mod gpu_common;
 use cudarc::driver::CudaContext;
 use gpu_common::every_case;
 use oxccl::bootstrap::MemoryStore;
-use oxccl::{bf16, f16, Communicator, DeviceCommunicator, Error, ReduceOp};
+use oxccl::{bf16, f16, Communicator, DeviceBackend, DeviceCommunicator, Error, ReduceOp};
 
 fn every_dtype(host: &mut Communicator, dev: &mut DeviceCommunicator) -> Vec<String> {
     let mut bad = Vec::new();
@@ -35,6 +35,15 @@ fn every_dtype(host: &mut Communicator, dev: &mut DeviceCommunicator) -> Vec<Str
     bad
 }
 
+/// NCCL explicitly: `auto` would fall back to the cuda-ring when NCCL does
+/// not load, and these tests are about NCCL.
+fn nccl_group(n: usize) -> Vec<DeviceCommunicator> {
+    DeviceCommunicator::builder()
+        .backend(DeviceBackend::Nccl)
+        .local_group(n)
+        .unwrap()
+}
+
 fn gpu_count() -> usize {
     // SAFETY: only tries to dlopen the driver; cudarc panics without it.
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
@@ -47,7 +56,8 @@ fn gpu_count() -> usize {
 #[ignore = "needs a CUDA device"]
 fn every_collective_dtype_and_op_at_world_size_one_matches_the_host() {
     println!("world size 1: NCCL moves no data between GPUs here; this checks the API, not communication");
-    let mut dev = DeviceCommunicator::local_group(1).unwrap().remove(0);
+    let mut dev = nccl_group(1).remove(0);
+    assert_eq!(dev.backend_name(), "nccl");
     let mut host = Communicator::local_group(1).unwrap().remove(0);
     let bad = every_dtype(&mut host, &mut dev);
     assert!(bad.is_empty(), "device differs from host: {bad:#?}");
@@ -62,7 +72,7 @@ fn every_collective_across_all_gpus() {
         println!("skipped: {n} GPU(s); world size = GPU count needs at least 2");
         return;
     }
-    let devs = DeviceCommunicator::local_group(n).unwrap();
+    let devs = nccl_group(n);
     let hosts = Communicator::local_group(n).unwrap();
     let handles: Vec<_> = devs
         .into_iter()
@@ -82,7 +92,10 @@ fn every_collective_across_all_gpus() {
 #[ignore = "needs a CUDA device"]
 fn init_from_a_store_split_and_bad_arguments() {
     let store = Arc::new(MemoryStore::new());
-    let mut dev = DeviceCommunicator::init(0, 1, store).unwrap();
+    let mut dev = DeviceCommunicator::builder()
+        .backend(DeviceBackend::Nccl)
+        .init(0, 1, store)
+        .unwrap();
     assert_eq!((dev.rank(), dev.world_size()), (0, 1));
     // A bad length is rejected before NCCL, and the communicator stays usable.
     let stream = dev.stream().clone();
