@@ -1015,14 +1015,17 @@ impl Communicator {
     /// [`Error::PeerLost`] or [`Error::Mismatch`] when the ranks do not all
     /// take part.
     pub fn alloc_shared<T: Element>(&mut self, len: usize) -> Result<SharedBuffer<T>> {
-        let bytes =
-            len.checked_mul(std::mem::size_of::<T>())
-                .ok_or_else(|| Error::InvalidArgument {
-                    op: OpKind::AllocShared,
-                    rank: self.rank,
-                    arg: "len",
-                    reason: format!("{len} elements overflow the address space"),
-                })?;
+        // At most isize::MAX bytes (Rust's limit for one allocation), less
+        // the page the segment header takes.
+        let bytes = len
+            .checked_mul(std::mem::size_of::<T>())
+            .filter(|&b| b <= isize::MAX as usize - 4096)
+            .ok_or_else(|| Error::InvalidArgument {
+                op: OpKind::AllocShared,
+                rank: self.rank,
+                arg: "len",
+                reason: format!("{len} elements are more than one allocation can hold"),
+            })?;
         if let Some(first) = &self.failed {
             return Err(Error::Failed {
                 op: OpKind::AllocShared,
@@ -1050,8 +1053,13 @@ impl Communicator {
                     signature: arena::signature(OpKind::AllocShared, 0, None, 0, bytes),
                 };
                 let region = arena.alloc_shared(&info, &sig, bytes);
+                // A failed set-up (`Bootstrap`: a segment could not be made
+                // or mapped) fails alike on every rank, which stay in step;
+                // a broken round (timeout, lost peer) breaks the communicator.
                 if let Err(e) = &region {
-                    self.failed = Some(e.to_string());
+                    if !matches!(e, Error::Bootstrap { .. }) {
+                        self.failed = Some(e.to_string());
+                    }
                 }
                 region?
             }

@@ -1379,7 +1379,19 @@ impl Arena {
                     if p == self.rank {
                         Ok(None)
                     } else {
-                        Segment::open(&name(p)).map(Some)
+                        Segment::open(&name(p)).and_then(|segment| {
+                            // A peer's block smaller than this call's is
+                            // not one of this allocation.
+                            if segment.region().1 < bytes {
+                                Err(std::io::Error::other(format!(
+                                    "{} holds {} bytes, not {bytes}",
+                                    segment.name(),
+                                    segment.region().1
+                                )))
+                            } else {
+                                Ok(Some(segment))
+                            }
+                        })
                     }
                 })
                 .collect();

@@ -47,8 +47,9 @@ unsafe impl Sync for SharedRegion {}
 impl SharedRegion {
     /// A zeroed, page-aligned block of this process's heap.
     pub fn heap(id: u64, bytes: usize) -> SharedRegion {
+        // `Communicator::alloc_shared` keeps `bytes` within isize::MAX − 4096.
         let layout = std::alloc::Layout::from_size_align(bytes.max(1), 4096)
-            .unwrap_or_else(|_| std::alloc::Layout::new::<u8>());
+            .unwrap_or_else(|_| panic!("alloc_shared: {bytes} bytes exceed one allocation"));
         // SAFETY: non-zero size.
         let own = unsafe { std::alloc::alloc_zeroed(layout) };
         if own.is_null() {

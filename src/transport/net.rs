@@ -843,8 +843,9 @@ impl NetEndpoint {
         timeout: Duration,
     ) -> std::result::Result<Payload, TransportError> {
         // Without a destination the frame always comes back as a buffer.
-        self.receive(peer, expect, timeout, None)
-            .map(Option::unwrap_or_default)
+        self.receive(peer, expect, timeout, None)?.ok_or_else(|| {
+            TransportError::Mismatch("a frame landed in another receive's buffer".into())
+        })
     }
 
     /// [`recv`](Self::recv) into `dst` (`expect.bytes` long): while this
@@ -921,11 +922,15 @@ impl NetEndpoint {
                     fabric.unpost(key);
                     return Err(self.failure(&fabric, peer, Some(expect)).unwrap_or(e));
                 }
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                self.shared.lock().unpost(key);
-                return Err(TransportError::Timeout(now - start));
+                // The deadline is checked under the same lock as the
+                // arrivals and the withdrawal: a frame landing between a
+                // check outside it and the withdrawal would be reported as
+                // a timeout and left behind.
+                let now = Instant::now();
+                if now >= deadline {
+                    fabric.unpost(key);
+                    return Err(TransportError::Timeout(now - start));
+                }
             }
             backoff.wait(&self.shared, deadline);
         }

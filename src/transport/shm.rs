@@ -117,7 +117,12 @@ impl Segment {
     ) -> io::Result<Segment> {
         debug_assert!(ring_bytes.is_power_of_two());
         let cname = CString::new(name).map_err(|_| io::Error::other("bad segment name"))?;
-        let len = segment_bytes(slots, ring_bytes) + region_bytes;
+        let len = segment_bytes(slots, ring_bytes)
+            .checked_add(region_bytes)
+            .filter(|&l| l <= isize::MAX as usize)
+            .ok_or_else(|| {
+                io::Error::other(format!("{name}: {region_bytes} bytes is too large"))
+            })?;
         // SAFETY: plain FFI calls with a valid C string; the fd is closed below.
         let fd = unsafe {
             libc::shm_open(
