@@ -17,7 +17,6 @@
 //! tracking makes the communicator's stream wait for their last writes, and
 //! their later users wait for the collective.
 
-#[cfg(feature = "nccl")]
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -26,7 +25,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::CudaSlice;
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, DriverError};
 
-use crate::bootstrap::{LaunchEnv, Store};
+use crate::bootstrap::{LaunchEnv, PrefixStore, Store};
 use crate::comm::{launch_store, CommConfig};
 use crate::cuda::lower::{concat, lower, Lowered};
 use crate::cuda::ring::{CallBufs, RingComm, RingGroup};
@@ -84,7 +83,6 @@ pub(crate) fn open_device(rank: Rank, ordinal: Option<usize>) -> Result<Arc<Cuda
 /// Each `init` of a device communicator in this process takes the next
 /// generation, so several communicators made from one store (in the same
 /// order on every rank, as collectives require) use distinct id keys.
-#[cfg(feature = "nccl")]
 static INIT_GENERATION: AtomicU64 = AtomicU64::new(0);
 
 /// Settings for making [`DeviceCommunicator`]s.
@@ -131,30 +129,67 @@ impl DeviceCommBuilder {
         }
     }
 
-    /// The backend for ranks in separate processes: NCCL (the cuda-ring
-    /// runs threads of one process only).
-    fn process_backend(&self) -> Result<()> {
-        match self.chosen_backend()? {
-            DeviceBackend::CudaRing => Err(Error::Config {
-                name: "OXCCL_BACKEND".into(),
-                value: "cuda-ring".into(),
-                reason: "the cuda-ring backend runs ranks as threads of one process \
-                         (DeviceCommunicator::local_group); between processes it would need \
-                         CUDA IPC, which is not built yet: use NCCL (OXCCL_BACKEND=nccl or auto)"
-                    .into(),
-            }),
-            _ if !cfg!(feature = "nccl") => Err(Error::Config {
+    /// The engine for ranks in separate processes. Every rank must run the
+    /// same one, so with `auto` rank 0 decides (NCCL when it loads there,
+    /// else the cuda-ring) and publishes the choice in the store.
+    fn process_backend(
+        &self,
+        rank: Rank,
+        store: &dyn Store,
+        prefix: &str,
+        timeout: Duration,
+    ) -> Result<DeviceBackend> {
+        let chosen = match self.chosen_backend()? {
+            DeviceBackend::Auto => {
+                let key = format!("{prefix}/backend");
+                if rank == 0 {
+                    let choice = auto_backend();
+                    store.set(&key, choice.name().as_bytes())?;
+                    choice
+                } else {
+                    let missing = store.wait(std::slice::from_ref(&key), timeout)?;
+                    if !missing.is_empty() {
+                        return Err(Error::RendezvousTimeout {
+                            store: store.describe(),
+                            waited: timeout,
+                            missing: vec![0],
+                        });
+                    }
+                    let name = store.try_get(&key)?.unwrap_or_default();
+                    let name = String::from_utf8_lossy(&name).into_owned();
+                    DeviceBackend::from_name(&name).ok_or_else(|| Error::Config {
+                        name: "OXCCL_BACKEND".into(),
+                        value: name.clone(),
+                        reason: "rank 0 published a backend this rank does not know".into(),
+                    })?
+                }
+            }
+            other => other,
+        };
+        match chosen {
+            DeviceBackend::Nccl if !cfg!(feature = "nccl") => Err(Error::Config {
                 name: "OXCCL_BACKEND".into(),
                 value: "nccl".into(),
-                reason: "this build has no NCCL backend (feature `nccl`), and the cuda-ring \
-                         runs only local groups"
+                reason: "this build has no NCCL backend (feature `nccl`): use cuda-ring or auto"
                     .into(),
             }),
+            DeviceBackend::CudaRing => {
+                log_choice("cuda-ring (ranks in separate processes, CUDA IPC)");
+                Ok(chosen)
+            }
             _ => {
                 log_choice("nccl (ranks in separate processes)");
-                Ok(())
+                Ok(DeviceBackend::Nccl)
             }
         }
+    }
+
+    fn job(&self) -> String {
+        self.job_id
+            .clone()
+            .or_else(|| std::env::var("OXCCL_JOB_ID").ok())
+            .filter(|id| !id.trim().is_empty())
+            .unwrap_or_else(|| "default".into())
     }
 
     fn config_timeout(&self) -> Result<Duration> {
@@ -164,10 +199,15 @@ impl DeviceCommBuilder {
         })
     }
 
-    /// Joins a job of `world_size` ranks as `rank`: rank 0 makes the NCCL
-    /// unique id and publishes it in `store`, every rank reads it and starts
-    /// `ncclCommInitRankConfig` (non-blocking), and waits for it with the
-    /// deadline.
+    /// Joins a job of `world_size` ranks as `rank`, one process each.
+    ///
+    /// With NCCL, rank 0 makes the NCCL unique id and publishes it in
+    /// `store`; every rank reads it and starts `ncclCommInitRankConfig`
+    /// (non-blocking), and waits for it with the deadline. With the
+    /// cuda-ring, the ranks make a host communicator through `store` (keys
+    /// under their own prefix) that carries the CUDA IPC handles of their
+    /// inboxes and events; every rank must be on one host. With `auto`,
+    /// rank 0 picks NCCL when it loads, else the cuda-ring, for everyone.
     ///
     /// # Errors
     ///
@@ -176,34 +216,17 @@ impl DeviceCommBuilder {
     /// or the driver is missing or too old; [`Error::Cuda`] when no GPU can
     /// be opened; [`Error::RendezvousTimeout`] when rank 0 never publishes
     /// the id; [`Error::DeviceTimeout`] when NCCL's set-up does not finish
-    /// (a rank that never starts); [`Error::Nccl`] with NCCL's text.
+    /// (a rank that never starts); [`Error::Nccl`] with NCCL's text;
+    /// [`Error::Config`] for cuda-ring ranks on several hosts.
     pub fn init(
         &self,
         rank: Rank,
         world_size: usize,
         store: Arc<dyn Store>,
     ) -> Result<DeviceCommunicator> {
-        self.process_backend()?;
         self.init_on(rank, world_size, store, self.device)
     }
 
-    #[cfg(not(feature = "nccl"))]
-    fn init_on(
-        &self,
-        _rank: Rank,
-        _world_size: usize,
-        _store: Arc<dyn Store>,
-        _device: Option<usize>,
-    ) -> Result<DeviceCommunicator> {
-        // `process_backend` refuses builds without NCCL before this point.
-        Err(Error::Config {
-            name: "OXCCL_BACKEND".into(),
-            value: "nccl".into(),
-            reason: "this build has no NCCL backend (feature `nccl`)".into(),
-        })
-    }
-
-    #[cfg(feature = "nccl")]
     fn init_on(
         &self,
         rank: Rank,
@@ -220,18 +243,60 @@ impl DeviceCommBuilder {
                 reason: format!("rank {rank} is out of range for world size {world_size}"),
             });
         }
+        let generation = INIT_GENERATION.fetch_add(1, Ordering::Relaxed);
+        let prefix = format!("oxccl/device/{}/{generation}", self.job());
+        match self.process_backend(rank, &*store, &prefix, timeout)? {
+            DeviceBackend::CudaRing => {
+                let ctx = open_device(rank, device)?;
+                let control = crate::comm::CommBuilder::default()
+                    .timeout(timeout)
+                    .algo(crate::comm::Algo::Ring)
+                    .job_id(format!("{}-cuda-ring-{generation}", self.job()))
+                    .init(
+                        rank,
+                        world_size,
+                        Arc::new(PrefixStore::new(format!("{prefix}/control"), store)),
+                    )?;
+                let ring = RingComm::new_remote(control, ctx, timeout)?;
+                Ok(DeviceCommunicator::assemble_ring(ring, timeout))
+            }
+            _ => self.nccl_init(rank, world_size, store, device, &prefix, timeout),
+        }
+    }
+
+    #[cfg(not(feature = "nccl"))]
+    fn nccl_init(
+        &self,
+        _rank: Rank,
+        _world_size: usize,
+        _store: Arc<dyn Store>,
+        _device: Option<usize>,
+        _prefix: &str,
+        _timeout: Duration,
+    ) -> Result<DeviceCommunicator> {
+        // `process_backend` refuses NCCL in builds without it.
+        Err(Error::Config {
+            name: "OXCCL_BACKEND".into(),
+            value: "nccl".into(),
+            reason: "this build has no NCCL backend (feature `nccl`)".into(),
+        })
+    }
+
+    #[cfg(feature = "nccl")]
+    fn nccl_init(
+        &self,
+        rank: Rank,
+        world_size: usize,
+        store: Arc<dyn Store>,
+        device: Option<usize>,
+        prefix: &str,
+        timeout: Duration,
+    ) -> Result<DeviceCommunicator> {
         let library = sys::library()?;
         let ctx = open_device(rank, device)?;
         ctx.bind_to_thread()
             .map_err(cuda_error(rank, "binding the GPU to this thread"))?;
-        let generation = INIT_GENERATION.fetch_add(1, Ordering::Relaxed);
-        let job = self
-            .job_id
-            .clone()
-            .or_else(|| std::env::var("OXCCL_JOB_ID").ok())
-            .filter(|id| !id.trim().is_empty())
-            .unwrap_or_else(|| "default".into());
-        let key = format!("oxccl/nccl/{job}/{generation}/unique-id");
+        let key = format!("{prefix}/unique-id");
         let id = if rank == 0 {
             let id = UniqueId::new()?;
             store.set(&key, id.as_bytes())?;
@@ -268,7 +333,6 @@ impl DeviceCommBuilder {
     /// [`Error::Config`] for missing or contradictory variables; as
     /// [`init`](Self::init).
     pub fn from_env(&self) -> Result<DeviceCommunicator> {
-        self.process_backend()?;
         let env = LaunchEnv::from_env()?;
         let (store, _) = launch_store(&env, self.config_timeout()?)?;
         let mut builder = self.clone();
@@ -417,11 +481,32 @@ pub enum DeviceBackend {
     /// NCCL (feature `nccl`).
     Nccl,
     /// oxccl's own ring over CUDA kernels: no NCCL needed; ranks are
-    /// threads of one process, several per GPU allowed.
+    /// threads of one process or processes of one host (CUDA IPC),
+    /// several per GPU allowed.
     CudaRing,
 }
 
+/// What `auto` means for ranks in separate processes: NCCL when it loads,
+/// else the cuda-ring (logged with `OXCCL_DEBUG=INFO`).
+fn auto_backend() -> DeviceBackend {
+    #[cfg(feature = "nccl")]
+    match sys::library() {
+        Ok(_) => return DeviceBackend::Nccl,
+        Err(e) => log_choice(&format!("cuda-ring: NCCL is not available ({e})")),
+    }
+    DeviceBackend::CudaRing
+}
+
 impl DeviceBackend {
+    /// The name `OXCCL_BACKEND` takes for it.
+    pub fn name(self) -> &'static str {
+        match self {
+            DeviceBackend::Auto => "auto",
+            DeviceBackend::Nccl => "nccl",
+            DeviceBackend::CudaRing => "cuda-ring",
+        }
+    }
+
     /// Parses `OXCCL_BACKEND`'s values: `auto`, `nccl`, `cuda-ring`.
     pub fn from_name(name: &str) -> Option<DeviceBackend> {
         match name.trim().to_ascii_lowercase().as_str() {
@@ -461,7 +546,8 @@ enum Engine {
         /// for the stream.
         barrier_cell: CudaSlice<f32>,
     },
-    Ring(RingComm),
+    // Boxed: a ring rank holds its inboxes and links inline.
+    Ring(Box<RingComm>),
 }
 
 /// A communicator over GPU buffers: see the [module docs](self).
@@ -559,7 +645,7 @@ impl DeviceCommunicator {
             world: ring.world(),
             ctx: ring.context().clone(),
             stream: ring.stream().clone(),
-            engine: Engine::Ring(ring),
+            engine: Engine::Ring(Box::new(ring)),
             chunk_bytes: ring_chunk_bytes(),
             timeout,
             seq: 0,
@@ -627,7 +713,7 @@ impl DeviceCommunicator {
         match &mut self.engine {
             #[cfg(feature = "nccl")]
             Engine::Nccl { comm, .. } => comm.abort(),
-            Engine::Ring(ring) => ring.group().abort(),
+            Engine::Ring(ring) => ring.abort(),
         }
         self.failed.get_or_insert_with(|| "aborted".into());
     }
@@ -1687,16 +1773,41 @@ mod tests {
         );
         assert_eq!(DeviceBackend::from_name("auto"), Some(DeviceBackend::Auto));
         assert_eq!(DeviceBackend::from_name("gloo"), None);
-        // Ranks in separate processes need NCCL: refused before any I/O.
+        for b in [
+            DeviceBackend::Auto,
+            DeviceBackend::Nccl,
+            DeviceBackend::CudaRing,
+        ] {
+            assert_eq!(DeviceBackend::from_name(b.name()), Some(b));
+        }
+        // With `auto`, ranks other than 0 follow rank 0's published choice,
+        // and say so when it never comes.
         let store = std::sync::Arc::new(crate::bootstrap::MemoryStore::new());
         let e = DeviceCommunicator::builder()
-            .backend(DeviceBackend::CudaRing)
-            .init(0, 2, store)
+            .backend(DeviceBackend::Auto)
+            .timeout(Duration::from_millis(50))
+            .init(1, 2, store)
             .unwrap_err();
-        assert!(matches!(e, Error::Config { .. }), "{e:?}");
-        assert!(e.to_string().contains("CUDA IPC"), "{e}");
+        assert!(matches!(e, Error::RendezvousTimeout { .. }), "{e:?}");
         // SAFETY: only tries to dlopen the driver.
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            // Ranks in separate processes on the cuda-ring: the driver is
+            // looked for before any rendezvous.
+            let store = std::sync::Arc::new(crate::bootstrap::MemoryStore::new());
+            let e = DeviceCommunicator::builder()
+                .backend(DeviceBackend::CudaRing)
+                .init(0, 2, store)
+                .unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    Error::LibraryNotFound {
+                        library: "CUDA driver",
+                        ..
+                    }
+                ),
+                "{e:?}"
+            );
             let e = DeviceCommunicator::builder()
                 .backend(DeviceBackend::CudaRing)
                 .local_group(3)

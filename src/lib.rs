@@ -20,7 +20,7 @@
 //! | host, in-process | `&[T]` | built |
 //! | host, shared memory / TCP | `&[T]` | built |
 //! | `nccl` | GPU ([`DeviceCommunicator`], feature `nccl`) | built |
-//! | `cuda-ring` | GPU ([`DeviceCommunicator`], feature `cuda`) | built for ranks as threads of one process |
+//! | `cuda-ring` | GPU ([`DeviceCommunicator`], feature `cuda`) | ranks as threads of one process, or processes of one host (CUDA IPC) |
 //!
 //! ```
 //! use oxccl::{Communicator, ReduceOp};

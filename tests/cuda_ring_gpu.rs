@@ -4,17 +4,23 @@
 //! running the same ring schedules (`Algo::Ring`) on the same inputs, and
 //! all-reduce equal to all-gather ∘ reduce-scatter bit for bit.
 //!
+//! The same checks run with ranks as separate processes on one GPU (CUDA
+//! IPC handles through the store): the test starts its own binary once per
+//! rank.
+//!
 //! Ignored by default (`needs a CUDA device`); `scripts/device-check.sh`
 //! runs them twice: as they are, and with `OXCCL_P2P_DISABLE=1` (every pair
 //! host-staged), which must give the same bits.
 #![cfg(feature = "cuda")]
 
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 #[path = "gpu_common/mod.rs"]
 mod gpu_common;
 
 use gpu_common::{every_case, input};
+use oxccl::bootstrap::{FileStore, PrefixStore, Store};
 use oxccl::{bf16, f16, Algo, Communicator, DeviceBackend, DeviceCommunicator, Error, ReduceOp};
 
 const WORLDS: [usize; 4] = [2, 3, 4, 8];
@@ -167,4 +173,145 @@ fn a_rank_that_never_calls_is_a_timeout_not_a_hang() {
     assert!(matches!(e, Error::DeviceTimeout { .. }), "{e:?}");
     assert!(e.to_string().contains("from rank 1"), "{e}");
     drop(comms);
+}
+
+/// What a rank process runs (`OXCCL_TEST_PROCESS_RANK` set by the parent
+/// test); run without it, as part of `--ignored`, it does nothing.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn process_rank_entry_point() {
+    let Ok(rank) = std::env::var("OXCCL_TEST_PROCESS_RANK") else {
+        return;
+    };
+    let rank: usize = rank.parse().unwrap();
+    let world: usize = std::env::var("OXCCL_TEST_PROCESS_WORLD")
+        .unwrap()
+        .parse()
+        .unwrap();
+    let dir = std::env::var("OXCCL_TEST_PROCESS_STORE").unwrap();
+    let scenario = std::env::var("OXCCL_TEST_PROCESS_SCENARIO").unwrap_or_default();
+    let store: Arc<dyn Store> = Arc::new(FileStore::new(dir).unwrap());
+    let timeout = if scenario == "lonely" { 10 } else { 120 };
+    let mut dev = DeviceCommunicator::builder()
+        .backend(DeviceBackend::CudaRing)
+        .timeout(Duration::from_secs(timeout))
+        .init(rank, world, store.clone())
+        .unwrap();
+    println!("rank {rank}: {}", dev.backend_description());
+    if scenario == "lonely" {
+        // Rank 1 leaves without calling; rank 0's call must fail, not hang.
+        if rank == 0 {
+            let s = dev.stream().clone();
+            let mut x = s.alloc_zeros::<f32>(1 << 16).unwrap();
+            let e = dev.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap_err();
+            assert!(
+                matches!(e, Error::DeviceTimeout { .. } | Error::PeerLost { .. }),
+                "{e:?}"
+            );
+            println!("rank 0: {e}");
+        }
+        return;
+    }
+    let mut host = Communicator::builder()
+        .algo(Algo::Ring)
+        .timeout(Duration::from_secs(120))
+        .init(rank, world, Arc::new(PrefixStore::new("host", store)))
+        .unwrap();
+    let bad = every_dtype(&mut host, &mut dev);
+    assert!(bad.is_empty(), "rank {rank} of {world}: {bad:#?}");
+    // Point-to-point in one group, split, barrier.
+    let s = dev.stream().clone();
+    let mine = s.clone_htod(&vec![rank as u32; 777]).unwrap();
+    let mut got = s.alloc_zeros::<u32>(777).unwrap();
+    {
+        let mut g = dev.group().unwrap();
+        g.send(&mine, (rank + 1) % world).unwrap();
+        g.recv(&mut got, (rank + world - 1) % world).unwrap();
+        g.end().unwrap();
+    }
+    dev.synchronize().unwrap();
+    let v = s.clone_dtoh(&got).unwrap();
+    assert!(v.iter().all(|&x| x as usize == (rank + world - 1) % world));
+    let mut half = dev.split((rank % 2) as u32, rank as i64).unwrap();
+    let mut one = half.stream().clone_htod(&[1u64; 100]).unwrap();
+    half.all_reduce_in_place(&mut one, ReduceOp::Sum).unwrap();
+    half.synchronize().unwrap();
+    let expected = (0..world).filter(|r| r % 2 == rank % 2).count() as u64;
+    assert_eq!(half.stream().clone_dtoh(&one).unwrap()[0], expected);
+    dev.barrier().unwrap();
+    println!("rank {rank} of {world}: every case bit-identical to the host");
+}
+
+/// Starts `world` processes of this test binary as the ranks of one job
+/// and waits for them (with a deadline); returns their outputs.
+fn run_processes(world: usize, scenario: &str) -> Vec<(bool, String)> {
+    let dir = std::env::temp_dir().join(format!(
+        "oxccl-cuda-ring-{}-{world}-{scenario}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    let exe = std::env::current_exe().unwrap();
+    let children: Vec<_> = (0..world)
+        .map(|rank| {
+            std::process::Command::new(&exe)
+                .args([
+                    "--ignored",
+                    "--exact",
+                    "process_rank_entry_point",
+                    "--nocapture",
+                ])
+                .env("OXCCL_TEST_PROCESS_RANK", rank.to_string())
+                .env("OXCCL_TEST_PROCESS_WORLD", world.to_string())
+                .env("OXCCL_TEST_PROCESS_STORE", &dir)
+                .env("OXCCL_TEST_PROCESS_SCENARIO", scenario)
+                .env("OXCCL_DEBUG", "INFO")
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let out = children
+        .into_iter()
+        .map(|mut child| {
+            while child.try_wait().unwrap().is_none() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            if child.try_wait().unwrap().is_none() {
+                let _ = child.kill();
+            }
+            let o = child.wait_with_output().unwrap();
+            (
+                o.status.success(),
+                format!(
+                    "{}{}",
+                    String::from_utf8_lossy(&o.stdout),
+                    String::from_utf8_lossy(&o.stderr)
+                ),
+            )
+        })
+        .collect();
+    let _ = std::fs::remove_dir_all(&dir);
+    out
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn processes_on_one_gpu_match_the_host_bit_for_bit() {
+    for world in [2, 3] {
+        for (rank, (ok, output)) in run_processes(world, "all").into_iter().enumerate() {
+            print!("{output}");
+            assert!(ok, "world {world}: process of rank {rank} failed");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_process_that_leaves_is_an_error_not_a_hang() {
+    for (rank, (ok, output)) in run_processes(2, "lonely").into_iter().enumerate() {
+        print!("{output}");
+        assert!(ok, "process of rank {rank} failed");
+    }
 }

@@ -13,6 +13,7 @@
 mod env;
 mod file;
 mod memory;
+mod prefix;
 mod tcp;
 
 use std::time::Duration;
@@ -22,6 +23,7 @@ use crate::error::Result;
 pub use env::{LaunchEnv, LaunchSource};
 pub use file::FileStore;
 pub use memory::MemoryStore;
+pub use prefix::PrefixStore;
 pub use tcp::TcpStore;
 
 /// A key-value store shared by the ranks of one job, used only while

@@ -12,10 +12,15 @@
 //! the invariant the schedule simulator checks for every plan — so both
 //! sides compute the same offsets without talking.
 //!
-//! Before its first write into a peer's inbox in a call, a sender waits for
-//! that peer's *ready* event of the call (recorded once the peer's stream has
-//! finished reading its inboxes in the previous call): no write lands in an
-//! inbox still being read.
+//! Before its first message to a peer in a call (with data or not), a
+//! sender waits for that peer's *ready* of the call, which the peer publishes
+//! once it has enqueued everything of its previous calls. On the GPU this
+//! orders the writes after the peer's reads of its inboxes in earlier calls:
+//! no write lands in an inbox still being read. On the host it bounds how
+//! far a sender runs ahead: every message of the pair's earlier calls has
+//! been awaited when the next call's first message is posted, which lets
+//! ranks in separate processes reuse one interprocess event per message
+//! slot of a call ([`super::ring`]).
 //!
 //! Step by step (⊕ is the call's combining operator, arguments in the
 //! host executor's order, so the bits match the host backend's):
@@ -83,6 +88,9 @@ pub(crate) struct Lowered {
     /// Elements this rank receives from each peer in the call (its inbox
     /// sizes).
     pub incoming: Vec<usize>,
+    /// Whether this rank receives any message (even an empty one) from each
+    /// peer in the call: the peers it publishes a ready to.
+    pub receives_from: Vec<bool>,
     /// Elements this rank sends to each peer (the peers' inbox sizes for it).
     pub outgoing: Vec<usize>,
     /// Elements of scratch the plan uses.
@@ -101,15 +109,16 @@ pub(crate) fn lower(plan: &Plan, world: usize) -> Lowered {
     let mut out = Lowered {
         ops: Vec::with_capacity(plan.steps.len() * 2),
         incoming: vec![0; world],
+        receives_from: vec![false; world],
         outgoing: vec![0; world],
         scratch_len: plan.scratch_len,
     };
     let mut readied = vec![false; world];
-    // Cursors are the running totals themselves.
-    // Only a message with data writes the inbox: zero-length messages
-    // (barriers) are a post alone, and need no ready inbox.
+    // Cursors are the running totals themselves. Zero-length messages
+    // (barriers) write no inbox but still await the ready: see the module
+    // comment.
     let mut send_to = |out: &mut Lowered, to: Rank, len: usize| -> At {
-        if !readied[to] && len > 0 {
+        if !readied[to] {
             readied[to] = true;
             out.ops.push(DevOp::AwaitReady { to });
         }
@@ -122,6 +131,7 @@ pub(crate) fn lower(plan: &Plan, world: usize) -> Lowered {
     };
     let recv_from = |out: &mut Lowered, from: Rank, len: usize| -> At {
         out.ops.push(DevOp::Await { from });
+        out.receives_from[from] = true;
         let src = At {
             mem: Mem::Inbox(from),
             offset: out.incoming[from],
@@ -212,6 +222,7 @@ pub(crate) fn concat(parts: &[Lowered]) -> Lowered {
     let mut out = Lowered {
         ops: Vec::new(),
         incoming: vec![0; world],
+        receives_from: vec![false; world],
         outgoing: vec![0; world],
         scratch_len: parts.iter().map(|p| p.scratch_len).max().unwrap_or(0),
     };
@@ -263,6 +274,7 @@ pub(crate) fn concat(parts: &[Lowered]) -> Lowered {
         }
         for p in 0..world {
             out.incoming[p] += part.incoming[p];
+            out.receives_from[p] |= part.receives_from[p];
             out.outgoing[p] += part.outgoing[p];
         }
     }
@@ -355,8 +367,19 @@ mod tests {
                         }
                         ranks[me].posted[from] -= 1;
                     }
-                    DevOp::AwaitReady { .. } => {}
-                    DevOp::Post { to } => ranks[to].posted[me] += 1,
+                    DevOp::AwaitReady { to } => assert!(
+                        lowered[to].receives_from[me],
+                        "rank {me} awaits a ready that rank {to} never publishes"
+                    ),
+                    DevOp::Post { to } => {
+                        // Every message, empty ones included, follows the
+                        // receiver's ready of the call.
+                        assert!(
+                            lowered[me].ops[..ranks[me].pc].contains(&DevOp::AwaitReady { to }),
+                            "rank {me} posts to {to} before its ready"
+                        );
+                        ranks[to].posted[me] += 1
+                    }
                     DevOp::Copy { src, dst, len } => {
                         let data = read(&ranks, me, src, len);
                         write(&mut ranks, me, dst, &data);

@@ -8,6 +8,7 @@
 //!   (copies, fused receive-reduce-send kernels, posts and awaits between
 //!   ranks), pure data, checked on the CPU against the host backend.
 
+pub(crate) mod ipc;
 pub(crate) mod lower;
 pub(crate) mod ring;
 

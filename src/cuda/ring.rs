@@ -1,9 +1,12 @@
 //! The cuda-ring executor: runs lowered plans ([`super::lower`]) on GPU
-//! streams, for ranks that are threads of one process — several per GPU
-//! allowed (single-GPU machines, tests) or one per GPU.
+//! streams, for ranks that are threads of one process or processes of one
+//! host — several per GPU allowed (single-GPU machines, tests) or one per
+//! GPU.
 //!
 //! Each rank owns a stream, its inboxes (one per sending peer, grown to the
-//! largest call seen) and a handle on the group. The group is the host-side
+//! largest call seen) and its [`Links`] to the others. Between processes
+//! the links are CUDA IPC handles over a host control channel
+//! ([`super::ipc`]); between threads the [`RingGroup`] is the host-side
 //! meeting point: per ordered pair of ranks a mailbox in which the receiver
 //! publishes its inbox and *ready* event for each call, and the sender posts
 //! one event per message. Every host-side wait has the communicator's
@@ -31,6 +34,7 @@ use cudarc::driver::{
     CudaContext, CudaEvent, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg,
 };
 
+use super::ipc::{Handle, InboxDesc, RemoteLinks, SharedInbox};
 use super::lower::{At, DevOp, Lowered, Mem};
 use crate::error::{Error, Result};
 use crate::schedule::BufId;
@@ -50,6 +54,7 @@ pub(crate) fn debug_info() -> bool {
 
 /// How one ordered pair of ranks moves data.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
 pub(crate) enum Path {
     /// Both ranks on one GPU.
     SameGpu,
@@ -60,6 +65,14 @@ pub(crate) enum Path {
 }
 
 impl Path {
+    /// The inverse of `path as u8` (ranks in separate processes exchange
+    /// their decisions as bytes).
+    pub(crate) fn from_u8(code: u8) -> Option<Path> {
+        [Path::SameGpu, Path::PeerAccess, Path::HostStaged]
+            .into_iter()
+            .find(|&p| p as u8 == code)
+    }
+
     pub(crate) fn name(self) -> &'static str {
         match self {
             Path::SameGpu => "same GPU",
@@ -201,25 +214,7 @@ impl RingGroup {
         if let Some(m) = modules.get(&ctx.ordinal()) {
             return Ok(m.clone());
         }
-        let (major, minor) = ctx
-            .compute_capability()
-            .map_err(cuda_error(rank, "reading the GPU's compute capability"))?;
-        let ptx = super::ptx_for(major, minor).ok_or_else(|| Error::Cuda {
-            rank,
-            context: format!("loading the cuda-ring kernels on GPU {}", ctx.ordinal()),
-            detail: format!(
-                "compute capability {major}.{minor}: the cuda-ring kernels need 8.0 or newer"
-            ),
-        })?;
-        let module = ctx
-            .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
-            .map_err(cuda_error(
-                rank,
-                format!(
-                    "loading the cuda-ring kernels (PTX JIT) on GPU {}",
-                    ctx.ordinal()
-                ),
-            ))?;
+        let module = load_kernels(ctx, rank)?;
         modules.insert(ctx.ordinal(), module.clone());
         Ok(module)
     }
@@ -232,6 +227,55 @@ impl RingGroup {
         let _guard = self.splits.lock();
         self.splits_changed.notify_all();
     }
+}
+
+/// A control channel's error, in the terms of the cuda-ring call that
+/// waited: a host timeout becomes the device one, naming the call.
+fn remote_error(
+    rank: Rank,
+    seq: u64,
+    op: OpKind,
+    peer: Rank,
+    what: &'static str,
+) -> impl FnOnce(Error) -> Error {
+    move |e| match e {
+        Error::Timeout { waited, .. } => Error::DeviceTimeout {
+            rank,
+            what: format!("cuda-ring {op} #{seq}: {what} from rank {peer}"),
+            waited,
+        },
+        Error::PeerLost { .. } => Error::PeerLost {
+            op,
+            seq,
+            rank,
+            peer,
+        },
+        Error::Aborted { .. } => Error::Aborted { op, seq, rank },
+        other => other,
+    }
+}
+
+/// Loads the cuda-ring kernels on `ctx`'s GPU: the embedded PTX for its
+/// compute capability, JIT-compiled by the driver.
+fn load_kernels(ctx: &Arc<CudaContext>, rank: Rank) -> Result<Arc<CudaModule>> {
+    let (major, minor) = ctx
+        .compute_capability()
+        .map_err(cuda_error(rank, "reading the GPU's compute capability"))?;
+    let ptx = super::ptx_for(major, minor).ok_or_else(|| Error::Cuda {
+        rank,
+        context: format!("loading the cuda-ring kernels on GPU {}", ctx.ordinal()),
+        detail: format!(
+            "compute capability {major}.{minor}: the cuda-ring kernels need 8.0 or newer"
+        ),
+    })?;
+    ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx))
+        .map_err(cuda_error(
+            rank,
+            format!(
+                "loading the cuda-ring kernels (PTX JIT) on GPU {}",
+                ctx.ordinal()
+            ),
+        ))
 }
 
 /// A split table gone before this rank read it: only a bug removes it
@@ -289,11 +333,20 @@ fn check(rank: Rank, what: &str, rc: sys::CUresult) -> Result<()> {
     }
 }
 
-/// An inbox: device memory of the receiver, or mapped pinned host memory.
+/// An inbox: device memory of the receiver, pinned host memory (threads of
+/// one process), or a shared segment registered as pinned memory (ranks in
+/// separate processes, host-staged path).
+#[derive(Default)]
 struct Inbox {
     ptr: CUdeviceptr,
     bytes: usize,
     host: bool,
+    /// The segment behind a host-staged inbox between processes.
+    shared: Option<SharedInbox>,
+    /// The device inbox's IPC handle (ranks in separate processes).
+    export: Option<Handle>,
+    /// Numbers allocations, so a peer maps each once.
+    generation: u64,
 }
 
 impl Inbox {
@@ -301,17 +354,34 @@ impl Inbox {
         if self.bytes == 0 {
             return;
         }
-        // SAFETY: allocated by `ensure` with the matching call; the caller
-        // synchronised the stream so nothing uses it any more.
-        unsafe {
-            if self.host {
-                sys::cuMemFreeHost(self.ptr as *mut std::ffi::c_void);
-            } else {
-                sys::cuMemFree_v2(self.ptr);
+        if self.shared.take().is_none() {
+            // SAFETY: allocated by `ensure` with the matching call; the
+            // caller synchronised the stream so nothing uses it any more.
+            unsafe {
+                if self.host {
+                    sys::cuMemFreeHost(self.ptr as *mut std::ffi::c_void);
+                } else {
+                    sys::cuMemFree_v2(self.ptr);
+                }
             }
         }
-        self.bytes = 0;
-        self.ptr = 0;
+        *self = Inbox::default();
+    }
+
+    /// What a sender needs to reach it.
+    fn describe(&self) -> InboxDesc {
+        match (&self.shared, &self.export) {
+            _ if self.bytes == 0 => InboxDesc::None,
+            (Some(shared), _) => InboxDesc::Host {
+                generation: self.generation,
+                name: shared.name().to_owned(),
+            },
+            (None, Some(handle)) => InboxDesc::Device {
+                generation: self.generation,
+                handle: *handle,
+            },
+            (None, None) => InboxDesc::None,
+        }
     }
 }
 
@@ -322,15 +392,27 @@ pub(crate) struct CallBufs {
     pub recv: CUdeviceptr,
 }
 
+/// How a rank meets the others of its group.
+pub(crate) enum Links {
+    /// Threads of this process: the shared [`RingGroup`].
+    Local(Arc<RingGroup>),
+    /// Separate processes of one host: CUDA IPC over a control channel.
+    Remote(Box<RemoteLinks>),
+}
+
 /// One rank of a cuda-ring group.
 pub(crate) struct RingComm {
     rank: Rank,
-    group: Arc<RingGroup>,
+    world: usize,
+    links: Links,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     module: Arc<CudaModule>,
     functions: HashMap<String, CudaFunction>,
     inboxes: Vec<Inbox>,
+    /// Inboxes replaced by larger ones while peers in other processes may
+    /// still have them mapped: freed when the rank goes.
+    retired: Vec<Inbox>,
     scratch: Inbox,
     timeout: Duration,
     /// Calls made (for errors).
@@ -345,6 +427,9 @@ pub(crate) struct RingComm {
 // is Send. One thread drives a RingComm at a time (`&mut self`).
 unsafe impl Send for RingComm {}
 
+/// Numbers inbox allocations process-wide.
+static INBOX_GENERATION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
 impl RingComm {
     /// Rank `rank` of `group`, on `ctx`'s GPU, with a stream of its own.
     pub(crate) fn new(
@@ -353,34 +438,59 @@ impl RingComm {
         ctx: Arc<CudaContext>,
         timeout: Duration,
     ) -> Result<RingComm> {
+        let module = group.module(&ctx, rank)?;
+        Self::with_links(Links::Local(group), rank, ctx, module, timeout)
+    }
+
+    /// This process's rank of a group of processes: `control` (a host
+    /// communicator of the same ranks) carries the IPC handles.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] for peers on other hosts or in this process;
+    /// [`Error::Cuda`] when the kernels do not load; the control channel's.
+    pub(crate) fn new_remote(
+        control: crate::comm::Communicator,
+        ctx: Arc<CudaContext>,
+        timeout: Duration,
+    ) -> Result<RingComm> {
+        let rank = control.rank();
+        ctx.bind_to_thread()
+            .map_err(cuda_error(rank, "binding the GPU to this thread"))?;
+        let module = load_kernels(&ctx, rank)?;
+        let links = RemoteLinks::new(control, ctx.cu_device())?;
+        Self::with_links(Links::Remote(Box::new(links)), rank, ctx, module, timeout)
+    }
+
+    fn with_links(
+        links: Links,
+        rank: Rank,
+        ctx: Arc<CudaContext>,
+        module: Arc<CudaModule>,
+        timeout: Duration,
+    ) -> Result<RingComm> {
         let stream = ctx
             .new_stream()
             .map_err(cuda_error(rank, "creating the rank's stream"))?;
-        let module = group.module(&ctx, rank)?;
         let sms = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(cuda_error(rank, "reading the GPU's multiprocessor count"))?
             .max(1) as u32;
-        let world = group.world;
+        let world = match &links {
+            Links::Local(group) => group.world,
+            Links::Remote(remote) => remote.world(),
+        };
         Ok(RingComm {
             rank,
-            group,
+            world,
+            links,
             ctx,
             stream,
             module,
             functions: HashMap::new(),
-            inboxes: (0..world)
-                .map(|_| Inbox {
-                    ptr: 0,
-                    bytes: 0,
-                    host: false,
-                })
-                .collect(),
-            scratch: Inbox {
-                ptr: 0,
-                bytes: 0,
-                host: false,
-            },
+            inboxes: (0..world).map(|_| Inbox::default()).collect(),
+            retired: Vec::new(),
+            scratch: Inbox::default(),
             timeout,
             seq: 0,
             splits: 0,
@@ -393,7 +503,7 @@ impl RingComm {
     }
 
     pub(crate) fn world(&self) -> usize {
-        self.group.world
+        self.world
     }
 
     pub(crate) fn stream(&self) -> &Arc<CudaStream> {
@@ -404,46 +514,100 @@ impl RingComm {
         &self.ctx
     }
 
-    pub(crate) fn group(&self) -> &Arc<RingGroup> {
-        &self.group
+    /// Whether the ranks are separate processes (CUDA IPC).
+    pub(crate) fn is_remote(&self) -> bool {
+        matches!(self.links, Links::Remote(_))
+    }
+
+    /// The path messages from `from` to `to` take.
+    fn path(&self, from: Rank, to: Rank) -> Path {
+        match &self.links {
+            Links::Local(group) => group.path(from, to),
+            Links::Remote(remote) => remote.path(from, to),
+        }
+    }
+
+    /// Stops the group: with threads, every rank stops waiting and fails;
+    /// with processes, this rank's control channel is aborted (peers see
+    /// it gone).
+    pub(crate) fn abort(&mut self) {
+        match &mut self.links {
+            Links::Local(group) => group.abort(),
+            Links::Remote(remote) => remote.abort(),
+        }
+    }
+
+    fn aborted(&self) -> bool {
+        match &self.links {
+            Links::Local(group) => group.aborted.load(Ordering::SeqCst),
+            Links::Remote(remote) => remote.aborted(),
+        }
     }
 
     /// The distinct paths this rank's pairs use, for reports.
     pub(crate) fn paths_summary(&self) -> String {
-        let mut names: Vec<&str> = (0..self.group.world)
+        let mut names: Vec<&str> = (0..self.world)
             .filter(|&p| p != self.rank)
-            .flat_map(|p| [self.group.path(self.rank, p), self.group.path(p, self.rank)])
+            .flat_map(|p| [self.path(self.rank, p), self.path(p, self.rank)])
             .map(Path::name)
             .collect();
         names.sort_unstable();
         names.dedup();
-        if names.is_empty() {
+        let joined = if names.is_empty() {
             "one rank".into()
         } else {
             names.join(", ")
+        };
+        if self.is_remote() {
+            format!("{joined}; processes, CUDA IPC")
+        } else {
+            joined
         }
     }
 
-    /// Grows `inbox` to `bytes` (on this GPU, or pinned host memory).
+    /// Grows `inbox` to `bytes`: on this GPU, in pinned host memory, or
+    /// (`remote`) exported for peers in other processes.
     fn ensure(
-        rank: Rank,
-        stream: &CudaStream,
-        inbox: &mut Inbox,
+        &mut self,
+        which: Option<Rank>,
         bytes: usize,
         host: bool,
+        remote: bool,
     ) -> Result<()> {
+        let rank = self.rank;
+        let inbox = match which {
+            Some(p) => &mut self.inboxes[p],
+            None => &mut self.scratch,
+        };
         if inbox.bytes >= bytes && inbox.host == host {
             return Ok(());
         }
         // The old inbox may still be read by work queued earlier.
-        stream.synchronize().map_err(cuda_error(
+        self.stream.synchronize().map_err(cuda_error(
             rank,
             "draining the stream before growing an inbox",
         ))?;
-        inbox.free();
+        let old = std::mem::take(inbox);
+        if remote && which.is_some() {
+            // A peer in another process may still have it mapped.
+            self.retired.push(old);
+        } else {
+            let mut old = old;
+            old.free();
+        }
         let bytes = bytes.next_power_of_two().max(4096);
-        let mut ptr: CUdeviceptr = 0;
-        if host {
+        let generation = INBOX_GENERATION.fetch_add(1, Ordering::Relaxed);
+        let fresh = if host && remote {
+            let shared = SharedInbox::create(rank, bytes)?;
+            Inbox {
+                ptr: shared.device,
+                bytes,
+                host,
+                shared: Some(shared),
+                export: None,
+                generation,
+            }
+        } else if host {
             let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
             // SAFETY: a plain allocation; PORTABLE|DEVICEMAP makes it usable
             // from every context, at the same address (UVA).
@@ -455,13 +619,41 @@ impl RingComm {
                 )
             };
             check(rank, "allocating a pinned host inbox", rc)?;
-            ptr = p as CUdeviceptr;
+            Inbox {
+                ptr: p as CUdeviceptr,
+                bytes,
+                host,
+                generation,
+                ..Inbox::default()
+            }
         } else {
+            let mut ptr: CUdeviceptr = 0;
             // SAFETY: a plain allocation on the current context.
             let rc = unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) };
             check(rank, "allocating a device inbox", rc)?;
+            let mut fresh = Inbox {
+                ptr,
+                bytes,
+                host,
+                generation,
+                ..Inbox::default()
+            };
+            if remote && which.is_some() {
+                let mut handle = sys::CUipcMemHandle { reserved: [0; 64] };
+                // SAFETY: `ptr` is a live cuMemAlloc allocation.
+                let rc = unsafe { sys::cuIpcGetMemHandle(&mut handle, ptr) };
+                if let Err(e) = check(rank, "exporting an inbox (cuIpcGetMemHandle)", rc) {
+                    fresh.free();
+                    return Err(e);
+                }
+                fresh.export = Some(handle.reserved.map(|c| c as u8));
+            }
+            fresh
+        };
+        match which {
+            Some(p) => self.inboxes[p] = fresh,
+            None => self.scratch = fresh,
         }
-        *inbox = Inbox { ptr, bytes, host };
         Ok(())
     }
 
@@ -478,20 +670,22 @@ impl RingComm {
     }
 
     fn lost(&self, op: OpKind, peer: Rank) -> Option<Error> {
-        if self.group.aborted.load(Ordering::SeqCst) {
+        if self.aborted() {
             return Some(Error::Aborted {
                 op,
                 seq: self.seq,
                 rank: self.rank,
             });
         }
-        if self.group.departed[peer].load(Ordering::SeqCst) {
-            return Some(Error::PeerLost {
-                op,
-                seq: self.seq,
-                rank: self.rank,
-                peer,
-            });
+        if let Links::Local(group) = &self.links {
+            if group.departed[peer].load(Ordering::SeqCst) {
+                return Some(Error::PeerLost {
+                    op,
+                    seq: self.seq,
+                    rank: self.rank,
+                    peer,
+                });
+            }
         }
         None
     }
@@ -530,6 +724,101 @@ impl RingComm {
         }
     }
 
+    /// Waits for `to`'s ready of this call and orders the stream after it;
+    /// returns `to`'s inbox (as this rank addresses it) and the bytes it
+    /// expects.
+    fn await_ready(&mut self, op: OpKind, to: Rank) -> Result<(CUdeviceptr, usize)> {
+        let (rank, seq) = (self.rank, self.seq);
+        match &mut self.links {
+            Links::Local(group) => {
+                let group = group.clone();
+                let (inbox, bytes, event) =
+                    self.wait_pair(op, to, group.pair(rank, to), "waiting for the inbox", |s| {
+                        s.readies.pop_front().map(|r| (r.inbox, r.bytes, r.event))
+                    })?;
+                self.stream
+                    .wait(&event)
+                    .map_err(cuda_error(rank, "ordering after a peer's ready event"))?;
+                Ok((inbox, bytes))
+            }
+            Links::Remote(links) => {
+                let stream = &self.stream;
+                let ready = links
+                    .await_ready(to, || {
+                        stream.synchronize().map_err(cuda_error(
+                            rank,
+                            "draining the stream before remapping a peer's inbox",
+                        ))
+                    })
+                    .map_err(remote_error(rank, seq, op, to, "waiting for the inbox"))?;
+                // SAFETY: a live stream; an event opened in this context.
+                let rc = unsafe { sys::cuStreamWaitEvent(stream.cu_stream(), ready.event, 0) };
+                check(rank, "ordering after a peer's ready event", rc)?;
+                Ok((ready.inbox, ready.bytes))
+            }
+        }
+    }
+
+    /// The message just written into `to`'s inbox is complete: records an
+    /// event after it and hands it to `to`.
+    fn post(&mut self, op: OpKind, to: Rank) -> Result<()> {
+        let (rank, seq) = (self.rank, self.seq);
+        match &mut self.links {
+            Links::Local(group) => {
+                let event = self
+                    .stream
+                    .record_event(None)
+                    .map_err(cuda_error(rank, "recording a message event"))?;
+                let pair = group.pair(rank, to);
+                let mut state = pair.state.lock().unwrap_or_else(|e| e.into_inner());
+                state.messages.push_back(Arc::new(event));
+                pair.changed.notify_all();
+                Ok(())
+            }
+            Links::Remote(links) => links
+                .post(to, self.stream.cu_stream())
+                .map_err(remote_error(rank, seq, op, to, "posting a message")),
+        }
+    }
+
+    /// Waits for the next message from `from` and orders the stream after it.
+    fn await_message(&mut self, op: OpKind, from: Rank) -> Result<()> {
+        let (rank, seq) = (self.rank, self.seq);
+        match &mut self.links {
+            Links::Local(group) => {
+                let group = group.clone();
+                let event = self.wait_pair(
+                    op,
+                    from,
+                    group.pair(from, rank),
+                    "waiting for a message",
+                    |s| s.messages.pop_front(),
+                )?;
+                self.stream
+                    .wait(&event)
+                    .map_err(cuda_error(rank, "ordering after a peer's message"))
+            }
+            Links::Remote(links) => {
+                let event = links.await_message(from).map_err(remote_error(
+                    rank,
+                    seq,
+                    op,
+                    from,
+                    "waiting for a message",
+                ))?;
+                // SAFETY: a live stream; an event opened in this context.
+                let rc = unsafe { sys::cuStreamWaitEvent(self.stream.cu_stream(), event, 0) };
+                check(rank, "ordering after a peer's message", rc)?;
+                // The sender maps a shared inbox before its first message
+                // into it: the name is no longer needed.
+                if let Some(shared) = &mut self.inboxes[from].shared {
+                    shared.unlink_name();
+                }
+                Ok(())
+            }
+        }
+    }
+
     /// Runs one lowered call: enqueues everything on the stream; returns
     /// once enqueued (peers' posts are awaited on the host, their data on
     /// the GPU).
@@ -547,7 +836,7 @@ impl RingComm {
             // Peers may have queued writes into this rank's inboxes, or
             // wait for its messages: a failed call poisons the group (as
             // NCCL's communicators after an error) and they get `Aborted`.
-            self.group.abort();
+            self.abort();
         }
         result
     }
@@ -560,8 +849,9 @@ impl RingComm {
         lowered: &Lowered,
         bufs: &[CallBufs],
     ) -> Result<()> {
-        let (rank, world) = (self.rank, self.group.world);
+        let (rank, world) = (self.rank, self.world);
         let elem = dtype.size();
+        let remote = self.is_remote();
         self.ctx
             .bind_to_thread()
             .map_err(cuda_error(rank, "binding the GPU to this thread"))?;
@@ -569,35 +859,49 @@ impl RingComm {
         // orders their writes after everything this stream did before
         // (including reading the previous call's messages).
         for from in 0..world {
-            let host = self.group.path(from, rank) == Path::HostStaged;
+            let host = self.path(from, rank) == Path::HostStaged;
             let bytes = lowered.incoming[from] * elem;
             if bytes > 0 {
-                Self::ensure(rank, &self.stream, &mut self.inboxes[from], bytes, host)?;
+                self.ensure(Some(from), bytes, host, remote)?;
             }
         }
         if lowered.scratch_len > 0 {
-            Self::ensure(
-                rank,
-                &self.stream,
-                &mut self.scratch,
-                lowered.scratch_len * elem,
-                false,
-            )?;
+            self.ensure(None, lowered.scratch_len * elem, false, remote)?;
         }
-        let ready = Arc::new(
-            self.stream
-                .record_event(None)
-                .map_err(cuda_error(rank, "recording the ready event"))?,
-        );
-        for from in (0..world).filter(|&p| p != rank && lowered.incoming[p] > 0) {
-            let pair = self.group.pair(from, rank);
-            let mut state = pair.state.lock().unwrap_or_else(|e| e.into_inner());
-            state.readies.push_back(Ready {
-                inbox: self.inboxes[from].ptr,
-                bytes: lowered.incoming[from] * elem,
-                event: ready.clone(),
-            });
-            pair.changed.notify_all();
+        let senders = (0..world).filter(|&p| p != rank && lowered.receives_from[p]);
+        match &mut self.links {
+            Links::Local(group) => {
+                let ready = Arc::new(
+                    self.stream
+                        .record_event(None)
+                        .map_err(cuda_error(rank, "recording the ready event"))?,
+                );
+                for from in senders {
+                    let pair = group.pair(from, rank);
+                    let mut state = pair.state.lock().unwrap_or_else(|e| e.into_inner());
+                    state.readies.push_back(Ready {
+                        inbox: self.inboxes[from].ptr,
+                        bytes: lowered.incoming[from] * elem,
+                        event: ready.clone(),
+                    });
+                    pair.changed.notify_all();
+                }
+            }
+            Links::Remote(links) => {
+                links.begin_call();
+                links.record_ready(self.stream.cu_stream())?;
+                for from in senders {
+                    let inbox = self.inboxes[from].describe();
+                    let bytes = lowered.incoming[from] * elem;
+                    links.send_ready(from, bytes, inbox).map_err(remote_error(
+                        rank,
+                        self.seq,
+                        op,
+                        from,
+                        "publishing the inbox",
+                    ))?;
+                }
+            }
         }
         let mut outboxes: Vec<CUdeviceptr> = vec![0; world];
         let combine = self.function(&super::combine_kernel(dtype, reduce))?;
@@ -624,11 +928,7 @@ impl RingComm {
             };
             match *dev_op {
                 DevOp::AwaitReady { to } => {
-                    let pair = self.group.pair(rank, to);
-                    let (inbox, bytes, event) =
-                        self.wait_pair(op, to, pair, "waiting for the inbox", |s| {
-                            s.readies.pop_front().map(|r| (r.inbox, r.bytes, r.event))
-                        })?;
+                    let (inbox, bytes) = self.await_ready(op, to)?;
                     // The pairing is per call: a call that sends more than
                     // the receiver's matching call expects (one side groups
                     // point-to-point calls, the other does not) would write
@@ -647,30 +947,10 @@ impl RingComm {
                             ),
                         });
                     }
-                    self.stream
-                        .wait(&event)
-                        .map_err(cuda_error(rank, "ordering after a peer's ready event"))?;
                     outboxes[to] = inbox;
                 }
-                DevOp::Post { to } => {
-                    let event = self
-                        .stream
-                        .record_event(None)
-                        .map_err(cuda_error(rank, "recording a message event"))?;
-                    let pair = self.group.pair(rank, to);
-                    let mut state = pair.state.lock().unwrap_or_else(|e| e.into_inner());
-                    state.messages.push_back(Arc::new(event));
-                    pair.changed.notify_all();
-                }
-                DevOp::Await { from } => {
-                    let pair = self.group.pair(from, rank);
-                    let event = self.wait_pair(op, from, pair, "waiting for a message", |s| {
-                        s.messages.pop_front()
-                    })?;
-                    self.stream
-                        .wait(&event)
-                        .map_err(cuda_error(rank, "ordering after a peer's message"))?;
-                }
+                DevOp::Post { to } => self.post(op, to)?,
+                DevOp::Await { from } => self.await_message(op, from)?,
                 DevOp::Copy { src, dst, len } => {
                     if len > 0 {
                         let (d, s) = (addr(dst, &outboxes), addr(src, &outboxes));
@@ -736,7 +1016,7 @@ impl RingComm {
     /// left is no reason to fail it: every event this stream waits on was
     /// recorded before the wait was queued.
     pub(crate) fn check_aborted(&self, op: OpKind) -> Result<()> {
-        if self.group.aborted.load(Ordering::SeqCst) {
+        if self.aborted() {
             return Err(Error::Aborted {
                 op,
                 seq: self.seq,
@@ -749,7 +1029,7 @@ impl RingComm {
     /// Whether the group can still run calls: `Aborted` after an abort or
     /// a failed call, `PeerLost` once a rank left.
     pub(crate) fn check_group(&self, op: OpKind) -> Result<()> {
-        match (0..self.group.world).find_map(|p| self.lost(op, p)) {
+        match (0..self.world).find_map(|p| self.lost(op, p)) {
             Some(e) => Err(e),
             None => Ok(()),
         }
@@ -759,11 +1039,42 @@ impl RingComm {
     /// group's table for this split (numbered alike on every rank); once
     /// all have, ranks of one color form a new group ordered by (key,
     /// rank), made by the first of them to look. `None` leaves this rank out.
+    ///
+    /// Between processes, the control channel splits (the host
+    /// communicator's split) and the children link over their part of it.
     pub(crate) fn split(&mut self, color: Option<u32>, key: i64) -> Result<Option<RingComm>> {
-        let (rank, world) = (self.rank, self.group.world);
+        match &mut self.links {
+            Links::Local(group) => {
+                let group = group.clone();
+                self.split_local(group, color, key)
+            }
+            Links::Remote(links) => match links.control_mut().split_or_none(color, key)? {
+                None => Ok(None),
+                Some(control) => {
+                    let rank = control.rank();
+                    let links = RemoteLinks::new(control, self.ctx.cu_device())?;
+                    Self::with_links(
+                        Links::Remote(Box::new(links)),
+                        rank,
+                        self.ctx.clone(),
+                        self.module.clone(),
+                        self.timeout,
+                    )
+                    .map(Some)
+                }
+            },
+        }
+    }
+
+    fn split_local(
+        &mut self,
+        group: Arc<RingGroup>,
+        color: Option<u32>,
+        key: i64,
+    ) -> Result<Option<RingComm>> {
+        let (rank, world) = (self.rank, self.world);
         let seq = self.splits;
         self.splits += 1;
-        let group = self.group.clone();
         let start = Instant::now();
         let mut splits = group.splits.lock().unwrap_or_else(|e| e.into_inner());
         splits
@@ -845,15 +1156,19 @@ impl RingComm {
 
 impl Drop for RingComm {
     fn drop(&mut self) {
-        self.group.departed[self.rank].store(true, Ordering::SeqCst);
-        self.group.wake_all();
+        if let Links::Local(group) = &self.links {
+            group.departed[self.rank].store(true, Ordering::SeqCst);
+            group.wake_all();
+        }
         // Nothing queued may still use the inboxes when they are freed. In
         // an aborted group a peer may still have writes queued into them:
-        // those inboxes are leaked rather than freed under its feet.
+        // those inboxes are leaked rather than freed under its feet. (The
+        // context stays bound for the events and mappings the links
+        // release after this.)
         let _ = self.ctx.bind_to_thread();
         let _ = self.stream.synchronize();
-        if !self.group.aborted.load(Ordering::SeqCst) {
-            for inbox in &mut self.inboxes {
+        if !self.aborted() {
+            for inbox in self.inboxes.iter_mut().chain(&mut self.retired) {
                 inbox.free();
             }
             self.scratch.free();
