@@ -139,32 +139,35 @@ impl DeviceCommBuilder {
         prefix: &str,
         timeout: Duration,
     ) -> Result<DeviceBackend> {
-        let chosen = match self.chosen_backend()? {
-            DeviceBackend::Auto => {
-                let key = format!("{prefix}/backend");
-                if rank == 0 {
-                    let choice = auto_backend();
-                    store.set(&key, choice.name().as_bytes())?;
-                    choice
-                } else {
-                    let missing = store.wait(std::slice::from_ref(&key), timeout)?;
-                    if !missing.is_empty() {
-                        return Err(Error::RendezvousTimeout {
-                            store: store.describe(),
-                            waited: timeout,
-                            missing: vec![0],
-                        });
-                    }
-                    let name = store.try_get(&key)?.unwrap_or_default();
-                    let name = String::from_utf8_lossy(&name).into_owned();
-                    DeviceBackend::from_name(&name).ok_or_else(|| Error::Config {
-                        name: "OXCCL_BACKEND".into(),
-                        value: name.clone(),
-                        reason: "rank 0 published a backend this rank does not know".into(),
-                    })?
-                }
+        // Rank 0 always publishes what it runs, so a rank left on `auto`
+        // follows it even when rank 0 was told explicitly.
+        let key = format!("{prefix}/backend");
+        let mine = self.chosen_backend()?;
+        let chosen = if rank == 0 {
+            let resolved = match mine {
+                DeviceBackend::Auto => auto_backend(),
+                other => other,
+            };
+            store.set(&key, resolved.name().as_bytes())?;
+            resolved
+        } else if mine == DeviceBackend::Auto {
+            let missing = store.wait(std::slice::from_ref(&key), timeout)?;
+            if !missing.is_empty() {
+                return Err(Error::RendezvousTimeout {
+                    store: store.describe(),
+                    waited: timeout,
+                    missing: vec![0],
+                });
             }
-            other => other,
+            let name = store.try_get(&key)?.unwrap_or_default();
+            let name = String::from_utf8_lossy(&name).into_owned();
+            DeviceBackend::from_name(&name).ok_or_else(|| Error::Config {
+                name: "OXCCL_BACKEND".into(),
+                value: name.clone(),
+                reason: "rank 0 published a backend this rank does not know".into(),
+            })?
+        } else {
+            mine
         };
         match chosen {
             DeviceBackend::Nccl if !cfg!(feature = "nccl") => Err(Error::Config {

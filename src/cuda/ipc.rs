@@ -45,6 +45,8 @@ pub(crate) const FRAME_BYTES: usize = 160;
 const MAGIC: &[u8; 4] = b"OXCR";
 const KIND_READY: u8 = 1;
 const KIND_POST: u8 = 2;
+const KIND_ABORT: u8 = 3;
+const KIND_BYE: u8 = 4;
 /// An IPC handle's size (`CUipcMemHandle`, `CUipcEventHandle`).
 pub(crate) const HANDLE_BYTES: usize = 64;
 pub(crate) type Handle = [u8; HANDLE_BYTES];
@@ -67,12 +69,21 @@ pub(crate) enum Frame {
     Ready {
         /// Bytes it expects from the sender in the call.
         bytes: u64,
+        /// Messages it expects (the sender checks its own count: equal
+        /// bytes in a different number of messages would desynchronise
+        /// the pair).
+        messages: u32,
         inbox: InboxDesc,
         /// Its ready event.
         event: Handle,
     },
     /// A message of the call is complete once `event` (slot `slot`) is.
     Post { slot: u32, event: Handle },
+    /// The sender's group failed or was aborted: stop waiting for it.
+    Abort,
+    /// The sender is dropping its communicator and its GPU waits on this
+    /// rank's events are complete.
+    Bye,
 }
 
 impl Frame {
@@ -82,11 +93,13 @@ impl Frame {
         match self {
             Frame::Ready {
                 bytes,
+                messages,
                 inbox,
                 event,
             } => {
                 out[4] = KIND_READY;
                 out[8..16].copy_from_slice(&bytes.to_le_bytes());
+                out[152..156].copy_from_slice(&messages.to_le_bytes());
                 out[24..88].copy_from_slice(event);
                 match inbox {
                     InboxDesc::None => {}
@@ -110,6 +123,8 @@ impl Frame {
                 out[8..12].copy_from_slice(&slot.to_le_bytes());
                 out[24..88].copy_from_slice(event);
             }
+            Frame::Abort => out[4] = KIND_ABORT,
+            Frame::Bye => out[4] = KIND_BYE,
         }
         out
     }
@@ -148,8 +163,13 @@ impl Frame {
                     }
                     k => return Err(format!("unknown inbox kind {k}")),
                 };
+                let bytes = u64_at(8);
+                if bytes > 0 && inbox == InboxDesc::None {
+                    return Err(format!("a ready for {bytes} bytes names no inbox"));
+                }
                 Ok(Frame::Ready {
-                    bytes: u64_at(8),
+                    bytes,
+                    messages: u32::from_le_bytes(raw[152..156].try_into().unwrap_or([0; 4])),
                     inbox,
                     event: handle_at(24),
                 })
@@ -158,6 +178,8 @@ impl Frame {
                 slot: u32::from_le_bytes(raw[8..12].try_into().unwrap_or([0; 4])),
                 event: handle_at(24),
             }),
+            KIND_ABORT => Ok(Frame::Abort),
+            KIND_BYE => Ok(Frame::Bye),
             k => Err(format!("unknown frame kind {k}")),
         }
     }
@@ -259,6 +281,8 @@ pub(crate) struct SharedInbox {
     segment: Segment,
     host: *mut std::ffi::c_void,
     pub device: CUdeviceptr,
+    /// Bytes of the mapped region.
+    capacity: usize,
 }
 
 // SAFETY: the mapping is process memory owned by `segment`; one thread uses
@@ -323,6 +347,7 @@ impl SharedInbox {
             segment,
             host,
             device,
+            capacity: len,
         })
     }
 
@@ -346,8 +371,16 @@ impl Drop for SharedInbox {
 
 /// A peer's inbox mapped into this process.
 enum MappedInbox {
-    Device { generation: u64, ptr: CUdeviceptr },
-    Host { generation: u64, inbox: SharedInbox },
+    /// `capacity`: the allocation's size, from the driver.
+    Device {
+        generation: u64,
+        ptr: CUdeviceptr,
+        capacity: usize,
+    },
+    Host {
+        generation: u64,
+        inbox: SharedInbox,
+    },
 }
 
 impl InboxDesc {
@@ -375,7 +408,16 @@ impl MappedInbox {
                 // (it keeps replaced inboxes until it exits).
                 let rc = unsafe { sys::cuIpcOpenMemHandle_v2(&mut ptr, raw, flags) };
                 check(rank, "opening a peer's inbox (cuIpcOpenMemHandle)", rc)?;
-                Ok(MappedInbox::Device { generation, ptr })
+                let (mut base, mut capacity): (CUdeviceptr, usize) = (0, 0);
+                // SAFETY: out-parameters; `ptr` was just mapped.
+                let rc = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut capacity, ptr) };
+                let mapped = MappedInbox::Device {
+                    generation,
+                    ptr,
+                    capacity: capacity.saturating_sub((ptr - base) as usize),
+                };
+                check(rank, "sizing a peer's inbox (cuMemGetAddressRange)", rc)?;
+                Ok(mapped)
             }
             InboxDesc::Host { generation, name } => Ok(MappedInbox::Host {
                 generation,
@@ -394,6 +436,14 @@ impl MappedInbox {
             MappedInbox::Device { generation, .. } | MappedInbox::Host { generation, .. } => {
                 Some(*generation)
             }
+        }
+    }
+
+    /// Bytes writable at [`ptr`](Self::ptr).
+    fn capacity(&self) -> usize {
+        match self {
+            MappedInbox::Device { capacity, .. } => *capacity,
+            MappedInbox::Host { inbox, .. } => inbox.capacity,
         }
     }
 
@@ -419,12 +469,14 @@ impl Drop for MappedInbox {
 pub(crate) struct PeerReady {
     pub inbox: CUdeviceptr,
     pub bytes: usize,
+    pub messages: usize,
     pub event: CUevent,
 }
 
 /// A ready frame's contents, queued.
 struct ReadyMsg {
     bytes: usize,
+    messages: usize,
     inbox: InboxDesc,
     event: Handle,
 }
@@ -445,6 +497,8 @@ struct Peer {
     own_events: Vec<ExportedEvent>,
     /// Messages posted to the peer in the current call.
     posted_in_call: usize,
+    /// The peer said it is dropping its communicator.
+    bye: bool,
 }
 
 /// One rank's links to the others of a cuda-ring group in separate
@@ -456,9 +510,13 @@ pub(crate) struct RemoteLinks {
     /// `paths[from * world + to]`, as each receiver decided.
     paths: Vec<Path>,
     peers: Vec<Peer>,
-    /// Recorded every call, shared by every sender.
-    ready_event: ExportedEvent,
+    /// Recorded every call, shared by every sender. (ManuallyDrop: left
+    /// alive when a peer may still wait on it, see `Drop`.)
+    ready_event: std::mem::ManuallyDrop<ExportedEvent>,
     aborted: bool,
+    /// Whether this rank's events must outlive it (a peer may still wait on
+    /// them): set until the farewell completes.
+    keep_events: bool,
 }
 
 // SAFETY: raw CUDA handles are process-wide; one thread drives the links
@@ -563,7 +621,8 @@ impl RemoteLinks {
             }
         }
         Ok(RemoteLinks {
-            ready_event: ExportedEvent::new(rank)?,
+            ready_event: std::mem::ManuallyDrop::new(ExportedEvent::new(rank)?),
+            keep_events: true,
             control,
             rank,
             world,
@@ -581,9 +640,42 @@ impl RemoteLinks {
         self.paths[from * self.world + to]
     }
 
+    /// Marks the group failed here and tells every peer (best effort: a
+    /// peer already gone is skipped), so they stop waiting for this rank
+    /// instead of running into the deadline. The control channel itself is
+    /// not aborted: communicators split from it in this process share its
+    /// transport and are not concerned.
     pub(crate) fn abort(&mut self) {
-        self.aborted = true;
-        self.control.abort();
+        if std::mem::replace(&mut self.aborted, true) {
+            return;
+        }
+        let (rank, world) = (self.rank, self.world);
+        for peer in (0..world).filter(|&p| p != rank) {
+            let _ = self.control.send(&Frame::Abort.encode(), peer);
+        }
+    }
+
+    /// The end of a rank whose stream is drained: tells every peer, and
+    /// waits (with the control channel's deadline) until every peer said
+    /// the same, i.e. no peer's GPU still waits on this rank's events;
+    /// only then may they be destroyed. Dropping a communicator is thus
+    /// collective, as NCCL's `ncclCommFinalize`.
+    pub(crate) fn farewell(&mut self) {
+        if self.aborted {
+            return;
+        }
+        let (rank, world) = (self.rank, self.world);
+        for peer in (0..world).filter(|&p| p != rank) {
+            if self.control.send(&Frame::Bye.encode(), peer).is_err() {
+                return;
+            }
+        }
+        for peer in (0..world).filter(|&p| p != rank) {
+            if self.pull_until(peer, |p| p.bye.then_some(())).is_err() {
+                return;
+            }
+        }
+        self.keep_events = false;
     }
 
     pub(crate) fn aborted(&self) -> bool {
@@ -610,9 +702,16 @@ impl RemoteLinks {
         check(self.rank, "recording the ready event", rc)
     }
 
-    pub(crate) fn send_ready(&mut self, from: Rank, bytes: usize, inbox: InboxDesc) -> Result<()> {
+    pub(crate) fn send_ready(
+        &mut self,
+        from: Rank,
+        bytes: usize,
+        messages: usize,
+        inbox: InboxDesc,
+    ) -> Result<()> {
         let frame = Frame::Ready {
             bytes: bytes as u64,
+            messages: u32::try_from(messages).unwrap_or(u32::MAX),
             inbox,
             event: self.ready_event.handle,
         };
@@ -620,6 +719,8 @@ impl RemoteLinks {
     }
 
     /// Reads frames from `peer` until `found` takes one from the queues.
+    /// A peer's abort ends the wait with `Aborted`, its farewell (while
+    /// something else is awaited) with `PeerLost`.
     fn pull_until<R>(
         &mut self,
         peer: Rank,
@@ -628,6 +729,14 @@ impl RemoteLinks {
         loop {
             if let Some(r) = found(&mut self.peers[peer]) {
                 return Ok(r);
+            }
+            if self.peers[peer].bye {
+                return Err(Error::PeerLost {
+                    op: OpKind::Recv,
+                    seq: 0,
+                    rank: self.rank,
+                    peer,
+                });
             }
             let mut raw = [0u8; FRAME_BYTES];
             self.control.recv(&mut raw, peer)?;
@@ -642,13 +751,24 @@ impl RemoteLinks {
                 Frame::Post { slot, event } => self.peers[peer].posts.push_back((slot, event)),
                 Frame::Ready {
                     bytes,
+                    messages,
                     inbox,
                     event,
                 } => self.peers[peer].readies.push_back(ReadyMsg {
                     bytes: usize::try_from(bytes).unwrap_or(usize::MAX),
+                    messages: messages as usize,
                     inbox,
                     event,
                 }),
+                Frame::Abort => {
+                    self.aborted = true;
+                    return Err(Error::Aborted {
+                        op: OpKind::Recv,
+                        seq: 0,
+                        rank: self.rank,
+                    });
+                }
+                Frame::Bye => self.peers[peer].bye = true,
             }
         }
     }
@@ -664,6 +784,7 @@ impl RemoteLinks {
         let rank = self.rank;
         let ReadyMsg {
             bytes,
+            messages,
             inbox,
             event,
         } = self.pull_until(to, |p| p.readies.pop_front())?;
@@ -679,6 +800,18 @@ impl RemoteLinks {
             }
             peer.inbox = Some(MappedInbox::open(rank, inbox, bytes)?);
         }
+        if has_inbox {
+            let capacity = peer.inbox.as_ref().map_or(0, MappedInbox::capacity);
+            if capacity < bytes {
+                return Err(Error::Mismatch {
+                    op: OpKind::Recv,
+                    seq: 0,
+                    rank,
+                    peer: to,
+                    detail: format!("its inbox holds {capacity} bytes, its ready says {bytes}"),
+                });
+            }
+        }
         if peer.ready_event.as_ref().map(|e| e.handle) != Some(event) {
             peer.ready_event = Some(OpenedEvent::open(rank, &event)?);
         }
@@ -689,6 +822,7 @@ impl RemoteLinks {
                 0
             },
             bytes,
+            messages,
             event: peer
                 .ready_event
                 .as_ref()
@@ -743,6 +877,21 @@ impl RemoteLinks {
     }
 }
 
+impl Drop for RemoteLinks {
+    fn drop(&mut self) {
+        if self.keep_events {
+            // A peer's GPU may still wait on them: left to the process's
+            // end (a few small objects) rather than destroyed under it.
+            for peer in &mut self.peers {
+                std::mem::forget(std::mem::take(&mut peer.own_events));
+            }
+        } else {
+            // SAFETY: dropped once, here; never used after.
+            unsafe { std::mem::ManuallyDrop::drop(&mut self.ready_event) };
+        }
+    }
+}
+
 fn cross_host(rank: Rank, peer: Rank) -> Error {
     Error::Config {
         name: "OXCCL_BACKEND".into(),
@@ -783,8 +932,11 @@ mod tests {
     #[test]
     fn frames_round_trip() {
         let frames = [
+            Frame::Abort,
+            Frame::Bye,
             Frame::Ready {
                 bytes: 1 << 40,
+                messages: 3,
                 inbox: InboxDesc::Device {
                     generation: 7,
                     handle: handle(3),
@@ -793,11 +945,13 @@ mod tests {
             },
             Frame::Ready {
                 bytes: 0,
+                messages: 1,
                 inbox: InboxDesc::None,
                 event: handle(1),
             },
             Frame::Ready {
                 bytes: 4096,
+                messages: 70000,
                 inbox: InboxDesc::Host {
                     generation: 2,
                     name: "/oxccl-cr-1234-5".into(),
@@ -828,8 +982,17 @@ mod tests {
         let mut bad = good;
         bad[4] = 9;
         assert!(Frame::decode(&bad).unwrap_err().contains("kind"));
+        let no_inbox = Frame::Ready {
+            bytes: 8,
+            messages: 1,
+            inbox: InboxDesc::None,
+            event: handle(0),
+        }
+        .encode();
+        assert!(Frame::decode(&no_inbox).unwrap_err().contains("no inbox"));
         let mut bad = Frame::Ready {
             bytes: 1,
+            messages: 1,
             inbox: InboxDesc::Host {
                 generation: 1,
                 name: "/x".into(),

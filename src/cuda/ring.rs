@@ -88,6 +88,9 @@ struct Ready {
     inbox: CUdeviceptr,
     /// Bytes the receiver expects from this sender in the call.
     bytes: usize,
+    /// Messages it expects (equal bytes in another number of messages
+    /// would desynchronise the pair).
+    messages: usize,
     event: Arc<CudaEvent>,
 }
 
@@ -226,6 +229,33 @@ impl RingGroup {
         }
         let _guard = self.splits.lock();
         self.splits_changed.notify_all();
+    }
+}
+
+/// Waits until `stream` has run everything queued so far, for at most
+/// `timeout` (a peer process that died mid-call may leave an event this
+/// stream waits on forever): `DeviceTimeout` naming `what` then.
+fn drain(stream: &CudaStream, rank: Rank, timeout: Duration, what: &str) -> Result<()> {
+    let done = stream
+        .record_event(None)
+        .map_err(cuda_error(rank, format!("{what}: recording an event")))?;
+    let start = Instant::now();
+    loop {
+        if done
+            .try_is_complete()
+            .map_err(cuda_error(rank, format!("{what}: querying the stream")))?
+        {
+            return Ok(());
+        }
+        let waited = start.elapsed();
+        if waited >= timeout {
+            return Err(Error::DeviceTimeout {
+                rank,
+                what: what.to_owned(),
+                waited,
+            });
+        }
+        std::thread::sleep(Duration::from_micros(20));
     }
 }
 
@@ -528,8 +558,8 @@ impl RingComm {
     }
 
     /// Stops the group: with threads, every rank stops waiting and fails;
-    /// with processes, this rank's control channel is aborted (peers see
-    /// it gone).
+    /// with processes, every peer is sent an abort frame and fails its
+    /// waits on this rank with `Aborted`.
     pub(crate) fn abort(&mut self) {
         match &mut self.links {
             Links::Local(group) => group.abort(),
@@ -583,10 +613,11 @@ impl RingComm {
             return Ok(());
         }
         // The old inbox may still be read by work queued earlier.
-        self.stream.synchronize().map_err(cuda_error(
-            rank,
-            "draining the stream before growing an inbox",
-        ))?;
+        self.drain_stream("draining the stream before growing an inbox")?;
+        let inbox = match which {
+            Some(p) => &mut self.inboxes[p],
+            None => &mut self.scratch,
+        };
         let old = std::mem::take(inbox);
         if remote && which.is_some() {
             // A peer in another process may still have it mapped.
@@ -655,6 +686,11 @@ impl RingComm {
             None => self.scratch = fresh,
         }
         Ok(())
+    }
+
+    /// Waits until the stream has run everything queued, with the deadline.
+    fn drain_stream(&self, what: &str) -> Result<()> {
+        drain(&self.stream, self.rank, self.timeout, what)
     }
 
     fn function(&mut self, name: &str) -> Result<CudaFunction> {
@@ -727,34 +763,38 @@ impl RingComm {
     /// Waits for `to`'s ready of this call and orders the stream after it;
     /// returns `to`'s inbox (as this rank addresses it) and the bytes it
     /// expects.
-    fn await_ready(&mut self, op: OpKind, to: Rank) -> Result<(CUdeviceptr, usize)> {
+    fn await_ready(&mut self, op: OpKind, to: Rank) -> Result<(CUdeviceptr, usize, usize)> {
         let (rank, seq) = (self.rank, self.seq);
         match &mut self.links {
             Links::Local(group) => {
                 let group = group.clone();
-                let (inbox, bytes, event) =
+                let (inbox, bytes, messages, event) =
                     self.wait_pair(op, to, group.pair(rank, to), "waiting for the inbox", |s| {
-                        s.readies.pop_front().map(|r| (r.inbox, r.bytes, r.event))
+                        s.readies
+                            .pop_front()
+                            .map(|r| (r.inbox, r.bytes, r.messages, r.event))
                     })?;
                 self.stream
                     .wait(&event)
                     .map_err(cuda_error(rank, "ordering after a peer's ready event"))?;
-                Ok((inbox, bytes))
+                Ok((inbox, bytes, messages))
             }
             Links::Remote(links) => {
-                let stream = &self.stream;
+                let (stream, timeout) = (&self.stream, self.timeout);
                 let ready = links
                     .await_ready(to, || {
-                        stream.synchronize().map_err(cuda_error(
+                        drain(
+                            stream,
                             rank,
+                            timeout,
                             "draining the stream before remapping a peer's inbox",
-                        ))
+                        )
                     })
                     .map_err(remote_error(rank, seq, op, to, "waiting for the inbox"))?;
                 // SAFETY: a live stream; an event opened in this context.
                 let rc = unsafe { sys::cuStreamWaitEvent(stream.cu_stream(), ready.event, 0) };
                 check(rank, "ordering after a peer's ready event", rc)?;
-                Ok((ready.inbox, ready.bytes))
+                Ok((ready.inbox, ready.bytes, ready.messages))
             }
         }
     }
@@ -868,6 +908,15 @@ impl RingComm {
         if lowered.scratch_len > 0 {
             self.ensure(None, lowered.scratch_len * elem, false, remote)?;
         }
+        // Messages per peer, each way, for the pairing check.
+        let (mut expected, mut sending_msgs) = (vec![0usize; world], vec![0usize; world]);
+        for op in &lowered.ops {
+            match *op {
+                DevOp::Await { from } => expected[from] += 1,
+                DevOp::Post { to } => sending_msgs[to] += 1,
+                _ => {}
+            }
+        }
         let senders = (0..world).filter(|&p| p != rank && lowered.receives_from[p]);
         match &mut self.links {
             Links::Local(group) => {
@@ -882,6 +931,7 @@ impl RingComm {
                     state.readies.push_back(Ready {
                         inbox: self.inboxes[from].ptr,
                         bytes: lowered.incoming[from] * elem,
+                        messages: expected[from],
                         event: ready.clone(),
                     });
                     pair.changed.notify_all();
@@ -893,13 +943,15 @@ impl RingComm {
                 for from in senders {
                     let inbox = self.inboxes[from].describe();
                     let bytes = lowered.incoming[from] * elem;
-                    links.send_ready(from, bytes, inbox).map_err(remote_error(
-                        rank,
-                        self.seq,
-                        op,
-                        from,
-                        "publishing the inbox",
-                    ))?;
+                    links
+                        .send_ready(from, bytes, expected[from], inbox)
+                        .map_err(remote_error(
+                            rank,
+                            self.seq,
+                            op,
+                            from,
+                            "publishing the inbox",
+                        ))?;
                 }
             }
         }
@@ -928,22 +980,24 @@ impl RingComm {
             };
             match *dev_op {
                 DevOp::AwaitReady { to } => {
-                    let (inbox, bytes) = self.await_ready(op, to)?;
+                    let (inbox, bytes, messages) = self.await_ready(op, to)?;
                     // The pairing is per call: a call that sends more than
                     // the receiver's matching call expects (one side groups
                     // point-to-point calls, the other does not) would write
                     // past its inbox.
                     let sending = lowered.outgoing[to] * elem;
-                    if sending != bytes {
+                    if sending != bytes || sending_msgs[to] != messages {
                         return Err(Error::Mismatch {
                             op,
                             seq: self.seq,
                             rank,
                             peer: to,
                             detail: format!(
-                                "this call sends {sending} bytes to rank {to}, whose matching \
-                                 call expects {bytes} (on the cuda-ring, point-to-point calls \
-                                 that are grouped on one side must be grouped alike on the other)"
+                                "this call sends {sending} bytes in {} message(s) to rank {to}, \
+                                 whose matching call expects {bytes} in {messages} (on the \
+                                 cuda-ring, point-to-point calls that are grouped on one side \
+                                 must be grouped alike on the other)",
+                                sending_msgs[to]
                             ),
                         });
                     }
@@ -1166,8 +1220,15 @@ impl Drop for RingComm {
         // context stays bound for the events and mappings the links
         // release after this.)
         let _ = self.ctx.bind_to_thread();
-        let _ = self.stream.synchronize();
-        if !self.aborted() {
+        let drained = self
+            .drain_stream("dropping the communicator: draining its stream")
+            .is_ok();
+        if let (true, Links::Remote(links)) = (drained, &mut self.links) {
+            // Peers' GPUs may still wait on this rank's events and write
+            // its inboxes until they, too, are done (collective, bounded).
+            links.farewell();
+        }
+        if drained && !self.aborted() {
             for inbox in self.inboxes.iter_mut().chain(&mut self.retired) {
                 inbox.free();
             }
