@@ -145,7 +145,7 @@ impl DeviceCommBuilder {
         let mine = self.chosen_backend()?;
         let chosen = if rank == 0 {
             let resolved = match mine {
-                DeviceBackend::Auto => auto_backend(),
+                DeviceBackend::Auto => auto_backend()?,
                 other => other,
             };
             store.set(&key, resolved.name().as_bytes())?;
@@ -381,10 +381,11 @@ impl DeviceCommBuilder {
                 // NCCL when it loads and there is a GPU per rank (it refuses
                 // two ranks on one GPU); otherwise the cuda-ring.
                 #[cfg(feature = "nccl")]
-                match sys::library() {
-                    Ok(_) if visible_devices(0)? >= n => return self.nccl_local_group(n, timeout),
-                    Ok(_) => log_choice("cuda-ring: fewer GPUs than ranks, which NCCL refuses"),
-                    Err(e) => log_choice(&format!("cuda-ring: NCCL is not available ({e})")),
+                if auto_backend()? == DeviceBackend::Nccl {
+                    if visible_devices(0)? >= n {
+                        return self.nccl_local_group(n, timeout);
+                    }
+                    log_choice("cuda-ring: fewer GPUs than ranks, which NCCL refuses");
                 }
                 self.ring_local_group(n, timeout)
             }
@@ -489,15 +490,17 @@ pub enum DeviceBackend {
     CudaRing,
 }
 
-/// What `auto` means for ranks in separate processes: NCCL when it loads,
-/// else the cuda-ring (logged with `OXCCL_DEBUG=INFO`).
-fn auto_backend() -> DeviceBackend {
+/// What `auto` means: NCCL when it loads, else the cuda-ring (logged with
+/// `OXCCL_DEBUG=INFO`). A library named by `OXCCL_NCCL_LIBRARY` that does
+/// not load is an error, not a reason to fall back: the user asked for it.
+fn auto_backend() -> Result<DeviceBackend> {
     #[cfg(feature = "nccl")]
     match sys::library() {
-        Ok(_) => return DeviceBackend::Nccl,
+        Ok(_) => return Ok(DeviceBackend::Nccl),
+        Err(e) if std::env::var_os(sys::LIBRARY_VARIABLE).is_some() => return Err(e),
         Err(e) => log_choice(&format!("cuda-ring: NCCL is not available ({e})")),
     }
-    DeviceBackend::CudaRing
+    Ok(DeviceBackend::CudaRing)
 }
 
 impl DeviceBackend {
