@@ -111,15 +111,19 @@ mod pool {
     /// Buffers above this are not kept (a pool for pipeline pieces, not for
     /// whole messages of a large eager send).
     const MAX_WORDS: usize = 8 * 1024 * 1024 / 8;
-    /// At most this many buffers wait in the pool (≤ 256 MiB at worst, a
-    /// few MiB in steady state: the pieces in flight).
-    const MAX_BUFFERS: usize = 32;
+    /// At most this many bytes wait in the pool: the frames a receiver may
+    /// hold read ahead (`net::READ_AHEAD_BYTES`) and those in flight, so
+    /// steady streams never allocate.
+    const MAX_POOLED_WORDS: usize = 32 * 1024 * 1024 / 8;
 
     static POOL: Mutex<Vec<Vec<u64>>> = Mutex::new(Vec::new());
 
-    /// A buffer of exactly `words` initialised words: a recycled one at
-    /// least as long (and not more than 4× longer), truncated, or a new
-    /// zeroed one.
+    /// A buffer of at least `words` initialised words: a recycled one (not
+    /// more than 4× longer), or a new zeroed one. A recycled buffer keeps
+    /// its whole length, so it can serve a larger request again later
+    /// ([`Payload`] remembers how many bytes it uses): truncating it would
+    /// shrink the pool's buffers until every large frame took a fresh,
+    /// page-faulting allocation.
     pub(super) fn take(words: usize) -> Vec<u64> {
         if words >= MIN_WORDS {
             let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
@@ -127,9 +131,7 @@ mod pool {
                 .iter()
                 .position(|v| v.len() >= words && v.len() / 4 <= words)
             {
-                let mut v = pool.swap_remove(i);
-                v.truncate(words);
-                return v;
+                return pool.swap_remove(i);
             }
         }
         vec![0u64; words]
@@ -141,7 +143,8 @@ mod pool {
             return;
         }
         let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
-        if pool.len() < MAX_BUFFERS {
+        let pooled: usize = pool.iter().map(Vec::len).sum();
+        if pooled + v.len() <= MAX_POOLED_WORDS {
             pool.push(v);
         }
     }
@@ -151,20 +154,23 @@ mod pool {
         use super::*;
 
         #[test]
-        fn large_buffers_are_recycled_and_sized_exactly() {
+        fn large_buffers_are_recycled_whole() {
             let v = take(40_000);
             assert_eq!(v.len(), 40_000);
             let ptr = v.as_ptr();
             give(v);
-            // A slightly smaller request reuses it (truncated, same memory)...
+            // A slightly smaller request reuses it (whole, same memory)...
             let w = take(39_000);
-            assert_eq!(w.len(), 39_000);
+            assert!(w.len() >= 39_000);
             let reused = w.as_ptr() == ptr;
             give(w);
             // ...unless another test thread took it first; but a tiny one
             // never takes a large buffer, and small ones are never pooled.
             assert_eq!(take(10).len(), 10);
-            assert!(reused || POOL.lock().unwrap().len() <= MAX_BUFFERS);
+            assert!(
+                reused
+                    || POOL.lock().unwrap().iter().map(Vec::len).sum::<usize>() <= MAX_POOLED_WORDS
+            );
             let big = take(MAX_WORDS + 1);
             give(big);
             assert!(POOL

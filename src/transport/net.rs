@@ -235,6 +235,20 @@ struct Peer {
 
 type Key = (usize, u64, Space, u64, u32);
 
+/// How far this process reads ahead of its receives, per source. A sender
+/// that runs ahead (eager sends: a broadcast's root, back to back) would
+/// otherwise have its frames read into ever more buffers — measured here:
+/// a thousand 256 KiB frames, each a fresh page-faulting allocation once
+/// the recycling pool ran dry, which slowed the receiver four-fold and so
+/// let the root run further ahead. Past this much, what is unread stays in
+/// the socket or ring and holds the sender back (TCP's own flow control).
+/// A receive waiting for a frame from that source still reads up to it, a
+/// frame at a time, so frames of other contexts never block it; only a
+/// program that needs more than this (plus the kernel's socket buffers) of
+/// unreceived sends from one peer buffered, while it waits on another,
+/// now waits for its receives, as MPI's rendezvous sends do.
+const READ_AHEAD_BYTES: usize = 16 << 20;
+
 /// Every link of this process in one job, and the frames that have arrived.
 pub(crate) struct Fabric {
     rank: usize,
@@ -243,6 +257,10 @@ pub(crate) struct Fabric {
     arrived: HashMap<Key, Arrived>,
     /// Receives waiting with a destination (see [`Posted`]).
     posted: HashMap<Key, Posted>,
+    /// Per source: payload bytes arrived and not yet taken by a receive
+    /// (frames read straight into a posted destination excluded). Above
+    /// [`READ_AHEAD_BYTES`] a link is read only a frame at a time.
+    buffered: Vec<usize>,
     /// Per `(ctx, space, source)`: the sequence number of the last frame
     /// consumed; anything older arriving later is stale.
     consumed: HashMap<(u64, Space, usize), u64>,
@@ -283,8 +301,16 @@ impl Fabric {
     /// Writes what is queued and reads what has arrived, on every link.
     /// Returns whether any byte moved.
     fn progress(&mut self) -> bool {
+        self.progress_for(None)
+    }
+
+    /// [`progress`](Self::progress) for a receive waiting for `want`: a
+    /// source read [`READ_AHEAD_BYTES`] ahead is read further only while
+    /// the frame wanted from it has not arrived, a frame at a time.
+    fn progress_for(&mut self, want: Option<Key>) -> bool {
         let mut moved = false;
         for source in 0..self.peers.len() {
+            let wanted_here = want.is_some_and(|k| k.0 == source && !self.arrived.contains_key(&k));
             let Some(peer) = self.peers[source].as_mut() else {
                 continue;
             };
@@ -292,8 +318,12 @@ impl Fabric {
                 continue;
             }
             moved |= Self::write_queued(peer);
+            let budget = READ_AHEAD_BYTES.saturating_sub(self.buffered[source]);
+            if budget == 0 && !wanted_here {
+                continue;
+            }
             let mut delivered = Vec::new();
-            moved |= Self::read_arrived(peer, source, &self.posted, &mut delivered);
+            moved |= Self::read_arrived(peer, source, &self.posted, budget, &mut delivered);
             for (kind, header, payload, landed) in delivered {
                 self.deliver(source, kind, header, payload, landed);
             }
@@ -350,12 +380,19 @@ impl Fabric {
         moved
     }
 
+    /// Reads what `peer`'s link holds, delivering complete frames, until
+    /// the link is empty or the frames delivered into buffers pass `budget`
+    /// bytes (at least one frame is read: with a budget of 0, exactly one).
+    /// The budget matters: a sender that keeps writing would otherwise keep
+    /// this loop reading for as long as it sends.
     fn read_arrived(
         peer: &mut Peer,
         source: usize,
         posted: &HashMap<Key, Posted>,
+        budget: usize,
         delivered: &mut Vec<(u8, FrameHeader, Payload, bool)>,
     ) -> bool {
+        let mut buffered = 0usize;
         let mut moved = false;
         loop {
             let result = match &mut peer.incoming {
@@ -471,6 +508,10 @@ impl Fabric {
                     }
                     Incoming::Header { .. } => {}
                 }
+                buffered += delivered.last().map_or(0, |d| d.2.as_bytes().len());
+                if buffered >= budget {
+                    break;
+                }
             }
         }
         moved
@@ -512,6 +553,7 @@ impl Fabric {
             return;
         }
         let key = (source, header.ctx, header.space, header.seq, header.step);
+        self.buffered[source] += payload.as_bytes().len();
         let arrived = Arrived {
             header,
             payload,
@@ -584,7 +626,7 @@ impl Fabric {
                     // Its goodbye frame, with how far it got, is in the ring
                     // before the flag was set; read it first.
                     let mut delivered = Vec::new();
-                    Self::read_arrived(peer, source, &self.posted, &mut delivered);
+                    Self::read_arrived(peer, source, &self.posted, usize::MAX, &mut delivered);
                     for (kind, header, payload, landed) in delivered {
                         self.deliver(source, kind, header, payload, landed);
                     }
@@ -888,7 +930,7 @@ impl NetEndpoint {
             {
                 let mut fabric = self.shared.lock();
                 fabric.note_entered(expect);
-                if fabric.progress() {
+                if fabric.progress_for(Some(key)) {
                     backoff.reset();
                 }
                 // The liveness check reads what a departing peer left in its
@@ -897,6 +939,7 @@ impl NetEndpoint {
                 // sender left is delivered, not reported as lost.
                 fabric.check_liveness();
                 if let Some(arrived) = fabric.arrived.remove(&key) {
+                    fabric.buffered[source] -= arrived.payload.as_bytes().len();
                     fabric.unpost(key);
                     fabric
                         .consumed
@@ -1380,6 +1423,7 @@ pub(crate) fn connect(setup: Setup) -> Result<(NetEndpoint, Option<Segment>)> {
     };
     let fabric = Fabric {
         rank,
+        buffered: vec![0; peers.len()],
         peers,
         arrived: HashMap::new(),
         posted: HashMap::new(),
@@ -1427,6 +1471,7 @@ mod tests {
             ],
             arrived: HashMap::new(),
             posted: HashMap::new(),
+            buffered: vec![0; 2],
             consumed: HashMap::new(),
             entered: HashMap::new(),
             next_liveness_check: Instant::now(),
@@ -1454,6 +1499,50 @@ mod tests {
             op: OpKind::AllReduce,
             bytes: 8,
         }
+    }
+
+    #[test]
+    fn a_sender_running_ahead_is_read_only_so_far_and_every_frame_still_arrives() {
+        let (endpoint, raw) = endpoint_with_raw_peer();
+        let wait = Duration::from_secs(20);
+        // A peer streams 48 MiB of 1 MiB frames, far beyond the read-ahead.
+        const FRAMES: u64 = 48;
+        let header = |seq: u64| FrameHeader {
+            bytes: 1 << 20,
+            ..frame(0, seq)
+        };
+        let writer = {
+            let mut raw = raw.try_clone().unwrap();
+            std::thread::spawn(move || {
+                for seq in 0..FRAMES {
+                    raw.write_all(&encode(KIND_DATA, &header(seq))).unwrap();
+                    raw.write_all(&vec![seq as u8; 1 << 20]).unwrap();
+                }
+            })
+        };
+        let mut seen_most = 0;
+        for seq in 0..FRAMES {
+            let payload = endpoint.recv(1, &header(seq), wait).unwrap();
+            assert!(payload.as_bytes().iter().all(|&b| b == seq as u8));
+            // Give the writer time to push more than the read-ahead.
+            if seq == 0 {
+                std::thread::sleep(Duration::from_millis(300));
+            }
+            let fabric = endpoint.shared.lock();
+            seen_most = seen_most.max(fabric.buffered[1]);
+            assert_eq!(
+                fabric.buffered[1],
+                fabric
+                    .arrived
+                    .values()
+                    .map(|a| a.payload.as_bytes().len())
+                    .sum::<usize>()
+            );
+        }
+        writer.join().unwrap();
+        // At most the read-ahead plus the frame that crossed it.
+        assert!(seen_most <= READ_AHEAD_BYTES + (1 << 20), "{seen_most}");
+        drop(raw);
     }
 
     #[test]
