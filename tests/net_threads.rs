@@ -69,6 +69,39 @@ fn large_messages_stream_through_small_buffers() {
     }
 }
 
+/// Every rank sends 40 MiB to the next before receiving from the previous
+/// (a pair, then a ring of three), in many small frames: more than a
+/// receiver reads ahead (16 MiB) plus the links' buffers, so ranks must
+/// keep draining each other while they wait to write, or all would wait
+/// for room until the deadline.
+#[test]
+fn ranks_sending_around_a_cycle_before_receiving_do_not_stall() {
+    for (world, kind) in [
+        (2, TransportKind::Shm),
+        (2, TransportKind::Tcp),
+        (3, TransportKind::Shm),
+        (3, TransportKind::Tcp),
+    ] {
+        let builder = Communicator::builder()
+            .timeout(Duration::from_secs(30))
+            .chunk_bytes(256 << 10);
+        run_ranks_net(world, builder, kind, move |comm| {
+            let n = 10 << 20;
+            let (rank, world) = (comm.rank(), comm.world_size());
+            let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
+            let mine = vec![rank as u32 + 7; n];
+            comm.send(&mine, next)?;
+            let mut theirs = vec![0u32; n];
+            comm.recv(&mut theirs, prev)?;
+            if theirs.iter().any(|&x| x != prev as u32 + 7) {
+                return Err(fail(format!("{kind:?}: wrong data")));
+            }
+            Ok(())
+        })
+        .unwrap_or_else(|e| panic!("world {world} {kind:?}: {e}"));
+    }
+}
+
 #[test]
 fn splits_share_the_links() {
     for kind in [TransportKind::Shm, TransportKind::Tcp] {

@@ -243,10 +243,9 @@ type Key = (usize, u64, Space, u64, u32);
 /// let the root run further ahead. Past this much, what is unread stays in
 /// the socket or ring and holds the sender back (TCP's own flow control).
 /// A receive waiting for a frame from that source still reads up to it, a
-/// frame at a time, so frames of other contexts never block it; only a
-/// program that needs more than this (plus the kernel's socket buffers) of
-/// unreceived sends from one peer buffered, while it waits on another,
-/// now waits for its receives, as MPI's rendezvous sends do.
+/// frame at a time, so frames of other contexts never block it, and a rank
+/// with frames of its own still queued keeps reading every link, so ranks
+/// sending to each other (or around a ring) before receiving cannot stall.
 const READ_AHEAD_BYTES: usize = 16 << 20;
 
 /// Every link of this process in one job, and the frames that have arrived.
@@ -309,6 +308,7 @@ impl Fabric {
     /// the frame wanted from it has not arrived, a frame at a time.
     fn progress_for(&mut self, want: Option<Key>) -> bool {
         let mut moved = false;
+        let sending = self.peers.iter().flatten().any(|p| !p.out.is_empty());
         for source in 0..self.peers.len() {
             let wanted_here = want.is_some_and(|k| k.0 == source && !self.arrived.contains_key(&k));
             let Some(peer) = self.peers[source].as_mut() else {
@@ -319,7 +319,12 @@ impl Fabric {
             }
             moved |= Self::write_queued(peer);
             let budget = READ_AHEAD_BYTES.saturating_sub(self.buffered[source]);
-            if budget == 0 && !wanted_here {
+            // Past the read-ahead a link is still read (a frame per pass)
+            // when a receive waits for a frame from it, or while this rank
+            // has frames queued for anyone: ranks that send (in a pair, a
+            // ring, any cycle) before receiving must keep draining each
+            // other, or all would wait for room forever.
+            if budget == 0 && !wanted_here && !sending {
                 continue;
             }
             let mut delivered = Vec::new();
