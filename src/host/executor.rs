@@ -98,6 +98,35 @@ fn header<T: Element>(info: &CallInfo, step: u32, len: usize) -> FrameHeader {
     }
 }
 
+/// Whether a step writes the receive buffer (or the one in-place buffer).
+fn writes_recv(step: &Step) -> bool {
+    let dst = match *step {
+        Step::Send { .. } | Step::RecvReduceSend { .. } => return false,
+        Step::Recv { dst, .. } | Step::RecvReduce { dst, .. } | Step::RecvCopySend { dst, .. } => {
+            dst
+        }
+        Step::Copy { dst, .. } | Step::ReduceLocal { dst, .. } => dst,
+        Step::DivideByWorld { span } => span,
+    };
+    dst.buf != BufId::Scratch
+}
+
+/// Withdraws the caller's buffers from the transport's queues when a call
+/// that sent from them in place ends: frames still queued (the call failed
+/// before its flush) get copies of their own.
+struct BorrowGuard<'a> {
+    transport: &'a Transport,
+    lent: bool,
+}
+
+impl Drop for BorrowGuard<'_> {
+    fn drop(&mut self) {
+        if self.lent {
+            self.transport.own_borrowed();
+        }
+    }
+}
+
 /// Runs `plan` for one call.
 pub(crate) fn execute<T: Element>(
     transport: &Transport,
@@ -110,6 +139,24 @@ pub(crate) fn execute<T: Element>(
         received: vec![0; info.world],
     };
     let op = info.reduce_op;
+    // Sends read the caller's buffer in place (no copy into a frame) when
+    // the transport writes frames out before the call returns and nothing
+    // in the call writes that buffer meanwhile: the input of an
+    // out-of-place call, or a buffer the plan never writes (a broadcast's
+    // root in place).
+    let recv_is_read_only = !plan.steps.iter().any(writes_recv);
+    let lend = |src: Span| {
+        transport.takes_borrowed()
+            && match src.buf {
+                BufId::Send => true,
+                BufId::Recv => recv_is_read_only,
+                BufId::Scratch => false,
+            }
+    };
+    let mut guard = BorrowGuard {
+        transport,
+        lent: false,
+    };
     // Only direct plans use scratch, and only for small messages.
     let mut scratch = vec![T::zeroed(); plan.scratch_len];
     let read = |bufs: &Bufs<'_, T>, scratch: &[T], span: Span| -> Vec<T> {
@@ -139,7 +186,17 @@ pub(crate) fn execute<T: Element>(
                     BufId::Scratch => &scratch[src.range()],
                     _ => bufs.read(src),
                 };
-                let payload = Payload::from_bytes(bytemuck::cast_slice(data));
+                let bytes: &[u8] = bytemuck::cast_slice(data);
+                let payload = if lend(src) {
+                    guard.lent = true;
+                    // SAFETY: `lend` holds: nothing writes these bytes during
+                    // the call, and `guard` copies whatever is still queued
+                    // before the call returns (the flush below leaves
+                    // nothing queued on success).
+                    unsafe { Payload::borrowed(bytes) }
+                } else {
+                    Payload::from_bytes(bytes)
+                };
                 send(&mut counters, peer, payload, src.len)?;
             }
             Step::Recv { peer, dst } => {
@@ -209,7 +266,9 @@ pub(crate) fn execute<T: Element>(
             }
         }
     }
-    transport
+    let flushed = transport
         .flush(info.timeout)
-        .map_err(|(peer, e)| info.error(peer, e))
+        .map_err(|(peer, e)| info.error(peer, e));
+    drop(guard);
+    flushed
 }

@@ -61,19 +61,53 @@ impl FrameHeader {
 /// pipeline piece (256 KiB) is an `mmap` whose pages fault in one by one as
 /// they are first written — on this VM about as long as copying the piece
 /// twice — and every frame of a large call needs one on each side.
+///
+/// A payload may instead *borrow* the caller's bytes ([`Payload::borrowed`]):
+/// a send straight from the user's buffer, without the copy into a frame.
 #[derive(Debug, Default)]
 pub(crate) struct Payload {
     words: Vec<u64>,
     bytes: usize,
+    /// The borrowed bytes, or null for owned ones.
+    external: Option<std::ptr::NonNull<u8>>,
 }
 
+// SAFETY: owned payloads are plain vectors; a borrowed one points at bytes
+// its creator keeps valid and unmodified until the payload is dropped or
+// made owned (the contract of `Payload::borrowed`), and is only read.
+unsafe impl Send for Payload {}
+
 impl Payload {
+    /// A payload that reads `data` in place instead of copying it.
+    ///
+    /// # Safety
+    ///
+    /// `data` must stay valid and unmodified until the payload is dropped
+    /// or [`make_owned`](Self::make_owned) was called on it (a call that
+    /// queues one runs [`Transport::own_borrowed`] before it returns).
+    pub unsafe fn borrowed(data: &[u8]) -> Payload {
+        Payload {
+            words: Vec::new(),
+            bytes: data.len(),
+            external: std::ptr::NonNull::new(data.as_ptr().cast_mut()),
+        }
+    }
+
+    /// Copies borrowed bytes into a buffer of its own (no-op when owned).
+    pub fn make_owned(&mut self) {
+        if self.external.is_some() {
+            let owned = Payload::from_bytes(self.as_bytes());
+            *self = owned;
+        }
+    }
+
     pub fn from_bytes(data: &[u8]) -> Payload {
         let mut words = pool::take(data.len().div_ceil(8));
         bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..data.len()].copy_from_slice(data);
         Payload {
             words,
             bytes: data.len(),
+            external: None,
         }
     }
 
@@ -83,14 +117,21 @@ impl Payload {
         Payload {
             words: pool::take(bytes.div_ceil(8)),
             bytes,
+            external: None,
         }
     }
 
     pub fn as_bytes(&self) -> &[u8] {
-        &bytemuck::cast_slice::<u64, u8>(&self.words)[..self.bytes]
+        match self.external {
+            // SAFETY: valid for `bytes` bytes (the contract of `borrowed`).
+            Some(p) => unsafe { std::slice::from_raw_parts(p.as_ptr(), self.bytes) },
+            None => &bytemuck::cast_slice::<u64, u8>(&self.words)[..self.bytes],
+        }
     }
 
     pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+        // Borrowed bytes are never written: take a copy first.
+        self.make_owned();
         &mut bytemuck::cast_slice_mut::<u64, u8>(&mut self.words)[..self.bytes]
     }
 }
@@ -152,6 +193,17 @@ mod pool {
     #[cfg(test)]
     mod tests {
         use super::*;
+
+        #[test]
+        fn borrowed_payloads_read_in_place_and_copy_before_writing() {
+            let data = vec![1u8, 2, 3, 4];
+            // SAFETY: `data` outlives the payload and is not written.
+            let mut p = unsafe { super::super::Payload::borrowed(&data) };
+            assert_eq!(p.as_bytes().as_ptr(), data.as_ptr());
+            p.as_bytes_mut()[0] = 9;
+            assert_eq!(p.as_bytes(), &[9, 2, 3, 4]);
+            assert_eq!(data, [1, 2, 3, 4]);
+        }
 
         #[test]
         fn large_buffers_are_recycled_whole() {
@@ -244,6 +296,23 @@ impl Transport {
             }
             Transport::Net(t) => t.recv_into(peer, expect, timeout, dst),
         }
+    }
+
+    /// Turns every queued payload that borrows a caller's buffer into an
+    /// owned copy (of what is still unwritten): what a call that queued
+    /// borrowed payloads runs before returning early, so nothing reads its
+    /// buffers afterwards.
+    pub fn own_borrowed(&self) {
+        if let Transport::Net(t) = self {
+            t.own_borrowed();
+        }
+    }
+
+    /// Whether sends may borrow the caller's buffer ([`Payload::borrowed`]):
+    /// the multi-process transport writes queued frames to its links and
+    /// drops them; in-process peers keep frames after the call.
+    pub fn takes_borrowed(&self) -> bool {
+        matches!(self, Transport::Net(_))
     }
 
     /// Waits until this rank's queued frames have left (sends are eager, so

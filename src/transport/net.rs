@@ -984,6 +984,16 @@ impl NetEndpoint {
         }
     }
 
+    /// See [`Transport::own_borrowed`](super::Transport::own_borrowed).
+    pub fn own_borrowed(&self) {
+        let mut fabric = self.shared.lock();
+        for peer in fabric.peers.iter_mut().flatten() {
+            for outgoing in &mut peer.out {
+                outgoing.payload.make_owned();
+            }
+        }
+    }
+
     /// Waits until everything this communicator queued for its members has
     /// been handed to the links, still receiving meanwhile. On failure
     /// returns the communicator rank concerned.
@@ -1453,7 +1463,7 @@ pub(crate) fn connect(setup: Setup) -> Result<(NetEndpoint, Option<Segment>)> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::io::Write;
+    use std::io::{Read, Write};
 
     /// An endpoint (rank 0 of 2) whose link to rank 1 is a raw socket the
     /// test writes into, as a confused or hostile peer would.
@@ -1548,6 +1558,34 @@ mod tests {
         // At most the read-ahead plus the frame that crossed it.
         assert!(seen_most <= READ_AHEAD_BYTES + (1 << 20), "{seen_most}");
         drop(raw);
+    }
+
+    #[test]
+    fn borrowed_frames_still_queued_are_copied_before_their_buffer_goes() {
+        let (endpoint, mut raw) = endpoint_with_raw_peer();
+        // Far more than the socket takes at once: most of it stays queued.
+        let mut data = vec![3u8; 32 << 20];
+        let header = FrameHeader {
+            bytes: data.len(),
+            ..frame(0, 0)
+        };
+        // SAFETY: `data` is neither written nor dropped before
+        // `own_borrowed` below.
+        let payload = unsafe { Payload::borrowed(&data) };
+        endpoint.send(1, header, payload).unwrap();
+        assert!(endpoint.shared.lock().has_queued(1));
+        endpoint.own_borrowed();
+        // The caller may now reuse its buffer: what goes out is unchanged.
+        data.fill(9);
+        drop(data);
+        let reader = std::thread::spawn(move || {
+            let mut got = vec![0u8; FRAME_HEADER_BYTES + (32 << 20)];
+            raw.read_exact(&mut got).unwrap();
+            got
+        });
+        endpoint.flush(Duration::from_secs(20)).unwrap();
+        let got = reader.join().unwrap();
+        assert!(got[FRAME_HEADER_BYTES..].iter().all(|&b| b == 3));
     }
 
     #[test]
