@@ -376,14 +376,7 @@ impl CommBuilder {
         toward: Option<std::net::IpAddr>,
     ) -> Result<Communicator> {
         let config = self.config()?;
-        if rank >= world_size {
-            return Err(Error::InvalidArgument {
-                op: OpKind::Split,
-                rank,
-                arg: "rank",
-                reason: format!("rank {rank} is out of range for world size {world_size}"),
-            });
-        }
+        check_rank(rank, world_size)?;
         let job_id = self
             .job_id
             .clone()
@@ -540,6 +533,20 @@ const NO_COLOR: u64 = u64::MAX;
 /// [`FileStore`]; otherwise rank 0 hosts a [`TcpStore`] on `MASTER_PORT` on
 /// every interface and the others connect to `MASTER_ADDR:MASTER_PORT`,
 /// retrying until `timeout`. Shared by the host and device communicators.
+/// `InvalidArgument` unless `rank` is a rank of a job of `world_size`
+/// (what every `init` checks before any rendezvous).
+pub(crate) fn check_rank(rank: Rank, world_size: usize) -> Result<()> {
+    if rank >= world_size {
+        return Err(Error::InvalidArgument {
+            op: OpKind::Split,
+            rank,
+            arg: "rank",
+            reason: format!("rank {rank} is out of range for world size {world_size}"),
+        });
+    }
+    Ok(())
+}
+
 pub(crate) fn launch_store(
     env: &LaunchEnv,
     timeout: Duration,

@@ -151,15 +151,7 @@ impl DeviceCommBuilder {
             store.set(&key, resolved.name().as_bytes())?;
             resolved
         } else if mine == DeviceBackend::Auto {
-            let missing = store.wait(std::slice::from_ref(&key), timeout)?;
-            if !missing.is_empty() {
-                return Err(Error::RendezvousTimeout {
-                    store: store.describe(),
-                    waited: timeout,
-                    missing: vec![0],
-                });
-            }
-            let name = store.try_get(&key)?.unwrap_or_default();
+            let name = published_by_rank0(store, &key, timeout)?;
             let name = String::from_utf8_lossy(&name).into_owned();
             DeviceBackend::from_name(&name).ok_or_else(|| Error::Config {
                 name: "OXCCL_BACKEND".into(),
@@ -238,14 +230,7 @@ impl DeviceCommBuilder {
         device: Option<usize>,
     ) -> Result<DeviceCommunicator> {
         let timeout = self.config_timeout()?;
-        if rank >= world_size {
-            return Err(Error::InvalidArgument {
-                op: OpKind::Split,
-                rank,
-                arg: "rank",
-                reason: format!("rank {rank} is out of range for world size {world_size}"),
-            });
-        }
+        crate::comm::check_rank(rank, world_size)?;
         let generation = INIT_GENERATION.fetch_add(1, Ordering::Relaxed);
         let prefix = format!("oxccl/device/{}/{generation}", self.job());
         match self.process_backend(rank, &*store, &prefix, timeout)? {
@@ -305,16 +290,7 @@ impl DeviceCommBuilder {
             store.set(&key, id.as_bytes())?;
             id
         } else {
-            let missing = store.wait(std::slice::from_ref(&key), timeout)?;
-            if !missing.is_empty() {
-                return Err(Error::RendezvousTimeout {
-                    store: store.describe(),
-                    waited: timeout,
-                    missing: vec![0],
-                });
-            }
-            let bytes = store.try_get(&key)?.unwrap_or_default();
-            UniqueId::from_bytes(&bytes)?
+            UniqueId::from_bytes(&published_by_rank0(&*store, &key, timeout)?)?
         };
         let mut comm = NcclComm::start_init(library, &id, rank, world_size, timeout)?;
         comm.wait_ready(
@@ -464,6 +440,20 @@ impl DeviceCommBuilder {
         }
         Ok(out)
     }
+}
+
+/// The value rank 0 publishes at `key` (the backend it runs, NCCL's unique
+/// id), waited for with the deadline: `RendezvousTimeout` naming rank 0.
+fn published_by_rank0(store: &dyn Store, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+    let missing = store.wait(&[key.to_owned()], timeout)?;
+    if !missing.is_empty() {
+        return Err(Error::RendezvousTimeout {
+            store: store.describe(),
+            waited: timeout,
+            missing: vec![0],
+        });
+    }
+    Ok(store.try_get(key)?.unwrap_or_default())
 }
 
 /// The number of GPUs the driver shows, with a clear error when it shows none.
@@ -1799,35 +1789,24 @@ mod tests {
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
             // Ranks in separate processes on the cuda-ring: the driver is
             // looked for before any rendezvous.
+            let ring = DeviceCommunicator::builder().backend(DeviceBackend::CudaRing);
             let store = std::sync::Arc::new(crate::bootstrap::MemoryStore::new());
-            let e = DeviceCommunicator::builder()
-                .backend(DeviceBackend::CudaRing)
-                .init(0, 2, store)
-                .unwrap_err();
-            assert!(
-                matches!(
-                    e,
-                    Error::LibraryNotFound {
-                        library: "CUDA driver",
-                        ..
-                    }
-                ),
-                "{e:?}"
-            );
-            let e = DeviceCommunicator::builder()
-                .backend(DeviceBackend::CudaRing)
-                .local_group(3)
-                .unwrap_err();
-            assert!(
-                matches!(
-                    e,
-                    Error::LibraryNotFound {
-                        library: "CUDA driver",
-                        ..
-                    }
-                ),
-                "{e:?}"
-            );
+            let errors = [
+                ring.init(0, 2, store).unwrap_err(),
+                ring.local_group(3).unwrap_err(),
+            ];
+            for e in errors {
+                assert!(
+                    matches!(
+                        e,
+                        Error::LibraryNotFound {
+                            library: "CUDA driver",
+                            ..
+                        }
+                    ),
+                    "{e:?}"
+                );
+            }
         }
     }
 

@@ -34,7 +34,7 @@ use std::hash::{Hash, Hasher};
 
 use cudarc::driver::sys::{self, CUdeviceptr, CUevent};
 
-use super::ring::Path;
+use super::ring::{check, Path};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::transport::shm::Segment;
@@ -182,18 +182,6 @@ impl Frame {
             KIND_BYE => Ok(Frame::Bye),
             k => Err(format!("unknown frame kind {k}")),
         }
-    }
-}
-
-fn check(rank: Rank, what: &str, rc: sys::CUresult) -> Result<()> {
-    if rc == sys::CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(Error::Cuda {
-            rank,
-            context: what.to_owned(),
-            detail: format!("{rc:?}"),
-        })
     }
 }
 

@@ -351,7 +351,8 @@ pub(crate) fn cuda_error(
     }
 }
 
-fn check(rank: Rank, what: &str, rc: sys::CUresult) -> Result<()> {
+/// `Ok` for `CUDA_SUCCESS`, else `Error::Cuda` naming `what` and the code.
+pub(crate) fn check(rank: Rank, what: &str, rc: sys::CUresult) -> Result<()> {
     if rc == sys::CUresult::CUDA_SUCCESS {
         Ok(())
     } else {

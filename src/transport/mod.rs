@@ -207,8 +207,9 @@ mod pool {
 
         #[test]
         fn large_buffers_are_recycled_whole() {
+            // The pool is the process's: other tests' buffers may serve.
             let v = take(40_000);
-            assert_eq!(v.len(), 40_000);
+            assert!(v.len() >= 40_000);
             let ptr = v.as_ptr();
             give(v);
             // A slightly smaller request reuses it (whole, same memory)...
