@@ -606,20 +606,13 @@ impl RingComm {
         remote: bool,
     ) -> Result<()> {
         let rank = self.rank;
-        let inbox = match which {
-            Some(p) => &mut self.inboxes[p],
-            None => &mut self.scratch,
-        };
-        if inbox.bytes >= bytes && inbox.host == host {
+        let current = self.inbox_mut(which);
+        if current.bytes >= bytes && current.host == host {
             return Ok(());
         }
         // The old inbox may still be read by work queued earlier.
         self.drain_stream("draining the stream before growing an inbox")?;
-        let inbox = match which {
-            Some(p) => &mut self.inboxes[p],
-            None => &mut self.scratch,
-        };
-        let old = std::mem::take(inbox);
+        let old = std::mem::take(self.inbox_mut(which));
         if remote && which.is_some() {
             // A peer in another process may still have it mapped.
             self.retired.push(old);
@@ -682,11 +675,16 @@ impl RingComm {
             }
             fresh
         };
-        match which {
-            Some(p) => self.inboxes[p] = fresh,
-            None => self.scratch = fresh,
-        }
+        *self.inbox_mut(which) = fresh;
         Ok(())
+    }
+
+    /// The inbox for messages from `which`, or the scratch buffer.
+    fn inbox_mut(&mut self, which: Option<Rank>) -> &mut Inbox {
+        match which {
+            Some(p) => &mut self.inboxes[p],
+            None => &mut self.scratch,
+        }
     }
 
     /// Waits until the stream has run everything queued, with the deadline.
