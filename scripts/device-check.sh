@@ -9,8 +9,9 @@
 # It finds NCCL (OXCCL_NCCL_LIBRARY, else the loader path, else the
 # nvidia-nccl-cu12/cu13 package that PyTorch's pip install brings), runs the
 # NCCL GPU tests and the library-loading tests, oxccl-perf --backend nccl
-# over the collectives, then the cuda-ring's GPU tests (also host-staged,
-# OXCCL_P2P_DISABLE=1) and oxccl-perf --backend cuda-ring beside the GPU's
+# over the collectives, then the cuda-ring's GPU tests (ranks as threads
+# and as processes joined by CUDA IPC; also host-staged, OXCCL_P2P_DISABLE=1)
+# and oxccl-perf --backend cuda-ring beside the GPU's
 # copy bandwidth, and prints a short summary table last. Exit status:
 # non-zero when any step failed.
 set -uo pipefail
@@ -83,10 +84,14 @@ step "oxccl-perf nccl bfloat16 avg" \
     "$BUNDLE/oxccl-perf" --backend nccl -t "$PERF_RANKS" -d bfloat16 -o avg -b 1K -e 16M -f 16 -n 10 -w 2
 
 # The cuda-ring: oxccl's own kernels, several ranks per GPU allowed.
-step "cuda-ring GPU tests (2,3,4,8 ranks)" "$BUNDLE/cuda_ring_gpu" --ignored --test-threads=1 --nocapture
+step "cuda-ring GPU tests (threads: 2,3,4,8 ranks; processes: 2,3)" \
+    "$BUNDLE/cuda_ring_gpu" --ignored --test-threads=1 --nocapture
 step "cuda-ring GPU tests, OXCCL_P2P_DISABLE=1" \
     env OXCCL_P2P_DISABLE=1 OXCCL_DEBUG=INFO "$BUNDLE/cuda_ring_gpu" --ignored --test-threads=1 \
     every_collective_dtype_and_op_matches_the_host_bit_for_bit
+step "cuda-ring processes (CUDA IPC), OXCCL_P2P_DISABLE=1 (shared host inboxes)" \
+    env OXCCL_P2P_DISABLE=1 "$BUNDLE/cuda_ring_gpu" --ignored --test-threads=1 --nocapture \
+    processes_on_one_gpu_match_the_host_bit_for_bit
 RING_RANKS=$(( GPUS > 1 ? GPUS : 2 ))
 step "oxccl-perf cuda-ring all_reduce -t $RING_RANKS" \
     env OXCCL_DEBUG=INFO "$BUNDLE/oxccl-perf" --backend cuda-ring -t "$RING_RANKS" -b 8 -e 256M -f 4 -n 20 -w 5
