@@ -102,6 +102,45 @@ fn ranks_sending_around_a_cycle_before_receiving_do_not_stall() {
     }
 }
 
+/// A receive waiting on one rank whose frame depends on another rank's
+/// large send draining into this one: rank 0 sends 40 MiB to rank 1, then
+/// a word to rank 2; rank 2 forwards a word to rank 1; rank 1 waits for
+/// rank 2's word first. Rank 1 must keep reading rank 0's frames past its
+/// read-ahead while it waits, or all three wait until the deadline.
+#[test]
+fn a_wait_on_one_rank_still_drains_another() {
+    for kind in [TransportKind::Shm, TransportKind::Tcp] {
+        let builder = Communicator::builder()
+            .timeout(Duration::from_secs(30))
+            .chunk_bytes(256 << 10);
+        run_ranks_net(3, builder, kind, move |comm| {
+            let n = 10 << 20;
+            match comm.rank() {
+                0 => {
+                    comm.send(&vec![5u32; n], 1)?;
+                    comm.send(&[1u32], 2)?;
+                }
+                1 => {
+                    let mut word = [0u32];
+                    comm.recv(&mut word, 2)?;
+                    let mut big = vec![0u32; n];
+                    comm.recv(&mut big, 0)?;
+                    if word[0] != 2 || big.iter().any(|&x| x != 5) {
+                        return Err(fail(format!("{kind:?}: wrong data")));
+                    }
+                }
+                _ => {
+                    let mut word = [0u32];
+                    comm.recv(&mut word, 0)?;
+                    comm.send(&[word[0] + 1], 1)?;
+                }
+            }
+            Ok(())
+        })
+        .unwrap_or_else(|e| panic!("{kind:?}: {e}"));
+    }
+}
+
 #[test]
 fn splits_share_the_links() {
     for kind in [TransportKind::Shm, TransportKind::Tcp] {

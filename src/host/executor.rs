@@ -98,17 +98,16 @@ fn header<T: Element>(info: &CallInfo, step: u32, len: usize) -> FrameHeader {
     }
 }
 
-/// Whether a step writes the receive buffer (or the one in-place buffer).
+/// Whether a step may write the receive buffer (or the one in-place
+/// buffer). Conservative: every step with a destination writes the receive
+/// buffer in `execute` whatever the destination's `BufId`, except a copy
+/// into scratch.
 fn writes_recv(step: &Step) -> bool {
-    let dst = match *step {
-        Step::Send { .. } | Step::RecvReduceSend { .. } => return false,
-        Step::Recv { dst, .. } | Step::RecvReduce { dst, .. } | Step::RecvCopySend { dst, .. } => {
-            dst
-        }
-        Step::Copy { dst, .. } | Step::ReduceLocal { dst, .. } => dst,
-        Step::DivideByWorld { span } => span,
-    };
-    dst.buf != BufId::Scratch
+    match *step {
+        Step::Send { .. } | Step::RecvReduceSend { .. } => false,
+        Step::Copy { dst, .. } => dst.buf != BufId::Scratch,
+        _ => true,
+    }
 }
 
 /// Withdraws the caller's buffers from the transport's queues when a call
@@ -145,10 +144,12 @@ pub(crate) fn execute<T: Element>(
     // out-of-place call, or a buffer the plan never writes (a broadcast's
     // root in place).
     let recv_is_read_only = !plan.steps.iter().any(writes_recv);
+    let out_of_place = matches!(bufs, Bufs::OutOfPlace { .. });
     let lend = |src: Span| {
         transport.takes_borrowed()
             && match src.buf {
-                BufId::Send => true,
+                // In place, "send" names the one buffer the plan may write.
+                BufId::Send => out_of_place || recv_is_read_only,
                 BufId::Recv => recv_is_read_only,
                 BufId::Scratch => false,
             }

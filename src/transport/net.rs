@@ -242,10 +242,13 @@ type Key = (usize, u64, Space, u64, u32);
 /// the recycling pool ran dry, which slowed the receiver four-fold and so
 /// let the root run further ahead. Past this much, what is unread stays in
 /// the socket or ring and holds the sender back (TCP's own flow control).
-/// A receive waiting for a frame from that source still reads up to it, a
-/// frame at a time, so frames of other contexts never block it, and a rank
-/// with frames of its own still queued keeps reading every link, so ranks
-/// sending to each other (or around a ring) before receiving cannot stall.
+/// Past it a link is still read, a frame per pass: by a receive waiting
+/// for a frame from that source, up to it; and by any wait that has
+/// stalled (a spin phase without progress), so no program that completes
+/// with unbounded buffering (ranks sending to each other before receiving;
+/// a receive waiting on one rank whose frame depends on another's send
+/// draining into this one) hangs on the limit, and a peer's end of stream
+/// or goodbye is always reached.
 const READ_AHEAD_BYTES: usize = 16 << 20;
 
 /// Every link of this process in one job, and the frames that have arrived.
@@ -297,18 +300,19 @@ impl NetShared {
 }
 
 impl Fabric {
-    /// Writes what is queued and reads what has arrived, on every link.
-    /// Returns whether any byte moved.
+    /// Writes what is queued and reads what has arrived, on every link
+    /// (a frame per pass from one past the read-ahead). Returns whether any
+    /// byte moved.
     fn progress(&mut self) -> bool {
-        self.progress_for(None)
+        self.progress_for(None, true)
     }
 
-    /// [`progress`](Self::progress) for a receive waiting for `want`: a
-    /// source read [`READ_AHEAD_BYTES`] ahead is read further only while
-    /// the frame wanted from it has not arrived, a frame at a time.
-    fn progress_for(&mut self, want: Option<Key>) -> bool {
+    /// [`progress`](Self::progress) for a wait for `want` (if any): a
+    /// source read [`READ_AHEAD_BYTES`] ahead is read further, a frame per
+    /// pass, only while the frame wanted from it has not arrived or when
+    /// the wait has `stalled`.
+    fn progress_for(&mut self, want: Option<Key>, stalled: bool) -> bool {
         let mut moved = false;
-        let sending = self.peers.iter().flatten().any(|p| !p.out.is_empty());
         for source in 0..self.peers.len() {
             let wanted_here = want.is_some_and(|k| k.0 == source && !self.arrived.contains_key(&k));
             let Some(peer) = self.peers[source].as_mut() else {
@@ -319,12 +323,7 @@ impl Fabric {
             }
             moved |= Self::write_queued(peer);
             let budget = READ_AHEAD_BYTES.saturating_sub(self.buffered[source]);
-            // Past the read-ahead a link is still read (a frame per pass)
-            // when a receive waits for a frame from it, or while this rank
-            // has frames queued for anyone: ranks that send (in a pair, a
-            // ring, any cycle) before receiving must keep draining each
-            // other, or all would wait for room forever.
-            if budget == 0 && !wanted_here && !sending {
+            if budget == 0 && !wanted_here && !stalled {
                 continue;
             }
             let mut delivered = Vec::new();
@@ -564,7 +563,8 @@ impl Fabric {
             payload,
             landed,
         };
-        if self.arrived.insert(key, arrived).is_some() {
+        if let Some(replaced) = self.arrived.insert(key, arrived) {
+            self.buffered[source] -= replaced.payload.as_bytes().len();
             peer.gone = Some(Gone::Corrupt(format!(
                 "duplicate frame: {} #{} step {}",
                 header.op, header.seq, header.step
@@ -692,6 +692,9 @@ impl Fabric {
 /// Idles a waiting rank: spin briefly (a frame is usually microseconds
 /// away), then sleep on the sockets or for short, growing intervals, so an
 /// idle rank does not burn a core.
+/// Passes a wait spins before yielding (and before it counts as stalled).
+const SPIN_PASSES: u32 = 200;
+
 struct Backoff {
     idle: u32,
     fds: Vec<libc::pollfd>,
@@ -709,9 +712,15 @@ impl Backoff {
         self.idle = 0;
     }
 
+    /// Whether the wait has gone a whole spin phase without progress (then
+    /// links are read past the read-ahead limit).
+    fn stalled(&self) -> bool {
+        self.idle >= SPIN_PASSES
+    }
+
     fn wait(&mut self, shared: &NetShared, deadline: Instant) {
         self.idle = self.idle.saturating_add(1);
-        if self.idle < 200 {
+        if self.idle < SPIN_PASSES {
             std::hint::spin_loop();
             return;
         }
@@ -935,7 +944,7 @@ impl NetEndpoint {
             {
                 let mut fabric = self.shared.lock();
                 fabric.note_entered(expect);
-                if fabric.progress_for(Some(key)) {
+                if fabric.progress_for(Some(key), backoff.stalled()) {
                     backoff.reset();
                 }
                 // The liveness check reads what a departing peer left in its
@@ -1004,7 +1013,7 @@ impl NetEndpoint {
         loop {
             let waiting_for = {
                 let mut fabric = self.shared.lock();
-                if fabric.progress() {
+                if fabric.progress_for(None, backoff.stalled()) {
                     backoff.reset();
                 }
                 let Some(peer) =
