@@ -73,6 +73,22 @@ fn every_collective_direct_many_pieces() {
     }
 }
 
+/// Outputs of 16 MiB and more are written with non-temporal stores (no read
+/// for ownership); an odd count puts part boundaries off the 16-byte grid.
+#[test]
+fn large_outputs_written_past_the_cache_are_correct() {
+    use oxccl::check::every_collective;
+    for world in [2, 3] {
+        let builder = Communicator::builder()
+            .timeout(Duration::from_secs(60))
+            .algo(Algo::Direct);
+        run_ranks_with(world, builder, |comm| {
+            every_collective::<f32>(comm, &[4_194_311]).map_err(|e| fail(e.to_string()))
+        })
+        .unwrap_or_else(|e| panic!("world {world}: {e}"));
+    }
+}
+
 #[test]
 fn one_byte_chunks_still_move_whole_elements() {
     let builder = Communicator::builder().chunk_bytes(1);

@@ -218,6 +218,16 @@ fn every_collective_across_processes_over_shared_memory() {
     }
 }
 
+/// Outputs of 16 MiB and more are written with non-temporal stores: the
+/// staged two-shot all-reduce, reduce-scatter, reduce, and the copies of
+/// all-gather and broadcast, with part boundaries off the 16-byte grid.
+#[test]
+fn large_outputs_across_processes_are_correct() {
+    for world in [2, 3] {
+        launched_with(world, "shm", &["--counts", "4194311"]);
+    }
+}
+
 /// Buffers from `alloc_shared`: every rank maps every peer's, and the
 /// collectives run zero-copy across processes (`oxccl-check --shared`
 /// fails when a large call did not); over TCP they are ordinary memory.

@@ -40,6 +40,7 @@ use crate::types::{Element, OpKind, Rank, ReduceOp};
 
 use super::executor::CallInfo;
 use super::shared::SharedRegion;
+use super::stream;
 
 /// Bytes of one control line (two cache lines: no false sharing with the
 /// adjacent-line prefetcher).
@@ -639,6 +640,36 @@ unsafe fn view_mut<'a, T>(ptr: *mut T, offset: usize, len: usize) -> &'a mut [T]
     std::slice::from_raw_parts_mut(ptr.add(offset), len)
 }
 
+/// Whether a call whose largest buffer holds `elements` of `T` writes its
+/// outputs with non-temporal stores (see [`stream`]).
+fn streams<T>(elements: usize) -> bool {
+    elements * std::mem::size_of::<T>() >= stream::STREAM_MIN_BYTES
+}
+
+/// Copies `len` elements into a caller's output: with non-temporal stores
+/// when `stream`.
+///
+/// # Safety
+/// As `std::ptr::copy_nonoverlapping`.
+unsafe fn copy_out<T: Copy>(stream: bool, src: *const T, dst: *mut T, len: usize) {
+    if stream {
+        stream::copy_streaming(src, dst, len);
+    } else {
+        std::ptr::copy_nonoverlapping(src, dst, len);
+    }
+}
+
+/// Writes a result into a caller's output: `compute(block, offset)` fills
+/// `block` with elements `offset..` of it, directly in `out`, or through a
+/// cache-resident block streamed into `out` when `stream`.
+fn write_out<T: Element>(stream: bool, out: &mut [T], mut compute: impl FnMut(&mut [T], usize)) {
+    if stream {
+        stream::fold_streaming(out, compute);
+    } else {
+        compute(out, 0);
+    }
+}
+
 /// `out = s(0) ⊕ s(1) ⊕ … ⊕ s(n-1)` in rank order; `out` overlaps none of
 /// the sources.
 fn fold<'a, T: Element + 'a>(
@@ -710,6 +741,9 @@ impl Arena {
         // Two-shot, pipelined by pieces of one slot: round A posts the parts
         // the other ranks own; each owner folds its part into its round-B
         // slot; round B posts the folded parts and everyone copies them out.
+        // In place the output's lines were just read (staged, folded) and
+        // sit in cache: only out of place does streaming them out pay.
+        let stream = !bufs.in_place && streams::<T>(count);
         let mut offset = 0;
         while offset < count {
             let len = capacity.min(count - offset);
@@ -729,30 +763,62 @@ impl Arena {
             self.await_all(call, sig, a)?;
             let b = self.begin(call)?;
             let (mine_o, mine_l) = part(len, world, me);
-            {
-                // SAFETY: round A slots stay valid until every rank finished
-                // round B's begin (depth ≥ 2); the B slot is ours alone.
-                let folded = unsafe { view_mut(self.payload::<T>(me, b), mine_o, mine_l) };
-                fold(op, folded, world, |p| unsafe {
-                    if p == me {
-                        view(bufs.input, offset + mine_o, mine_l)
-                    } else {
-                        view(self.payload::<T>(p, a), mine_o, mine_l)
+            // The folded part goes, block by block from L1, both into the
+            // B slot (for the peers) and into this rank's output: one pass,
+            // instead of reading it back out of the slot afterwards.
+            let slot_part = unsafe { self.payload::<T>(me, b).add(mine_o) };
+            let out_part = unsafe { bufs.output.add(offset + mine_o) };
+            stream::in_blocks(
+                mine_l,
+                |block: &mut [T], at| {
+                    let n = block.len();
+                    // SAFETY: round A slots stay valid until every rank
+                    // finished round B's begin (depth ≥ 2). In place, the
+                    // output part is this rank's own input part: each block
+                    // is read here before it is written below.
+                    fold(op, block, world, |p| unsafe {
+                        if p == me {
+                            view(bufs.input, offset + mine_o + at, n)
+                        } else {
+                            view(self.payload::<T>(p, a), mine_o + at, n)
+                        }
+                    });
+                    if op == ReduceOp::Avg {
+                        T::divide_by(block, world);
                     }
-                });
-                if op == ReduceOp::Avg {
-                    T::divide_by(folded, world);
-                }
+                },
+                |block, at| unsafe {
+                    // SAFETY: the B slot is ours alone until posted; the
+                    // output part is this rank's to write (no peer reads it).
+                    std::ptr::copy_nonoverlapping(block.as_ptr(), slot_part.add(at), block.len());
+                    if stream {
+                        stream::copy_streaming_unfenced(
+                            block.as_ptr(),
+                            out_part.add(at),
+                            block.len(),
+                        );
+                    } else {
+                        std::ptr::copy_nonoverlapping(
+                            block.as_ptr(),
+                            out_part.add(at),
+                            block.len(),
+                        );
+                    }
+                },
+            );
+            if stream {
+                stream::fence();
             }
             self.finish(a);
             self.post(b, sig);
             self.await_all(call, sig, b)?;
-            for p in 0..world {
+            for p in (0..world).filter(|&p| p != me) {
                 let (o, l) = part(len, world, p);
                 // SAFETY: posted B slots; output range in bounds and, for
                 // in-place calls, no longer read (all of round A is folded).
                 unsafe {
-                    std::ptr::copy_nonoverlapping(
+                    copy_out(
+                        stream,
                         self.payload::<T>(p, b).add(o),
                         bufs.output.add(offset + o),
                         l,
@@ -812,7 +878,8 @@ impl Arena {
     ///
     /// # Safety
     /// The slot must be posted; the destination range valid and unaliased.
-    unsafe fn unstage<T>(
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn unstage<T: Copy>(
         &self,
         peer: Rank,
         g: u64,
@@ -820,8 +887,10 @@ impl Arena {
         dst: *mut T,
         dst_offset: usize,
         len: usize,
+        stream: bool,
     ) {
-        std::ptr::copy_nonoverlapping(
+        copy_out(
+            stream,
             self.payload::<T>(peer, g).add(slot_offset),
             dst.add(dst_offset),
             len,
@@ -843,6 +912,8 @@ impl Arena {
             return self.zero_copy_reduce_scatter(call, sig, bufs, g, count, op);
         }
         let (world, me) = (self.world(), self.rank);
+        // In place the output is part of the input, staged (read) just before.
+        let stream = !bufs.in_place && streams::<T>(full);
         // Slot region q (at q·per) carries the piece destined for rank q.
         let per = (self.capacity::<T>() / world).max(1);
         self.in_rounds(call, count, per, |arena, g, offset, len| {
@@ -856,16 +927,19 @@ impl Arena {
                 // SAFETY: posted slots; the output range overlaps no source
                 // (in place, this rank's own part is read from its slot).
                 let out = unsafe { view_mut(bufs.output, offset, len) };
-                fold(op, out, world, |p| unsafe {
-                    if p == me && !bufs.in_place {
-                        view(bufs.input, me * count + offset, len)
-                    } else {
-                        view(arena.payload::<T>(p, g), me * per, len)
+                write_out(stream, out, |block, at| {
+                    let n = block.len();
+                    fold(op, block, world, |p| unsafe {
+                        if p == me && !bufs.in_place {
+                            view(bufs.input, me * count + offset + at, n)
+                        } else {
+                            view(arena.payload::<T>(p, g), me * per + at, n)
+                        }
+                    });
+                    if op == ReduceOp::Avg {
+                        T::divide_by(block, world);
                     }
                 });
-                if op == ReduceOp::Avg {
-                    T::divide_by(out, world);
-                }
             }
             Ok(())
         })
@@ -886,6 +960,7 @@ impl Arena {
         }
         let (world, me) = (self.world(), self.rank);
         let capacity = self.capacity::<T>();
+        let stream = streams::<T>(full);
         self.in_rounds(call, count, capacity, |arena, g, offset, len| {
             // SAFETY: input holds count elements; len ≤ capacity.
             unsafe { arena.stage(g, 0, bufs.input, offset, len) };
@@ -894,14 +969,11 @@ impl Arena {
             for p in 0..world {
                 // SAFETY: posted slots; output holds world·count elements.
                 unsafe {
+                    let dst = bufs.output.add(p * count + offset);
                     if p != me {
-                        arena.unstage(p, g, 0, bufs.output, p * count + offset, len);
+                        copy_out(stream, arena.payload::<T>(p, g), dst, len);
                     } else if !bufs.in_place {
-                        std::ptr::copy_nonoverlapping(
-                            bufs.input.add(offset),
-                            bufs.output.add(me * count + offset),
-                            len,
-                        );
+                        copy_out(stream, bufs.input.add(offset), dst, len);
                     }
                 }
             }
@@ -923,6 +995,7 @@ impl Arena {
         }
         let me = self.rank;
         let capacity = self.capacity::<T>();
+        let stream = streams::<T>(count);
         self.in_rounds(call, count, capacity, |arena, g, offset, len| {
             if me == root {
                 // SAFETY: the root's input holds count elements.
@@ -933,17 +1006,13 @@ impl Arena {
                 if !bufs.in_place {
                     // SAFETY: distinct buffers of count elements each.
                     unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            bufs.input.add(offset),
-                            bufs.output.add(offset),
-                            len,
-                        )
+                        copy_out(stream, bufs.input.add(offset), bufs.output.add(offset), len)
                     };
                 }
             } else {
                 arena.await_peer(call, sig, root, g)?;
                 // SAFETY: the root's slot is posted; output holds count elements.
-                unsafe { arena.unstage(root, g, 0, bufs.output, offset, len) };
+                unsafe { arena.unstage(root, g, 0, bufs.output, offset, len, stream) };
             }
             Ok(())
         })
@@ -964,6 +1033,7 @@ impl Arena {
         }
         let (world, me) = (self.world(), self.rank);
         let capacity = self.capacity::<T>();
+        let stream = !bufs.in_place && streams::<T>(count);
         self.in_rounds(call, count, capacity, |arena, g, offset, len| {
             if me != root || bufs.in_place {
                 // SAFETY: input holds count elements.
@@ -975,16 +1045,19 @@ impl Arena {
                 // SAFETY: posted slots; out of place the output is distinct
                 // from the input, in place the root reads its own slot.
                 let out = unsafe { view_mut(bufs.output, offset, len) };
-                fold(op, out, world, |p| unsafe {
-                    if p == me && !bufs.in_place {
-                        view(bufs.input, offset, len)
-                    } else {
-                        view(arena.payload::<T>(p, g), 0, len)
+                write_out(stream, out, |block, at| {
+                    let n = block.len();
+                    fold(op, block, world, |p| unsafe {
+                        if p == me && !bufs.in_place {
+                            view(bufs.input, offset + at, n)
+                        } else {
+                            view(arena.payload::<T>(p, g), at, n)
+                        }
+                    });
+                    if op == ReduceOp::Avg {
+                        T::divide_by(block, world);
                     }
                 });
-                if op == ReduceOp::Avg {
-                    T::divide_by(out, world);
-                }
             }
             Ok(())
         })
@@ -1000,6 +1073,7 @@ impl Arena {
     ) -> Result<()> {
         let (world, me) = (self.world(), self.rank);
         let per = (self.capacity::<T>() / world).max(1);
+        let stream = streams::<T>(world * count);
         self.in_rounds(call, count, per, |arena, g, offset, len| {
             for q in (0..world).filter(|&q| q != me) {
                 // SAFETY: input holds world·count elements.
@@ -1011,13 +1085,15 @@ impl Arena {
                 // SAFETY: posted slots; distinct input and output buffers.
                 unsafe {
                     if p == me {
-                        std::ptr::copy_nonoverlapping(
+                        copy_out(
+                            stream,
                             bufs.input.add(me * count + offset),
                             bufs.output.add(me * count + offset),
                             len,
                         );
                     } else {
-                        arena.unstage(p, g, me * per, bufs.output, p * count + offset, len);
+                        let at = p * count + offset;
+                        arena.unstage(p, g, me * per, bufs.output, at, len, stream);
                     }
                 }
             }
@@ -1563,23 +1639,37 @@ impl Arena {
             // alone touches [start, end) of every buffer.
             // Block by block, so the copies to the other outputs read the
             // folded block from cache rather than from memory.
+            // Out of place, large outputs are never read: the block is
+            // folded into this rank's scratch and streamed into every
+            // output (in place the outputs are the inputs just read, in
+            // cache already).
+            let stream = !bufs.in_place && streams::<T>(count);
             let block = (ZERO_COPY_BLOCK_BYTES / std::mem::size_of::<T>()).max(1);
             let mut at = start;
             while at < end {
                 let n = block.min(end - at);
                 unsafe {
-                    let out = view_mut(peers[self.rank].1, at, n);
+                    let out = if stream {
+                        view_mut(self.scratch::<T>(g).0, 0, n)
+                    } else {
+                        view_mut(peers[self.rank].1, at, n)
+                    };
                     self.fold_inputs(op, &inputs, at, out, bufs.in_place, self.scratch(g));
                     if op == ReduceOp::Avg {
                         T::divide_by(out, world);
                     }
                     for (p, &(_, output)) in peers.iter().enumerate() {
-                        if p != self.rank {
+                        if stream {
+                            stream::copy_streaming_unfenced(out.as_ptr(), output.add(at), n);
+                        } else if p != self.rank {
                             std::ptr::copy_nonoverlapping(out.as_ptr(), output.add(at), n);
                         }
                     }
                 }
                 at += n;
+            }
+            if stream {
+                stream::fence();
             }
         }
         self.leave(call, sig, g)
@@ -1604,10 +1694,15 @@ impl Arena {
             unsafe {
                 let out = view_mut(bufs.output, 0, count);
                 let shifted: Vec<*const T> = inputs.iter().map(|&i| i.add(me * count)).collect();
-                self.fold_inputs(op, &shifted, 0, out, bufs.in_place, self.scratch(g));
-                if op == ReduceOp::Avg {
-                    T::divide_by(out, world);
-                }
+                // Out of place, a large output is streamed (never read);
+                // in place it is this rank's input, read by the fold.
+                let stream = !bufs.in_place && streams::<T>(world * count);
+                write_out(stream, out, |block, at| {
+                    self.fold_inputs(op, &shifted, at, block, bufs.in_place, self.scratch(g));
+                    if op == ReduceOp::Avg {
+                        T::divide_by(block, world);
+                    }
+                });
             }
         }
         self.leave(call, sig, g)
@@ -1627,6 +1722,8 @@ impl Arena {
     ) -> Result<()> {
         let (world, me) = (self.world(), self.rank);
         let bytes = count * std::mem::size_of::<T>();
+        // Outputs are only written here: large ones bypass the cache.
+        let stream = streams::<T>(if root.is_some() { count } else { world * count });
         let pull = |p: Rank, dst: *mut T| -> Result<()> {
             let (input, _) = self.buffers_of::<T>(p, g);
             if (self.direct == Direct::Cma) && p != me {
@@ -1635,7 +1732,7 @@ impl Arena {
             } else {
                 // SAFETY: the peer's input is live until `leave`; this rank
                 // writes only its own output, which no peer reads here.
-                unsafe { std::ptr::copy_nonoverlapping(input, dst, count) };
+                unsafe { copy_out(stream, input, dst, count) };
                 Ok(())
             }
         };
@@ -1667,14 +1764,14 @@ impl Arena {
                     // SAFETY: the root's input is live until `leave`; this
                     // rank writes only the part of its output the root
                     // does not.
-                    unsafe { std::ptr::copy_nonoverlapping(input, bufs.output, kept) };
+                    unsafe { copy_out(stream, input, bufs.output, kept) };
                     Ok(())
                 }
             }
             Some(_) => {
                 if !bufs.in_place {
                     // SAFETY: distinct buffers of count elements.
-                    unsafe { std::ptr::copy_nonoverlapping(bufs.input, bufs.output, count) };
+                    unsafe { copy_out(stream, bufs.input, bufs.output, count) };
                 }
                 (0..world)
                     .filter(|&p| p != me && pushed > 0)
@@ -1688,7 +1785,7 @@ impl Arena {
                                 .map_err(|e| cma_error(call, p, "writing", e))
                         } else {
                             // SAFETY: as above.
-                            unsafe { std::ptr::copy_nonoverlapping(src, dst, pushed) };
+                            unsafe { copy_out(stream, src, dst, pushed) };
                             Ok(())
                         }
                     })
@@ -1718,10 +1815,13 @@ impl Arena {
             // output and its own slot.
             unsafe {
                 let out = view_mut(bufs.output, 0, count);
-                self.fold_inputs(op, &inputs, 0, out, bufs.in_place, self.scratch(g));
-                if op == ReduceOp::Avg {
-                    T::divide_by(out, world);
-                }
+                let stream = !bufs.in_place && streams::<T>(count);
+                write_out(stream, out, |block, at| {
+                    self.fold_inputs(op, &inputs, at, block, bufs.in_place, self.scratch(g));
+                    if op == ReduceOp::Avg {
+                        T::divide_by(block, world);
+                    }
+                });
             }
         }
         self.leave(call, sig, g)

@@ -4,5 +4,6 @@ pub(crate) mod arena;
 pub(crate) mod executor;
 pub mod reduce;
 pub mod shared;
+pub(crate) mod stream;
 
 pub use shared::SharedBuffer;

@@ -1,0 +1,184 @@
+//! Writes into a caller's buffer that bypass the cache (non-temporal
+//! stores), for outputs too large to stay in cache.
+//!
+//! An ordinary store to a line that is not in cache first reads the line
+//! from memory (a *read for ownership*), so writing a large output costs a
+//! read and a write per byte. Non-temporal stores skip that read and do not
+//! evict the working set. Measured on the 2-vCPU VM of `docs/performance.md`
+//! with `../shared/anchors/membw.c` (one core, 64 MiB arrays, bytes read +
+//! written counted): copy 12.7 GB/s, glibc `memcpy` 13.0, non-temporal copy
+//! 17.1; `a = b + c` 14.2, non-temporal 19.1. glibc's `memcpy` would switch
+//! to such stores only above three quarters of the last-level cache, which
+//! a VM may report as hundreds of MiB.
+//!
+//! Non-temporal stores are weakly ordered: every function here ends with a
+//! store fence, so the release store that publishes the data afterwards
+//! (a slot header, a `done` word) still orders it for the readers.
+
+/// Outputs of at least this many bytes are written with non-temporal stores
+/// (the largest buffer of the call). Below it the output usually still fits
+/// in the caches, where the caller will read it next.
+pub(crate) const STREAM_MIN_BYTES: usize = 16 << 20;
+
+/// Bytes of the cache-resident block that [`fold_streaming`] computes into
+/// before streaming it out: within L1 beside the operands' lines.
+const BOUNCE_BYTES: usize = 8192;
+
+/// Copies `len` elements from `src` to `dst` with non-temporal stores and a
+/// store fence.
+///
+/// # Safety
+/// As `std::ptr::copy_nonoverlapping`: both ranges valid, not overlapping.
+pub(crate) unsafe fn copy_streaming<T: Copy>(src: *const T, dst: *mut T, len: usize) {
+    // SAFETY: the caller's contract.
+    unsafe { copy_streaming_unfenced(src, dst, len) };
+    fence();
+}
+
+/// [`copy_streaming`] without the fence: a series of copies fenced once at
+/// its end with [`fence`] (a fence drains the write-combining buffers, so
+/// one per small block costs bandwidth).
+///
+/// # Safety
+/// As `std::ptr::copy_nonoverlapping`; and [`fence`] must run before the
+/// data is published to another thread.
+pub(crate) unsafe fn copy_streaming_unfenced<T: Copy>(src: *const T, dst: *mut T, len: usize) {
+    let bytes = len * std::mem::size_of::<T>();
+    // SAFETY: the caller's contract, in bytes.
+    unsafe { copy_bytes_streaming(src.cast(), dst.cast(), bytes) }
+}
+
+/// Orders every non-temporal store before it ahead of later stores.
+pub(crate) fn fence() {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: SSE2 is part of x86_64.
+    unsafe {
+        std::arch::x86_64::_mm_sfence()
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+}
+
+/// # Safety
+/// `src` valid for reads and `dst` for writes of `bytes`, not overlapping.
+#[cfg(target_arch = "x86_64")]
+unsafe fn copy_bytes_streaming(src: *const u8, dst: *mut u8, bytes: usize) {
+    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
+    // Head: up to the first 16-byte boundary of the destination.
+    let head = (dst.align_offset(16)).min(bytes);
+    // SAFETY: within both ranges (head ≤ bytes).
+    unsafe { std::ptr::copy_nonoverlapping(src, dst, head) };
+    let body = (bytes - head) / 64 * 64;
+    let mut at = head;
+    while at < head + body {
+        // SAFETY: `at + 64 ≤ bytes`; `dst + at` is 16-byte aligned (SSE2 is
+        // part of x86_64, so the intrinsics are always available).
+        unsafe {
+            let s = src.add(at) as *const __m128i;
+            let d = dst.add(at) as *mut __m128i;
+            let (a, b, c, e) = (
+                _mm_loadu_si128(s),
+                _mm_loadu_si128(s.add(1)),
+                _mm_loadu_si128(s.add(2)),
+                _mm_loadu_si128(s.add(3)),
+            );
+            _mm_stream_si128(d, a);
+            _mm_stream_si128(d.add(1), b);
+            _mm_stream_si128(d.add(2), c);
+            _mm_stream_si128(d.add(3), e);
+        }
+        at += 64;
+    }
+    // SAFETY: the tail lies within both ranges.
+    unsafe { std::ptr::copy_nonoverlapping(src.add(at), dst.add(at), bytes - at) };
+}
+
+/// # Safety
+/// As above.
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn copy_bytes_streaming(src: *const u8, dst: *mut u8, bytes: usize) {
+    // SAFETY: the caller's contract.
+    unsafe { std::ptr::copy_nonoverlapping(src, dst, bytes) };
+}
+
+/// Writes `out` block by block: `compute(block, offset)` fills a
+/// cache-resident block with elements `offset..offset + block.len()` of the
+/// result, which is then streamed into `out`. Reductions whose result goes
+/// to a large output use it, so the result is written once, without the
+/// output's lines ever being read.
+pub(crate) fn fold_streaming<T: bytemuck::Pod>(
+    out: &mut [T],
+    compute: impl FnMut(&mut [T], usize),
+) {
+    in_blocks(out.len(), compute, |block, at| {
+        // SAFETY: `block` and `out[at..at + n]` are distinct and in range.
+        unsafe { copy_streaming_unfenced(block.as_ptr(), out.as_mut_ptr().add(at), block.len()) };
+    });
+    fence();
+}
+
+/// Computes a result of `len` elements block by block in a cache-resident
+/// buffer: `compute(block, offset)` fills `block` with elements
+/// `offset..offset + block.len()`, then `sink(block, offset)` stores them
+/// wherever they go (one or several places, read from L1).
+pub(crate) fn in_blocks<T: bytemuck::Pod>(
+    len: usize,
+    mut compute: impl FnMut(&mut [T], usize),
+    mut sink: impl FnMut(&[T], usize),
+) {
+    // Every element type divides the block and is at most 8-byte aligned.
+    let mut words = [0u64; BOUNCE_BYTES / 8];
+    let bounce: &mut [T] = bytemuck::cast_slice_mut(&mut words[..]);
+    let per = bounce.len();
+    let mut at = 0;
+    while at < len {
+        let n = per.min(len - at);
+        let block = &mut bounce[..n];
+        compute(block, at);
+        sink(block, at);
+        at += n;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn streaming_copies_match_at_every_alignment_and_length() {
+        let src: Vec<u8> = (0..1000u32).map(|i| (i * 7 + 3) as u8).collect();
+        for skew in 0..17 {
+            for len in [0, 1, 15, 16, 17, 63, 64, 65, 127, 128, 200, 500, 900] {
+                let mut dst = vec![0xAAu8; 1000];
+                // SAFETY: skew + len ≤ 1000 in both buffers; distinct buffers.
+                unsafe { copy_streaming(src.as_ptr().add(3), dst.as_mut_ptr().add(skew), len) };
+                assert_eq!(
+                    &dst[skew..skew + len],
+                    &src[3..3 + len],
+                    "skew {skew} len {len}"
+                );
+                assert!(
+                    dst[..skew].iter().all(|&b| b == 0xAA),
+                    "wrote before the range"
+                );
+                assert!(
+                    dst[skew + len..].iter().all(|&b| b == 0xAA),
+                    "wrote past the range"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn streamed_folds_cover_every_block() {
+        let a: Vec<f32> = (0..5000).map(|i| i as f32).collect();
+        let b: Vec<f32> = (0..5000).map(|i| (2 * i) as f32).collect();
+        let mut out = vec![0f32; 5000];
+        fold_streaming(&mut out, |block, at| {
+            for (i, o) in block.iter_mut().enumerate() {
+                *o = a[at + i] + b[at + i];
+            }
+        });
+        assert!(out.iter().enumerate().all(|(i, &x)| x == (3 * i) as f32));
+    }
+}
