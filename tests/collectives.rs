@@ -55,9 +55,10 @@ fn every_collective_direct() {
     matrix(oxccl::DEFAULT_CHUNK_BYTES, Algo::Direct);
 }
 
-/// Counts that take the arena several rounds per call (its slots hold
-/// 256 KiB), for one- and eight-byte elements, so slots are reused many
-/// times within and across calls and partial last pieces occur.
+/// Counts past the arena's zero-copy threshold, for one- and eight-byte
+/// elements, with partial last blocks and shares cut on cache lines
+/// (threads share an address space: the arena's staged rounds run across
+/// processes, in `multiprocess.rs`).
 #[test]
 fn every_collective_direct_many_pieces() {
     use oxccl::check::every_collective;

@@ -166,11 +166,11 @@ prop_for!(ring_property_u32, u32);
 prop_for!(ring_property_i64, i64);
 prop_for!(ring_property_u64, u64);
 
-/// The arena's two-shot all-reduce (counts past one slot) against its
-/// reduce-scatter and all-gather, bit for bit, for a float, a half and an
-/// integer type.
+/// The arena's all-reduce (between threads: the zero-copy one, each rank
+/// folding its share of every input) against its reduce-scatter and
+/// all-gather, bit for bit, for a float, a half and an integer type.
 #[test]
-fn direct_two_shot_equals_all_gather_of_reduce_scatter() {
+fn direct_all_reduce_equals_all_gather_of_reduce_scatter() {
     for world in [2, 3] {
         check::<f32>(world, 40_000, 7, 1 << 20, Algo::Direct).unwrap();
         check::<bf16>(world, 70_001, 8, 1 << 20, Algo::Direct).unwrap();
