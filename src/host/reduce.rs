@@ -78,7 +78,7 @@ unsafe fn zip_assign_avx2<T: Copy>(acc: &mut [T], x: &[T], f: impl Fn(T, T) -> T
 #[inline(always)]
 fn zip_into<T: Copy>(out: &mut [T], a: &[T], b: &[T], f: impl Fn(T, T) -> T) {
     #[cfg(target_arch = "x86_64")]
-    if out.len() >= 16 && has_avx2() {
+    if has_avx2() {
         // SAFETY: AVX2 is present (checked at run time).
         return unsafe { zip_into_avx2(out, a, b, f) };
     }
