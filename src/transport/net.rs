@@ -664,13 +664,17 @@ impl Fabric {
             .is_some_and(|p| !p.out.is_empty())
     }
 
-    /// The descriptors to sleep on when nothing moves, and whether any
-    /// shared-memory link exists (then sleep only briefly: shm has no fd).
+    /// The descriptors to sleep on when nothing moves, and whether some
+    /// link cannot be polled (then sleep only briefly): a shared-memory
+    /// link (no fd), or a TCP link with bytes in its own read buffer.
     fn poll_set(&self, fds: &mut Vec<libc::pollfd>) -> bool {
         fds.clear();
-        let mut has_shm = false;
+        let mut unpollable = false;
         for peer in self.peers.iter().flatten() {
             match &peer.link {
+                // Bytes already read into the link's buffer: the socket may
+                // show nothing more, so do not block on it.
+                Link::Tcp(link) if link.has_buffered() => unpollable = true,
                 Link::Tcp(link) if peer.gone.is_none() => fds.push(libc::pollfd {
                     fd: link.fd(),
                     events: libc::POLLIN
@@ -682,10 +686,10 @@ impl Fabric {
                     revents: 0,
                 }),
                 Link::Tcp(_) => {}
-                Link::Shm(_) => has_shm = true,
+                Link::Shm(_) => unpollable = true,
             }
         }
-        has_shm
+        unpollable
     }
 }
 
@@ -728,10 +732,10 @@ impl Backoff {
             std::thread::yield_now();
             return;
         }
-        let has_shm = shared.lock().poll_set(&mut self.fds);
+        let unpollable = shared.lock().poll_set(&mut self.fds);
         let left = deadline.saturating_duration_since(Instant::now());
         // Short sleeps keep shared memory responsive and `abort` prompt.
-        let cap = if has_shm {
+        let cap = if unpollable {
             Duration::from_micros(50 * u64::from((self.idle - 400).min(20)) + 50)
         } else {
             Duration::from_millis(10)
@@ -740,14 +744,14 @@ impl Backoff {
         if self.fds.is_empty() {
             std::thread::sleep(nap);
         } else {
-            let ms = if has_shm {
+            let ms = if unpollable {
                 0
             } else {
                 nap.as_millis().max(1) as libc::c_int
             };
             // SAFETY: fds is a valid array of pollfd for the call's duration.
             unsafe { libc::poll(self.fds.as_mut_ptr(), self.fds.len() as libc::nfds_t, ms) };
-            if has_shm {
+            if unpollable {
                 std::thread::sleep(nap);
             }
         }

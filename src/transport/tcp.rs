@@ -250,14 +250,36 @@ fn log_refusal(me: usize, from: SocketAddr, why: &str) {
     eprintln!("oxccl: rank {me}: refused a connection from {from}: {why}");
 }
 
+/// Bytes a link reads at once when asked for fewer (a frame header): the
+/// header and a small payload behind it then arrive in one system call
+/// (about 2 µs each on the VMs measured) instead of two. Larger reads
+/// bypass this buffer and land where they are asked to.
+const READ_BUFFER_BYTES: usize = 4096;
+
 /// One TCP link as a non-blocking byte stream.
 pub(crate) struct TcpLink {
     stream: TcpStream,
+    /// Bytes read ahead of what was asked: `read_buf[read_start..read_end]`
+    /// come before anything still in the socket.
+    read_buf: Box<[u8]>,
+    read_start: usize,
+    read_end: usize,
 }
 
 impl TcpLink {
     pub fn new(stream: TcpStream) -> TcpLink {
-        TcpLink { stream }
+        TcpLink {
+            stream,
+            read_buf: vec![0; READ_BUFFER_BYTES].into_boxed_slice(),
+            read_start: 0,
+            read_end: 0,
+        }
+    }
+
+    /// Whether bytes read from the socket are waiting in the link's own
+    /// buffer (polling the socket would not see them).
+    pub fn has_buffered(&self) -> bool {
+        self.read_start < self.read_end
     }
 
     pub fn fd(&self) -> libc::c_int {
@@ -292,6 +314,26 @@ impl TcpLink {
     /// Reads what has arrived; `Err` (including end of stream) means the
     /// peer is gone.
     pub fn read_some(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        if !self.has_buffered() {
+            if buf.len() >= READ_BUFFER_BYTES {
+                return self.recv(buf);
+            }
+            let mut read_buf = std::mem::take(&mut self.read_buf);
+            let got = self.recv(&mut read_buf);
+            self.read_buf = read_buf;
+            (self.read_start, self.read_end) = (0, got?);
+        }
+        let n = (self.read_end - self.read_start).min(buf.len());
+        buf[..n].copy_from_slice(&self.read_buf[self.read_start..self.read_start + n]);
+        self.read_start += n;
+        Ok(n)
+    }
+
+    /// One `recv` into `buf` (not empty): 0 when nothing has arrived.
+    fn recv(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         loop {
             match self.stream.read(buf) {
                 Ok(0) if !buf.is_empty() => {
@@ -361,6 +403,38 @@ mod tests {
                 Ok(_) => assert!(Instant::now() < end, "EOF not seen"),
             }
         }
+    }
+
+    /// Small reads go through the link's buffer, large ones bypass it;
+    /// either way the stream comes out whole and in order, and the end of
+    /// the stream is reported only after every buffered byte.
+    #[test]
+    fn buffered_reads_keep_the_stream_whole_and_in_order() {
+        let listener = TcpListener::bind((IpAddr::V4(Ipv4Addr::LOCALHOST), 0)).unwrap();
+        let mut writer = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (reader, _) = listener.accept().unwrap();
+        reader.set_nonblocking(true).unwrap();
+        let mut link = TcpLink::new(reader);
+        let sent: Vec<u8> = (0..100_000u32).map(|i| (i * 31 + 7) as u8).collect();
+        writer.write_all(&sent).unwrap();
+        drop(writer);
+        // Header-sized, small, large and odd-sized reads, in a cycle.
+        let sizes = [64, 8, 3, 20_000, 1, 4095, 4096, 9000];
+        let mut got = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        for size in sizes.iter().cycle() {
+            let mut buf = vec![0u8; *size];
+            match link.read_some(&mut buf) {
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+                Err(e) => {
+                    assert_eq!(e.kind(), ErrorKind::UnexpectedEof, "{e}");
+                    break;
+                }
+            }
+            assert!(Instant::now() < deadline, "stream not finished");
+        }
+        assert_eq!(got.len(), sent.len());
+        assert!(got == sent, "bytes reordered or changed");
     }
 
     #[test]
