@@ -1014,15 +1014,21 @@ impl NetEndpoint {
         let start = Instant::now();
         let deadline = start + timeout;
         let mut backoff = Backoff::new();
+        let queued =
+            |fabric: &Fabric| (0..self.members.len()).find(|&m| fabric.has_queued(self.members[m]));
         loop {
             let waiting_for = {
                 let mut fabric = self.shared.lock();
+                // Usually the sends went out at once: then return without
+                // a progress pass (its read of every link is a system call
+                // that finds nothing, about 1 µs over TCP here).
+                if queued(&fabric).is_none() {
+                    return Ok(());
+                }
                 if fabric.progress_for(None, backoff.stalled()) {
                     backoff.reset();
                 }
-                let Some(peer) =
-                    (0..self.members.len()).find(|&m| fabric.has_queued(self.members[m]))
-                else {
+                let Some(peer) = queued(&fabric) else {
                     return Ok(());
                 };
                 if self.shared.aborted.load(Ordering::SeqCst) {
