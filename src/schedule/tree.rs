@@ -28,12 +28,13 @@ pub fn broadcast_chain(
             let src = if in_place {
                 out
             } else {
-                let src = Span::new(BufId::Send, offset, len);
-                steps.push(Step::Copy { src, dst: out });
-                src
+                Span::new(BufId::Send, offset, len)
             };
             if world > 1 {
                 steps.push(Step::Send { peer: next, src });
+            }
+            if !in_place {
+                steps.push(Step::Copy { src, dst: out });
             }
         } else if position == world - 1 {
             steps.push(Step::Recv {

@@ -300,9 +300,14 @@ impl TcpLink {
 
     /// Writes a prefix of `a ++ b` in one system call.
     pub fn write_two(&mut self, a: &[u8], b: &[u8]) -> io::Result<usize> {
-        let slices = [io::IoSlice::new(a), io::IoSlice::new(b)];
+        self.write_slices(&[io::IoSlice::new(a), io::IoSlice::new(b)])
+    }
+
+    /// Writes a prefix of the concatenated `slices` with one `writev`;
+    /// returns how many bytes went out (0 when the socket is full).
+    pub fn write_slices(&mut self, slices: &[io::IoSlice<'_>]) -> io::Result<usize> {
         loop {
-            match self.stream.write_vectored(&slices) {
+            match self.stream.write_vectored(slices) {
                 Ok(n) => return Ok(n),
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(0),
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
