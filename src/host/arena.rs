@@ -14,9 +14,11 @@
 //!    runs a different call is reported as a mismatch, not misread).
 //! 2. Peers wait for that header, then read (and reduce) straight out of the
 //!    slot: no frames, no locks, no allocation, one copy on the way in.
-//! 3. When it has read everything of round `g` a rank stores `done = g + 1`.
-//!    A rank reuses slot `g % depth` for round `g + depth` only once every
-//!    rank's `done` has passed `g`.
+//! 3. When it has read everything of round `g` a rank stores `done = g + 1`
+//!    (progress for whoever inspects the arena). A rank reuses slot
+//!    `g % depth` for round `g + depth` only once every peer has posted
+//!    round `g + 1` (see `begin`): every rank posts every round, and only
+//!    after reading all it needs of the one before.
 //!
 //! Every reduction folds the ranks' contributions in rank order
 //! (`((x0 ⊕ x1) ⊕ x2) ⊕ …`) whatever the algorithm, so all_reduce equals
@@ -767,7 +769,7 @@ impl Arena {
         let capacity = self.capacity::<T>();
         if count <= capacity {
             // One-shot: everyone posts all of it and everyone folds all of
-            // it (reading its own copy from its slot, so in-place is safe).
+            // it (see `fold_with_own` for where its own term is read).
             let g = self.begin(call)?;
             // SAFETY: input has count elements; the slot holds capacity ≥ count.
             unsafe {
@@ -977,8 +979,9 @@ impl Arena {
             arena.post(g, sig);
             arena.await_all(call, sig, g)?;
             {
-                // SAFETY: posted slots; the output range overlaps no source
-                // (in place, this rank's own part is read from its slot).
+                // SAFETY: posted slots; out of place the output overlaps no
+                // source; in place it holds this rank's own part, folded in
+                // place or read from its slot (`fold_with_own`).
                 let out = unsafe { view_mut(bufs.output, offset, len) };
                 write_out(stream, out, |block, at| {
                     let n = block.len();
@@ -1094,7 +1097,8 @@ impl Arena {
             if me == root {
                 arena.await_all(call, sig, g)?;
                 // SAFETY: posted slots; out of place the output is distinct
-                // from the input, in place the root reads its own slot.
+                // from the input; in place it holds the root's own term,
+                // folded in place or read from its slot (`fold_with_own`).
                 let out = unsafe { view_mut(bufs.output, offset, len) };
                 write_out(stream, out, |block, at| {
                     let n = block.len();
@@ -1598,12 +1602,14 @@ impl Arena {
         ((first * align).min(count), ((first + n) * align).min(count))
     }
 
-    /// Scratch for in-place folds: this rank's slot of round `g` past the
-    /// two posted addresses, as `(start, elements)`.
+    /// Scratch: this rank's slot of round `g` past the posted addresses,
+    /// as `(start, elements)` — in-place folds' prefixes, and the block a
+    /// streamed zero-copy all-reduce folds before copying it out.
     fn scratch<T>(&self, g: u64) -> (*mut T, usize) {
         let skip = CACHE_LINE;
-        // SAFETY: the payload is far longer than one cache line, and only
-        // its first two words are read by peers during the call.
+        // SAFETY: the payload is far longer than one cache line, and peers
+        // read only the posted words at its start (under 64 bytes) during
+        // the call.
         let start = unsafe { self.payload::<u8>(self.rank, g).add(skip) as *mut T };
         (
             start,

@@ -11,9 +11,11 @@
 //! to such stores only above three quarters of the last-level cache, which
 //! a VM may report as hundreds of MiB.
 //!
-//! Non-temporal stores are weakly ordered: every function here ends with a
-//! store fence, so the release store that publishes the data afterwards
-//! (a slot header, a `done` word) still orders it for the readers.
+//! Non-temporal stores are weakly ordered: every writing function here ends
+//! with a store fence, except `copy_streaming_unfenced`, whose callers run
+//! [`fence`] once after a series of copies; so the release store that
+//! publishes the data afterwards (a slot header, a `done` word) still
+//! orders it for the readers.
 
 /// Outputs of at least this many bytes are written with non-temporal stores
 /// (the largest buffer of the call). Below it the output usually still fits

@@ -316,9 +316,9 @@ impl Transport {
         matches!(self, Transport::Net(_))
     }
 
-    /// Waits until this rank's queued frames have left (sends are eager, so
-    /// a call must not return while its last frames sit in a queue no one
-    /// will drain). Returns the peer concerned on failure.
+    /// Waits until this rank's queued frames have left (sends queue frames
+    /// and write what they can, so a call must not return while its last
+    /// frames sit in a queue no one will drain). Returns the peer concerned on failure.
     pub fn flush(&self, timeout: Duration) -> Result<(), (usize, TransportError)> {
         match self {
             // In-process sends land in the peer's mailbox at once.
