@@ -711,6 +711,12 @@ fn fold<'a, T: Element + 'a>(
     }
 }
 
+/// Whether [`fold_with_own`] reads this rank's (`me`) own term from its
+/// slot, so the rank must stage it there.
+fn own_term_from_slot(me: Rank, in_place: bool) -> bool {
+    in_place && me >= 2
+}
+
 /// [`fold`] of every rank's contribution into `out`, where this rank's
 /// (`me`) is `own` out of place and already in `out` in place (`own` is
 /// `None`), and the others' are `staged(p)`.
@@ -730,7 +736,7 @@ fn fold_with_own<'a, T: Element + 'a>(
 ) {
     match own {
         Some(own) => fold(op, out, world, |p| if p == me { own } else { staged(p) }),
-        None if me <= 1 => {
+        None if !own_term_from_slot(me, true) => {
             // Rank order: rank 1 puts x0 in front of its own first.
             if me == 1 {
                 T::combine_assign_rev(op, out, staged(0));
@@ -972,7 +978,7 @@ impl Arena {
         // Slot region q (at q·per) carries the piece destined for rank q.
         let per = (self.staged_piece::<T>() / world).max(1);
         self.in_rounds(call, count, per, |arena, g, offset, len| {
-            for q in (0..world).filter(|&q| q != me || bufs.in_place) {
+            for q in (0..world).filter(|&q| q != me || own_term_from_slot(me, bufs.in_place)) {
                 // SAFETY: input holds world·count elements; q·per + len ≤ capacity.
                 unsafe { arena.stage(g, q * per, bufs.input, q * count + offset, len) };
             }
@@ -1089,7 +1095,7 @@ impl Arena {
         let piece = self.staged_piece::<T>();
         let stream = !bufs.in_place && streams::<T>(count);
         self.in_rounds(call, count, piece, |arena, g, offset, len| {
-            if me != root || bufs.in_place {
+            if me != root || own_term_from_slot(me, bufs.in_place) {
                 // SAFETY: input holds count elements.
                 unsafe { arena.stage(g, 0, bufs.input, offset, len) };
             }
