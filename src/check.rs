@@ -342,6 +342,59 @@ pub fn every_collective_shared<T: Element>(
     Ok(())
 }
 
+/// `calls` back-to-back broadcasts of 1 to 72 bytes, in place and out of
+/// place, from one root for 150 calls and then the next, with a
+/// three-element all-reduce after every 251st. The readers pause at each
+/// change of root, so the root fills its arena mailbox and must wait for
+/// them to read before it writes more; 2,000 calls wrap every ring several
+/// times, with messages across a ring's end. Every rank must call it with
+/// the same arguments.
+///
+/// # Errors
+///
+/// As [`every_collective`].
+pub fn broadcast_burst(comm: &mut Communicator, calls: usize) -> Result<(), CheckError> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let byte = |call: usize, j: usize| (call * 31 + j * 7 + 1) as u8;
+    for call in 0..calls {
+        let root = call / 150 % world;
+        if call % 150 == 0 && rank != root {
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+        // 1 to 64 bytes (the mailbox), and 72 (a slot round) last in each block.
+        let len = if call % 150 == 149 {
+            72
+        } else {
+            1 + call * 13 % 64
+        };
+        let expected: Vec<u8> = (0..len).map(|j| byte(call, j)).collect();
+        let mut buf = if rank == root {
+            expected.clone()
+        } else {
+            vec![0u8; len]
+        };
+        if call % 2 == 0 {
+            comm.broadcast_in_place(&mut buf, root)?;
+        } else {
+            let send = buf.clone();
+            comm.broadcast(&send, &mut buf, root)?;
+        }
+        let wrong = buf.iter().zip(&expected).filter(|(a, b)| a != b).count();
+        ensure(wrong, || {
+            format!("broadcast #{call} of {len} bytes from root {root}, world {world}")
+        })?;
+        if call % 251 == 250 {
+            let mut sum = [rank as u32 + 1; 3];
+            comm.all_reduce_in_place(&mut sum, ReduceOp::Sum)?;
+            let want = (world * (world + 1) / 2) as u32;
+            ensure(sum.iter().filter(|&&v| v != want).count(), || {
+                format!("all_reduce after broadcast #{call}, world {world}")
+            })?;
+        }
+    }
+    Ok(())
+}
+
 /// [`every_collective`] for every element type.
 ///
 /// # Errors

@@ -74,6 +74,21 @@ fn every_collective_direct_many_pieces() {
     }
 }
 
+/// Small broadcasts from every root in turn wrap the arena's mailboxes
+/// (`oxccl::check::broadcast_burst`).
+#[test]
+fn small_broadcasts_wrap_the_mailboxes() {
+    for world in [2, 3, 4] {
+        let builder = Communicator::builder()
+            .timeout(Duration::from_secs(30))
+            .algo(Algo::Direct);
+        run_ranks_with(world, builder, |comm| {
+            oxccl::check::broadcast_burst(comm, 3000).map_err(|e| fail(e.to_string()))
+        })
+        .unwrap_or_else(|e| panic!("world {world}: {e}"));
+    }
+}
+
 /// Outputs of 16 MiB and more are written with non-temporal stores (no read
 /// for ownership); an odd count puts part boundaries off the 16-byte grid.
 #[test]

@@ -241,6 +241,45 @@ fn abort_unblocks_a_call_in_progress() {
     drop(comms);
 }
 
+/// A small broadcast goes through the root's mailbox and returns at once
+/// on the root; a rank that runs another call where the root broadcast,
+/// or broadcasts while the root runs another call, or disagrees on the
+/// count, gets a mismatch naming the root (not a timeout).
+#[test]
+fn a_small_broadcast_against_another_call_is_a_mismatch() {
+    type Call = fn(&mut Communicator) -> oxccl::Result<()>;
+    let root_broadcasts: Call = |comm| comm.broadcast_in_place(&mut [1u8; 2], 0);
+    let reader_reduces: Call = |comm| comm.all_reduce_in_place(&mut [1u8; 2], ReduceOp::Sum);
+    let reader_wants_three: Call = |comm| comm.broadcast_in_place(&mut [1u8; 3], 0);
+    let root_reduces: Call = |comm| comm.all_reduce_in_place(&mut [1u8; 2], ReduceOp::Sum);
+    let reader_broadcasts: Call = |comm| comm.broadcast_in_place(&mut [1u8; 2], 0);
+    for (root_call, reader_call) in [
+        (root_broadcasts, reader_reduces),
+        (root_broadcasts, reader_wants_three),
+        (root_reduces, reader_broadcasts),
+    ] {
+        let builder = Communicator::builder()
+            .timeout(Duration::from_secs(30))
+            .algo(oxccl::Algo::Direct);
+        let started = std::time::Instant::now();
+        let err = run_ranks_with(2, builder, move |comm| {
+            // A warm-up call, so the mismatch is not the first.
+            comm.barrier()?;
+            if comm.rank() == 0 {
+                root_call(comm)
+            } else {
+                reader_call(comm)
+            }
+        })
+        .unwrap_err();
+        assert!(
+            err.contains("mismatch") && err.contains("rank 0 runs a different call"),
+            "{err}"
+        );
+        assert!(started.elapsed() < Duration::from_secs(10), "{err}");
+    }
+}
+
 /// In the shared arena, ranks that disagree on the count (or the type, the
 /// operator, the root) get a mismatch naming the peer, never a misread.
 #[test]

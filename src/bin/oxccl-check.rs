@@ -20,7 +20,7 @@
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use oxccl::check::{edge_counts, every_collective, every_collective_every_dtype};
+use oxccl::check::{broadcast_burst, edge_counts, every_collective, every_collective_every_dtype};
 use oxccl::{Communicator, ReduceOp};
 
 const USAGE: &str = "\
@@ -129,7 +129,9 @@ fn run(a: &Args) -> Result<String, String> {
     } else {
         every_collective_every_dtype(&mut comm, &counts)
     };
-    checked.map_err(|e| e.to_string())?;
+    checked
+        .and_then(|()| broadcast_burst(&mut comm, 2000))
+        .map_err(|e| e.to_string())?;
     if a.shared {
         oxccl::check::every_collective_shared::<f32>(&mut comm, &counts)
             .and_then(|()| oxccl::check::every_collective_shared::<oxccl::bf16>(&mut comm, &counts))

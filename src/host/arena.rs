@@ -63,6 +63,26 @@ const STAGED_PIECE_BYTES: usize = 256 * 1024;
 /// Slots per rank: how many rounds a rank may run ahead of the slowest.
 pub(crate) const DEFAULT_DEPTH: usize = 4;
 
+/// Broadcasts of at most this many bytes go through the root's *mailbox*
+/// (see [`Arena::mailbox_broadcast`]) instead of a slot round. Measured, 2
+/// processes: 8 bytes 0.12 → 0.045 µs, 16 bytes 0.12 → 0.065; 32 and 64
+/// bytes (a line or two per message) as fast as a slot round; 4 ranks on
+/// 2 cores, 8 bytes 12.9 → 0.17 µs (the root no longer waits).
+const MAILBOX_MAX_BYTES: usize = 64;
+/// Bytes of each rank's mailbox ring.
+const MAILBOX_BYTES: usize = 8 * 1024;
+/// One mailbox unit: a tag word, then a payload word.
+const MAILBOX_UNIT: usize = 16;
+/// Units per mailbox ring.
+const MAILBOX_UNITS: u64 = (MAILBOX_BYTES / MAILBOX_UNIT) as u64;
+/// A reader tells the root how far it has read each time it crosses a
+/// multiple of this many units, not after every message: the root reads
+/// that word only when its ring looks full, and a word written once per
+/// message would cross between the cores once per message. The root can
+/// always write again once a reader has caught up: a caught-up reader has
+/// told it a position less than this many units behind.
+const MAILBOX_TELL_EVERY: u64 = MAILBOX_UNITS / 4;
+
 /// In one process, calls of at least this many bytes (the largest buffer)
 /// skip the slots: ranks exchange buffer addresses and read, reduce and
 /// write each other's buffers directly (two synchronisations instead of a
@@ -150,8 +170,26 @@ impl Geometry {
         self.slots_offset() + self.world * self.depth * self.slot_bytes
     }
 
+    /// Where the mailbox read positions start: per reader, one line-aligned
+    /// row of `world` words (how far it has read each root's mailbox),
+    /// written only by that reader.
+    fn read_positions_offset(&self) -> usize {
+        self.world * LINE
+    }
+
+    /// Bytes of one reader's row of read positions.
+    fn read_positions_stride(&self) -> usize {
+        (self.world * 8).next_multiple_of(LINE)
+    }
+
+    /// Where the mailbox rings start (one per rank, page aligned).
+    fn mailboxes_offset(&self) -> usize {
+        (self.read_positions_offset() + self.world * self.read_positions_stride())
+            .next_multiple_of(4096)
+    }
+
     fn slots_offset(&self) -> usize {
-        (self.world * LINE).next_multiple_of(4096)
+        self.mailboxes_offset() + self.world * MAILBOX_BYTES
     }
 
     /// Payload bytes of one slot.
@@ -241,6 +279,43 @@ pub(crate) struct Arena {
     direct: Direct,
     /// How the last call that could go direct went (`None`: staged).
     last_direct: Option<Direct>,
+    /// Per root, the unit its next mailbox message starts at (identical
+    /// on every rank between calls, like `round`).
+    mailbox_next: RankWords,
+    /// As root: the unit up to which this rank's mailbox may be written
+    /// without overwriting what a reader has not read, from the last look
+    /// at the readers' positions.
+    mailbox_room: u64,
+}
+
+/// One word per rank, in cache lines of their own: ranks that are threads
+/// of one process allocate such small vectors next to each other, and a
+/// line that two of them write on every call would cross between their
+/// cores on every call (measured: an 8-byte broadcast between threads took
+/// 0.12 µs with a plain `Vec`, 0.04–0.05 µs with this).
+struct RankWords(Vec<WordLine>);
+
+#[repr(C, align(128))]
+#[derive(Clone, Copy)]
+struct WordLine([u64; 16]);
+
+impl RankWords {
+    fn new(world: usize) -> RankWords {
+        RankWords(vec![WordLine([0; 16]); world.div_ceil(16)])
+    }
+}
+
+impl std::ops::Index<Rank> for RankWords {
+    type Output = u64;
+    fn index(&self, rank: Rank) -> &u64 {
+        &self.0[rank / 16].0[rank % 16]
+    }
+}
+
+impl std::ops::IndexMut<Rank> for RankWords {
+    fn index_mut(&mut self, rank: Rank) -> &mut u64 {
+        &mut self.0[rank / 16].0[rank % 16]
+    }
 }
 
 /// How a direct (zero-copy / single-copy) call reaches peers' buffers.
@@ -274,9 +349,6 @@ impl Arena {
             .collect()
     }
 
-    /// This process's handle on a shared segment made by
-    /// [`crate::transport::net`] for an all-local world. The segment's
-    /// region must be at least `geometry.bytes()` long and zeroed.
     /// This process's handle on a shared segment made by
     /// [`crate::transport::net`] for an all-local world, once every rank
     /// has attached and probed whether it may read the others' memory
@@ -378,6 +450,8 @@ impl Arena {
             next_shared: 0,
             direct: Direct::Local,
             last_direct: None,
+            mailbox_next: RankWords::new(geometry.world),
+            mailbox_room: 0,
         };
         let me = arena.control(rank);
         me.pid
@@ -453,7 +527,21 @@ impl Arena {
         call: &CallInfo,
         peer: Rank,
         peer_left_ok: bool,
+        ready: impl FnMut() -> bool,
+    ) -> Result<()> {
+        self.wait_watching(call, peer, peer_left_ok, ready, || false)
+    }
+
+    /// As [`wait`](Self::wait), and ends the wait (with `Ok`) also when
+    /// `astray()` holds: a sign, looked at only once the first spin is
+    /// over, that the peer runs another call (the caller reports it).
+    fn wait_watching(
+        &self,
+        call: &CallInfo,
+        peer: Rank,
+        peer_left_ok: bool,
         mut ready: impl FnMut() -> bool,
+        mut astray: impl FnMut() -> bool,
     ) -> Result<()> {
         if ready() {
             return Ok(());
@@ -474,6 +562,9 @@ impl Arena {
             let now = Instant::now();
             if now < spin_until {
                 continue;
+            }
+            if astray() {
+                return Ok(());
             }
             if self.aborted.load(Ordering::Relaxed) {
                 return Err(call.error(peer, TransportError::Aborted));
@@ -568,22 +659,34 @@ impl Arena {
     /// same call.
     fn await_peer(&self, call: &CallInfo, sig: &CallSig, peer: Rank, g: u64) -> Result<()> {
         let header = self.header(peer, g);
-        self.wait(call, peer, false, || {
-            header.posted.load(Ordering::Acquire) == g + 1
-        })?;
+        // A peer that broadcast this call through its mailbox runs another
+        // call than this staged one: it will not post.
+        let (mailbox_tag, _) = self.mailbox_unit(peer, self.mailbox_next[peer]);
+        let mailboxed = || {
+            let tag = mailbox_tag.load(Ordering::Acquire);
+            tag != 0 && (tag >> 32) as u32 == sig.seq as u32
+        };
+        let posted = || header.posted.load(Ordering::Acquire) == g + 1;
+        self.wait_watching(call, peer, false, posted, mailboxed)?;
+        if !posted() {
+            let tag = mailbox_tag.load(Ordering::Acquire);
+            return Err(mismatch(
+                call,
+                sig,
+                peer,
+                &format!("a broadcast through its mailbox (tag {tag:#x})"),
+            ));
+        }
         let (seq, signature) = (
             header.seq.load(Ordering::Relaxed),
             header.signature.load(Ordering::Relaxed),
         );
         if seq != sig.seq || signature != sig.signature {
-            return Err(call.error(
+            return Err(mismatch(
+                call,
+                sig,
                 peer,
-                TransportError::Mismatch(format!(
-                    "rank {peer} runs a different call: call #{seq} with signature \
-                     {signature:#x}, here #{} with {:#x} (same collectives, in the same \
-                     order, with the same counts, types, operators and roots on every rank?)",
-                    sig.seq, sig.signature
-                )),
+                &format!("call #{seq} with signature {signature:#x}"),
             ));
         }
         Ok(())
@@ -618,6 +721,20 @@ impl Drop for Arena {
         me.wake.fetch_add(1, Ordering::SeqCst);
         futex_wake(&me.wake);
     }
+}
+
+/// The error for a peer found running another call than this one
+/// (`theirs` describes what it runs).
+fn mismatch(call: &CallInfo, sig: &CallSig, peer: Rank, theirs: &str) -> crate::error::Error {
+    call.error(
+        peer,
+        TransportError::Mismatch(format!(
+            "rank {peer} runs a different call: {theirs}, here #{} with signature {:#x} \
+             (same collectives, in the same order, with the same counts, types, operators \
+             and roots on every rank?)",
+            sig.seq, sig.signature
+        )),
+    )
 }
 
 /// A call's signature: what every rank must agree on.
@@ -1050,6 +1167,10 @@ impl Arena {
         count: usize,
         root: Rank,
     ) -> Result<()> {
+        let bytes = count * std::mem::size_of::<T>();
+        if bytes > 0 && bytes <= MAILBOX_MAX_BYTES && self.world() > 1 {
+            return self.mailbox_broadcast(call, sig, bufs, count, root);
+        }
         if let Some(g) = self.enter_direct(call, sig, &bufs, (count, count), count, true)? {
             return self.zero_copy_copies(call, sig, bufs, g, count, Some(root));
         }
@@ -1166,6 +1287,192 @@ impl Arena {
         self.await_all(call, sig, g)?;
         self.finish(g);
         Ok(())
+    }
+}
+
+/// The tag of a mailbox message: the call's sequence number (its low 32
+/// bits) above its signature folded to 32 bits, made odd so that no tag is
+/// 0, the tag of a unit that continues a message and of one never written.
+fn mailbox_tag(sig: &CallSig) -> u64 {
+    let folded = (sig.signature ^ (sig.signature >> 32)) as u32 | 1;
+    u64::from(sig.seq as u32) << 32 | u64::from(folded)
+}
+
+/// Whether mailbox tag `tag`, found where this call's message belongs but
+/// not this call's tag, can only come from another call: one with this
+/// sequence number and another signature, or a later one (what stood there
+/// before is an earlier message's tag, or 0).
+fn mailbox_tag_foreign(tag: u64, sig: &CallSig) -> bool {
+    let (theirs, ours) = ((tag >> 32) as u32, sig.seq as u32);
+    tag != 0 && (theirs == ours || theirs.wrapping_sub(ours) as i32 > 0)
+}
+
+/// Broadcasts of at most [`MAILBOX_MAX_BYTES`] through the root's
+/// *mailbox*, the counterpart of Open MPI's fast boxes: a ring of 16-byte
+/// units, each a tag word and a payload word, written only by its owner.
+/// A message of `n` bytes takes `⌈n / 8⌉` consecutive units (wrapping
+/// around the ring). The root writes their payload words, a zero tag on
+/// every unit but the first, then releases the first unit's tag, which
+/// names the call ([`mailbox_tag`]); readers wait for that tag, copy the
+/// payload out and move on. No slot round and no reply: the root returns
+/// at once, and consecutive small messages share cache lines, so a reader
+/// running behind takes several per line that crosses between the cores.
+///
+/// The root overwrites a unit only after every reader has told it (in its
+/// row of read positions) that it read past it. Tags and payload have
+/// words of their own, so a reader never mistakes payload for a tag; and
+/// every lap rewrites every tag (zero where a message continues), so a
+/// stale tag is less than a lap old and never matches a later call's.
+impl Arena {
+    /// Unit `unit` (counted from the ring's start, wrapping) of `root`'s
+    /// mailbox: its tag word and its payload word.
+    fn mailbox_unit(&self, root: Rank, unit: u64) -> (&AtomicU64, *mut u64) {
+        let at = self.geometry.mailboxes_offset()
+            + root * MAILBOX_BYTES
+            + (unit % MAILBOX_UNITS) as usize * MAILBOX_UNIT;
+        // SAFETY: root < world and the unit lies in its ring, which lies in
+        // the region; units are 16-byte aligned and the tag is an atomic.
+        unsafe {
+            let unit = self.memory.base().add(at);
+            (&*(unit as *const AtomicU64), unit.add(8) as *mut u64)
+        }
+    }
+
+    /// How far `reader` has told `root` it read `root`'s mailbox (units).
+    fn read_position(&self, reader: Rank, root: Rank) -> &AtomicU64 {
+        let g = &self.geometry;
+        let at = g.read_positions_offset() + reader * g.read_positions_stride() + root * 8;
+        // SAFETY: reader, root < world: the word lies in the reader's row.
+        unsafe { &*(self.memory.base().add(at) as *const AtomicU64) }
+    }
+
+    /// Broadcast of `count` elements, 0 < `count·size_of::<T>()` ≤
+    /// [`MAILBOX_MAX_BYTES`], through `root`'s mailbox.
+    fn mailbox_broadcast<T: Element>(
+        &mut self,
+        call: &CallInfo,
+        sig: &CallSig,
+        bufs: Buffers<T>,
+        count: usize,
+        root: Rank,
+    ) -> Result<()> {
+        self.last_direct = None;
+        let bytes = count * std::mem::size_of::<T>();
+        let start = self.mailbox_next[root];
+        let end = start + bytes.div_ceil(8) as u64;
+        if self.rank == root {
+            self.mailbox_reserve(call, end)?;
+            // SAFETY: the input holds count elements, `bytes` bytes.
+            let input = unsafe { std::slice::from_raw_parts(bufs.input.cast::<u8>(), bytes) };
+            for (i, chunk) in input.chunks(8).enumerate() {
+                let mut word = [0u8; 8];
+                word[..chunk.len()].copy_from_slice(chunk);
+                let (tag, payload) = self.mailbox_unit(root, start + i as u64);
+                if i > 0 {
+                    tag.store(0, Ordering::Relaxed);
+                }
+                // SAFETY: every reader has read past this unit (reserved).
+                unsafe { payload.write(u64::from_ne_bytes(word)) };
+            }
+            let (tag, _) = self.mailbox_unit(root, start);
+            tag.store(mailbox_tag(sig), Ordering::Release);
+            self.notify();
+            if !bufs.in_place {
+                // SAFETY: distinct buffers of count elements each.
+                unsafe { std::ptr::copy_nonoverlapping(bufs.input, bufs.output, count) };
+            }
+        } else {
+            self.mailbox_await(call, sig, root, start)?;
+            let output = bufs.output.cast::<u8>();
+            for (i, at) in (0..bytes).step_by(8).enumerate() {
+                let (_, payload) = self.mailbox_unit(root, start + i as u64);
+                // SAFETY: the message is released (awaited) and not
+                // rewritten before this rank tells the root it read it; the
+                // output holds `bytes` bytes.
+                unsafe {
+                    let word = payload.read().to_ne_bytes();
+                    std::ptr::copy_nonoverlapping(
+                        word.as_ptr(),
+                        output.add(at),
+                        (bytes - at).min(8),
+                    );
+                }
+            }
+            if start / MAILBOX_TELL_EVERY != end / MAILBOX_TELL_EVERY {
+                self.read_position(self.rank, root)
+                    .store(end, Ordering::Release);
+                self.notify();
+            }
+        }
+        self.mailbox_next[root] = end;
+        Ok(())
+    }
+
+    /// As root, waits until this rank's mailbox may be written up to unit
+    /// `end`: every reader has told it it read past `end - MAILBOX_UNITS`.
+    fn mailbox_reserve(&mut self, call: &CallInfo, end: u64) -> Result<()> {
+        if end <= self.mailbox_room {
+            return Ok(());
+        }
+        let me = self.rank;
+        let mut room = u64::MAX;
+        for reader in (0..self.world()).filter(|&r| r != me) {
+            let position = self.read_position(reader, me);
+            // A reader that left reads no more: its units are free.
+            self.wait(call, reader, true, || {
+                position.load(Ordering::Acquire) + MAILBOX_UNITS >= end
+            })?;
+            room = room.min(position.load(Ordering::Acquire) + MAILBOX_UNITS);
+        }
+        self.mailbox_room = room;
+        Ok(())
+    }
+
+    /// Waits for `root`'s message of this call at unit `start`. A tag of
+    /// another call there, or the root posting a slot round (it runs a
+    /// staged call where this rank runs a broadcast), is a mismatch.
+    fn mailbox_await(&self, call: &CallInfo, sig: &CallSig, root: Rank, start: u64) -> Result<()> {
+        let expected = mailbox_tag(sig);
+        let (tag, _) = self.mailbox_unit(root, start);
+        let round = self.round;
+        let header = self.header(root, round);
+        self.wait_watching(
+            call,
+            root,
+            false,
+            || {
+                let found = tag.load(Ordering::Acquire);
+                found == expected || mailbox_tag_foreign(found, sig)
+            },
+            || header.posted.load(Ordering::Acquire) == round + 1,
+        )?;
+        // Read again: a root that posted a later round wrote this message
+        // first, and the acquire load of the header made it visible.
+        let found = tag.load(Ordering::Acquire);
+        if found == expected {
+            return Ok(());
+        }
+        Err(if header.posted.load(Ordering::Acquire) == round + 1 {
+            let seq = header.seq.load(Ordering::Relaxed);
+            let signature = header.signature.load(Ordering::Relaxed);
+            mismatch(
+                call,
+                sig,
+                root,
+                &format!("call #{seq} with signature {signature:#x}, where this rank awaits its broadcast"),
+            )
+        } else {
+            mismatch(
+                call,
+                sig,
+                root,
+                &format!(
+                    "a broadcast tagged {:#x} (call #{} modulo 2^32) where this call's tag is {expected:#x}",
+                    found,
+                    found >> 32
+                ),
+            )
+        })
     }
 }
 
@@ -1316,6 +1623,9 @@ impl Arena {
         let capacity = self.geometry.payload_bytes() / elem.max(1) * elem.max(1);
         match op {
             _ if zero_copy_op && !self.watch_pids && bytes >= ZERO_COPY_MIN_BYTES => "zerocopy",
+            OpKind::Broadcast if bytes > 0 && bytes <= MAILBOX_MAX_BYTES && self.world() > 1 => {
+                "mailbox"
+            }
             OpKind::AllGather | OpKind::Broadcast if self.cma && bytes >= CMA_MIN_BYTES => "cma",
             OpKind::AllReduce if bytes <= capacity => "oneshot",
             OpKind::AllReduce => "twoshot",
