@@ -126,6 +126,113 @@ impl Drop for BorrowGuard<'_> {
     }
 }
 
+/// Receives of at least this many bytes whose destination no earlier step
+/// touches are posted when the call starts ([`Transport::post_ahead`]):
+/// frames that arrive before their step runs (a broadcast's later pieces,
+/// an all-gather's chunks) land in place instead of in buffers copied
+/// later.
+const POST_AHEAD_MIN_BYTES: usize = 64 << 10;
+
+/// The spans a step reads or writes.
+fn spans(step: &Step) -> [Option<Span>; 2] {
+    match *step {
+        Step::Send { src, .. } => [Some(src), None],
+        Step::Recv { dst, .. } | Step::RecvCopySend { dst, .. } => [Some(dst), None],
+        Step::RecvReduce { local, dst, .. } => [Some(local), Some(dst)],
+        Step::RecvReduceSend { local, .. } => [Some(local), None],
+        Step::Copy { src, dst } | Step::ReduceLocal { src, dst } => [Some(src), Some(dst)],
+        Step::DivideByWorld { span } => [Some(span), None],
+    }
+}
+
+/// The peer a step receives from, if it receives.
+fn receives_from(step: &Step) -> Option<Rank> {
+    match *step {
+        Step::Recv { peer, .. } | Step::RecvReduce { peer, .. } => Some(peer),
+        Step::RecvReduceSend { from, .. } | Step::RecvCopySend { from, .. } => Some(from),
+        _ => None,
+    }
+}
+
+/// The plain receives of `plan` to post ahead: `(peer, frame number from
+/// that peer, destination)` of each [`Step::Recv`] of at least
+/// [`POST_AHEAD_MIN_BYTES`] into a range of the written buffer (the output;
+/// in place the one buffer) that no step before it reads or writes, so
+/// nothing sees the range change before that step.
+fn receives_to_post_ahead(
+    plan: &Plan,
+    world: usize,
+    elem: usize,
+    in_place: bool,
+) -> Vec<(Rank, u32, Span)> {
+    let big =
+        |s: &Step| matches!(*s, Step::Recv { dst, .. } if dst.len * elem >= POST_AHEAD_MIN_BYTES);
+    if !plan.steps.iter().any(big) {
+        return Vec::new();
+    }
+    let in_written = |span: Span| match span.buf {
+        BufId::Recv => true,
+        BufId::Send => in_place,
+        BufId::Scratch => false,
+    };
+    // Ranges of the written buffer touched so far: start → end, disjoint.
+    let mut touched = std::collections::BTreeMap::<usize, usize>::new();
+    let overlaps = |touched: &std::collections::BTreeMap<usize, usize>, span: Span| {
+        let end = span.offset + span.len;
+        touched
+            .range(..end)
+            .next_back()
+            .is_some_and(|(_, &e)| e > span.offset)
+    };
+    let mut frames = vec![0u32; world];
+    let mut ahead = Vec::new();
+    for step in &plan.steps {
+        if let Step::Recv { peer, dst } = *step {
+            if big(step) && in_written(dst) && !overlaps(&touched, dst) {
+                ahead.push((peer, frames[peer], dst));
+            }
+        }
+        if let Some(peer) = receives_from(step) {
+            frames[peer] += 1;
+        }
+        for span in spans(step).into_iter().flatten() {
+            if in_written(span) && span.len > 0 {
+                // Merge with every range it overlaps or touches.
+                let (mut start, mut end) = (span.offset, span.offset + span.len);
+                let joined: Vec<(usize, usize)> = touched
+                    .range(..=end)
+                    .rev()
+                    .take_while(|&(_, &e)| e >= start)
+                    .map(|(&s, &e)| (s, e))
+                    .collect();
+                for (s, e) in joined {
+                    touched.remove(&s);
+                    start = start.min(s);
+                    end = end.max(e);
+                }
+                touched.insert(start, end);
+            }
+        }
+    }
+    ahead
+}
+
+/// Withdraws the receives a call posted ahead when it ends, so nothing
+/// lands in its buffers after it returned (on success each receive has
+/// withdrawn its own already).
+struct PostedAhead<'a> {
+    transport: &'a Transport,
+    recvs: Vec<(usize, FrameHeader, *mut u8)>,
+}
+
+impl Drop for PostedAhead<'_> {
+    fn drop(&mut self) {
+        if !self.recvs.is_empty() {
+            self.transport.withdraw(&self.recvs);
+        }
+    }
+}
+
 /// Runs `plan` for one call.
 pub(crate) fn execute<T: Element>(
     transport: &Transport,
@@ -158,6 +265,27 @@ pub(crate) fn execute<T: Element>(
         transport,
         lent: false,
     };
+    let mut posted_ahead = PostedAhead {
+        transport,
+        recvs: Vec::new(),
+    };
+    if transport.receives_ahead() {
+        let elem = std::mem::size_of::<T>();
+        let out = bufs.recv_mut().as_mut_ptr();
+        for (peer, frame, dst) in receives_to_post_ahead(plan, info.world, elem, !out_of_place) {
+            // SAFETY: dst lies in the written buffer (the plan's spans are
+            // validated against the buffers' lengths).
+            let at = unsafe { out.add(dst.offset) }.cast::<u8>();
+            posted_ahead
+                .recvs
+                .push((peer, header::<T>(info, frame, dst.len), at));
+        }
+        // SAFETY: no step before a posted receive's reads or writes its
+        // destination (`receives_to_post_ahead`), that receive's own
+        // `recv_into` names the same destination, and `posted_ahead`
+        // withdraws whatever is left before the buffers' borrow ends.
+        unsafe { transport.post_ahead(&posted_ahead.recvs) };
+    }
     // Only direct plans use scratch, and only for small messages.
     let mut scratch = vec![T::zeroed(); plan.scratch_len];
     let read = |bufs: &Bufs<'_, T>, scratch: &[T], span: Span| -> Vec<T> {
@@ -271,5 +399,76 @@ pub(crate) fn execute<T: Element>(
         .flush(info.timeout)
         .map_err(|(peer, e)| info.error(peer, e));
     drop(guard);
+    drop(posted_ahead);
     flushed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Only plain receives of the written buffer that nothing earlier
+    /// touches are posted ahead, numbered by their frame from that peer.
+    #[test]
+    fn receives_posted_ahead_are_those_into_untouched_output() {
+        let k = 32 << 10; // 128 KiB of f32
+        let out = |offset, len| Span::new(BufId::Recv, offset, len);
+        let plan = Plan {
+            steps: vec![
+                Step::Send {
+                    peer: 1,
+                    src: out(0, k),
+                },
+                // Overlaps what was just sent: not ahead (frame 0 from 1).
+                Step::Recv {
+                    peer: 1,
+                    dst: out(k / 2, k),
+                },
+                // Untouched: ahead, as frame 1 from rank 1.
+                Step::Recv {
+                    peer: 1,
+                    dst: out(3 * k, k),
+                },
+                // Too small (frame 2).
+                Step::Recv {
+                    peer: 1,
+                    dst: out(5 * k, 16),
+                },
+                // Input buffer, out of place: never written (frame 0 from 2).
+                Step::Recv {
+                    peer: 2,
+                    dst: Span::new(BufId::Send, 0, k),
+                },
+                // Untouched, frame 1 from rank 2.
+                Step::Recv {
+                    peer: 2,
+                    dst: out(6 * k, k),
+                },
+                Step::Copy {
+                    src: out(8 * k, k),
+                    dst: out(9 * k, k),
+                },
+                // Written by the copy above: not ahead.
+                Step::Recv {
+                    peer: 2,
+                    dst: out(9 * k + 5, k),
+                },
+            ],
+            scratch_len: 0,
+        };
+        let ahead = receives_to_post_ahead(&plan, 3, 4, false);
+        assert_eq!(ahead, vec![(1, 1, out(3 * k, k)), (2, 1, out(6 * k, k))]);
+        // In place the input is the output, offsets alike: its first k
+        // elements are the span sent first, so that receive is not ahead.
+        assert_eq!(receives_to_post_ahead(&plan, 3, 4, true), ahead);
+        // A plan without a large plain receive posts nothing.
+        let small = Plan {
+            steps: vec![Step::Recv {
+                peer: 1,
+                dst: out(0, 16),
+            }],
+            scratch_len: 0,
+        };
+        assert!(receives_to_post_ahead(&small, 2, 4, false).is_empty());
+    }
 }

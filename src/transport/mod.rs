@@ -299,6 +299,36 @@ impl Transport {
         }
     }
 
+    /// Posts destinations for receives that `recv_into` will run later
+    /// (`(peer, expected header, destination)`), so that their frames, if
+    /// they arrive first, land in place rather than in buffers copied
+    /// later: the multi-process transport's receive-ahead. The in-process
+    /// transport has no use for it.
+    ///
+    /// # Safety
+    /// Each destination (`expect.bytes` long) must stay valid and untouched
+    /// by anything else until its `recv_into` returns, or until
+    /// [`withdraw`](Self::withdraw) names it.
+    pub unsafe fn post_ahead(&self, recvs: &[(usize, FrameHeader, *mut u8)]) {
+        if let Transport::Net(t) = self {
+            t.post_ahead(recvs);
+        }
+    }
+
+    /// Whether [`post_ahead`](Self::post_ahead) does anything.
+    pub fn receives_ahead(&self) -> bool {
+        matches!(self, Transport::Net(_))
+    }
+
+    /// Withdraws destinations posted by [`post_ahead`](Self::post_ahead)
+    /// (those whose receive already returned are gone already): a frame
+    /// being read into one moves into a buffer of its own.
+    pub fn withdraw(&self, recvs: &[(usize, FrameHeader, *mut u8)]) {
+        if let Transport::Net(t) = self {
+            t.withdraw(recvs);
+        }
+    }
+
     /// Turns every queued payload that borrows a caller's buffer into an
     /// owned copy (of what is still unwritten): what a call that queued
     /// borrowed payloads runs before returning early, so nothing reads its

@@ -25,6 +25,14 @@
 //! mailboxes. A rank waiting to send therefore always drains what others
 //! send it, so no cycle of full buffers can deadlock, whatever the plan.
 //!
+//! A data frame whose receive has posted a destination (the receive is
+//! waiting, or its call posted it ahead when it started) is read straight
+//! into it. A large data frame with no destination yet is *held*: header
+//! read, payload left in the link, until a destination is posted, its
+//! receive waits for it, or a wait stalls — so a sender running ahead waits
+//! in the link's flow control and its frames land in place later, while a
+//! frame queued behind a held one is still reached.
+//!
 //! # Failure
 //!
 //! A rank that drops its communicator says goodbye (a goodbye frame, and a
@@ -171,6 +179,10 @@ enum Incoming {
         payload: Payload,
         filled: usize,
     },
+    /// A large data frame whose header is read and whose payload is left
+    /// in the link until a receive posts a destination for it, waits for
+    /// it, or the wait stalls (see [`HOLD_MIN_BYTES`]).
+    Held { header: FrameHeader, key: Key },
     /// A data frame a receive is waiting for, read straight into that
     /// receive's buffer (see [`Posted`]).
     Direct {
@@ -192,7 +204,9 @@ struct Posted {
 
 // SAFETY: the pointer is used only under the fabric's lock, and only while
 // the receive that posted it is inside `recv_into` (it unposts, under the
-// lock, before returning — converting a half-read frame into an owned one).
+// lock, before returning — converting a half-read frame into an owned one),
+// or between `post_ahead` and that receive or `withdraw` (whose callers
+// keep the destination alive and untouched meanwhile).
 unsafe impl Send for Posted {}
 
 /// A delivered frame: its body in a buffer, or already in the posted
@@ -252,6 +266,14 @@ type Key = (usize, u64, Space, u64, u32);
 /// or goodbye is always reached.
 const READ_AHEAD_BYTES: usize = 16 << 20;
 
+/// A data frame of at least this many bytes that no receive has posted a
+/// destination for yet stays in its link (header read, payload not) until
+/// one is posted, its receive waits for it, or a wait stalls. A sender
+/// running ahead (a broadcast's root, back to back) then waits in the
+/// link's flow control, and its frames land in place once their call
+/// posts them, instead of being read into buffers and copied again.
+const HOLD_MIN_BYTES: usize = 64 << 10;
+
 /// At most this many buffers (a header and a payload per frame) per TCP
 /// `writev` (well under `IOV_MAX`, 1024 on Linux).
 const TCP_WRITE_SLICES: usize = 64;
@@ -262,6 +284,45 @@ const TCP_WRITE_BYTES: usize = 4 << 20;
 const TCP_DEFER_MIN_BYTES: usize = 64 << 10;
 /// Deferred frames are written as soon as this many bytes are queued.
 const TCP_BATCH_BYTES: usize = 1 << 20;
+
+/// What a pass may read of a data frame no receive has posted (see
+/// [`HOLD_MIN_BYTES`]).
+#[derive(Clone, Copy)]
+struct Hold {
+    /// The frame the reading wait is for: read whatever its size.
+    want: Option<Key>,
+    /// Read held frames into buffers (a stalled wait, a departing peer).
+    release: bool,
+}
+
+impl Hold {
+    /// How to read the data frame `header` (for `key`) now: into its
+    /// posted destination, into a buffer of its own, or (`None`) not yet.
+    fn reading(
+        self,
+        posted: &HashMap<Key, Posted>,
+        key: Key,
+        header: &FrameHeader,
+    ) -> Option<Incoming> {
+        match posted.get(&key) {
+            Some(&to) if to.len == header.bytes && to.len > 0 => Some(Incoming::Direct {
+                header: *header,
+                key,
+                to,
+                filled: 0,
+            }),
+            _ if header.bytes < HOLD_MIN_BYTES || self.release || self.want == Some(key) => {
+                Some(Incoming::Payload {
+                    kind: KIND_DATA,
+                    header: *header,
+                    payload: Payload::zeroed(header.bytes),
+                    filled: 0,
+                })
+            }
+            _ => None,
+        }
+    }
+}
 
 /// Every link of this process in one job, and the frames that have arrived.
 pub(crate) struct Fabric {
@@ -339,7 +400,11 @@ impl Fabric {
                 continue;
             }
             let mut delivered = Vec::new();
-            moved |= Self::read_arrived(peer, source, &self.posted, budget, &mut delivered);
+            let hold = Hold {
+                want,
+                release: stalled,
+            };
+            moved |= Self::read_arrived(peer, source, &self.posted, hold, budget, &mut delivered);
             for (kind, header, payload, landed) in delivered {
                 self.deliver(source, kind, header, payload, landed);
             }
@@ -457,12 +522,19 @@ impl Fabric {
         peer: &mut Peer,
         source: usize,
         posted: &HashMap<Key, Posted>,
+        hold: Hold,
         budget: usize,
         delivered: &mut Vec<(u8, FrameHeader, Payload, bool)>,
     ) -> bool {
         let mut buffered = 0usize;
         let mut moved = false;
         loop {
+            if let Incoming::Held { header, key } = peer.incoming {
+                match hold.reading(posted, key, &header) {
+                    Some(next) => peer.incoming = next,
+                    None => break,
+                }
+            }
             let result = match &mut peer.incoming {
                 Incoming::Header { buf, filled } => {
                     match peer.link.read_some(&mut buf[*filled..]) {
@@ -479,25 +551,16 @@ impl Fabric {
                                             header.seq,
                                             header.step,
                                         );
-                                        peer.incoming = match posted.get(&key) {
-                                            Some(&to)
-                                                if kind == KIND_DATA
-                                                    && to.len == header.bytes
-                                                    && to.len > 0 =>
-                                            {
-                                                Incoming::Direct {
-                                                    header,
-                                                    key,
-                                                    to,
-                                                    filled: 0,
-                                                }
-                                            }
-                                            _ => Incoming::Payload {
+                                        peer.incoming = if kind == KIND_DATA {
+                                            hold.reading(posted, key, &header)
+                                                .unwrap_or(Incoming::Held { header, key })
+                                        } else {
+                                            Incoming::Payload {
                                                 kind,
                                                 header,
                                                 payload: Payload::zeroed(header.bytes),
                                                 filled: 0,
-                                            },
+                                            }
                                         };
                                     }
                                     Err(why) => {
@@ -529,6 +592,8 @@ impl Fabric {
                         Ok(())
                     }
                 }
+                // Left in the link: nothing to read now.
+                Incoming::Held { .. } => break,
                 Incoming::Direct { to, filled, .. } => {
                     // SAFETY: the receive that posted `to` is waiting (see
                     // `Posted`), and `filled < to.len`.
@@ -561,7 +626,7 @@ impl Fabric {
                     payload, filled, ..
                 } => *filled == payload.as_bytes().len(),
                 Incoming::Direct { to, filled, .. } => *filled == to.len,
-                Incoming::Header { .. } => false,
+                Incoming::Header { .. } | Incoming::Held { .. } => false,
             };
             if complete {
                 match std::mem::replace(&mut peer.incoming, Incoming::new()) {
@@ -574,7 +639,7 @@ impl Fabric {
                     Incoming::Direct { header, .. } => {
                         delivered.push((KIND_DATA, header, Payload::default(), true))
                     }
-                    Incoming::Header { .. } => {}
+                    Incoming::Header { .. } | Incoming::Held { .. } => {}
                 }
                 buffered += delivered.last().map_or(0, |d| d.2.as_bytes().len());
                 if buffered >= budget {
@@ -695,7 +760,18 @@ impl Fabric {
                     // Its goodbye frame, with how far it got, is in the ring
                     // before the flag was set; read it first.
                     let mut delivered = Vec::new();
-                    Self::read_arrived(peer, source, &self.posted, usize::MAX, &mut delivered);
+                    let everything = Hold {
+                        want: None,
+                        release: true,
+                    };
+                    Self::read_arrived(
+                        peer,
+                        source,
+                        &self.posted,
+                        everything,
+                        usize::MAX,
+                        &mut delivered,
+                    );
                     for (kind, header, payload, landed) in delivered {
                         self.deliver(source, kind, header, payload, landed);
                     }
@@ -1011,6 +1087,34 @@ impl NetEndpoint {
         Ok(())
     }
 
+    /// The fabric's key for the frame `expect` from communicator rank `peer`.
+    fn key(&self, peer: usize, expect: &FrameHeader) -> Key {
+        let source = self.members[peer];
+        (source, expect.ctx, expect.space, expect.seq, expect.step)
+    }
+
+    /// See [`Transport::post_ahead`](super::Transport::post_ahead).
+    pub fn post_ahead(&self, recvs: &[(usize, FrameHeader, *mut u8)]) {
+        let mut fabric = self.shared.lock();
+        for (peer, expect, ptr) in recvs {
+            if expect.bytes > 0 {
+                let to = Posted {
+                    ptr: *ptr,
+                    len: expect.bytes,
+                };
+                fabric.posted.insert(self.key(*peer, expect), to);
+            }
+        }
+    }
+
+    /// See [`Transport::withdraw`](super::Transport::withdraw).
+    pub fn withdraw(&self, recvs: &[(usize, FrameHeader, *mut u8)]) {
+        let mut fabric = self.shared.lock();
+        for (peer, expect, _) in recvs {
+            fabric.unpost(self.key(*peer, expect));
+        }
+    }
+
     /// The receive loop: `Ok(None)` when the frame landed in `to`.
     fn receive(
         &self,
@@ -1019,8 +1123,8 @@ impl NetEndpoint {
         timeout: Duration,
         to: Option<Posted>,
     ) -> std::result::Result<Option<Payload>, TransportError> {
-        let source = self.members[peer];
-        let key = (source, expect.ctx, expect.space, expect.seq, expect.step);
+        let key = self.key(peer, expect);
+        let source = key.0;
         let start = Instant::now();
         let deadline = start + timeout;
         let mut backoff = Backoff::new();
