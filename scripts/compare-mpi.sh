@@ -77,8 +77,16 @@ PERF="$ROOT/target/release/oxccl-perf"
 SIZES="8,1024"
 s=4096
 while [ "$s" -le "$MAX_BYTES" ]; do SIZES="$SIZES,$s"; s=$((s * 4)); done
+# oxccl-perf times a fixed number of iterations per size, so the sizes run
+# in three groups, each with enough iterations to last milliseconds (Open
+# MPI's benchmark times batches of at least 2 ms for --budget seconds).
 SMALL=$(echo "$SIZES" | tr , '\n' | awk '$1 <= 65536' | paste -sd,)
-LARGE=$(echo "$SIZES" | tr , '\n' | awk '$1 > 65536' | paste -sd,)
+MEDIUM=$(echo "$SIZES" | tr , '\n' | awk '$1 > 65536 && $1 <= 4194304' | paste -sd,)
+LARGE=$(echo "$SIZES" | tr , '\n' | awk '$1 > 4194304' | paste -sd,)
+# Iterations (-n) and warm-up (-w) per group.
+SMALL_ITERS=(-n 2000 -w 200)
+MEDIUM_ITERS=(-n 100 -w 10)
+LARGE_ITERS=(-n 10 -w 3)
 # alloc_shared runs from 64 KiB, where the targets against (a) start.
 SHARED=$(echo "$SIZES" | tr , '\n' | awk '$1 >= 65536' | paste -sd,)
 
@@ -103,28 +111,35 @@ run_ceiling() {
     fi
 }
 
+# One oxccl-perf run per size group: run_perf REP NAME SIZES ITERS... -- ARGS...
+run_perf() {
+    local rep=$1 label=$2 sizes=$3
+    shift 3
+    [ -n "$sizes" ] || return 0
+    local iters=()
+    while [ "$1" != -- ]; do iters+=("$1"); shift; done
+    shift
+    OXCCL_TRANSPORT=$TRANSPORT "$PERF" -np "$RANKS" "$@" --sizes "$sizes" "${iters[@]}" -c 1 \
+        -J "$OUT/raw/oxccl-$rep-$label.json" >"$OUT/raw/oxccl-$rep-$label.txt" 2>&1
+}
+
 run_oxccl() {
     local c
     for c in ${COLLS//,/ }; do
         local name
         name=$(oxccl_name "$c")
-        if [ -n "$SMALL" ]; then
-            OXCCL_TRANSPORT=$TRANSPORT "$PERF" -np "$RANKS" --collective "$name" \
-                --sizes "$SMALL" -n 2000 -w 200 -c 1 -J "$OUT/raw/oxccl-$1-$c-small.json" \
-                >"$OUT/raw/oxccl-$1-$c-small.txt" 2>&1
-        fi
-        if [ -n "$LARGE" ]; then
-            OXCCL_TRANSPORT=$TRANSPORT "$PERF" -np "$RANKS" --collective "$name" \
-                --sizes "$LARGE" -n 10 -w 3 -c 1 -J "$OUT/raw/oxccl-$1-$c-large.json" \
-                >"$OUT/raw/oxccl-$1-$c-large.txt" 2>&1
-        fi
+        run_perf "$1" "$c-small" "$SMALL" "${SMALL_ITERS[@]}" -- --collective "$name"
+        run_perf "$1" "$c-medium" "$MEDIUM" "${MEDIUM_ITERS[@]}" -- --collective "$name"
+        run_perf "$1" "$c-large" "$LARGE" "${LARGE_ITERS[@]}" -- --collective "$name"
     done
     # All-reduce on buffers from Communicator::alloc_shared (zero copy across
     # processes), the counterpart of the ceiling's variant (a).
     if [[ ",$COLLS," == *,allreduce,* ]] && [ "$TRANSPORT" = shm ] && [ -n "$SHARED" ]; then
-        OXCCL_TRANSPORT=shm "$PERF" -np "$RANKS" --shared --sizes "$SHARED" -n 10 -w 3 -c 1 \
-            -J "$OUT/raw/oxccl-$1-allreduce_shared-large.json" \
-            >"$OUT/raw/oxccl-$1-allreduce_shared-large.txt" 2>&1
+        local mid big
+        mid=$(echo "$SHARED" | tr , '\n' | awk '$1 <= 4194304' | paste -sd,)
+        big=$(echo "$SHARED" | tr , '\n' | awk '$1 > 4194304' | paste -sd,)
+        run_perf "$1" allreduce_shared-medium "$mid" "${MEDIUM_ITERS[@]}" -- --shared
+        run_perf "$1" allreduce_shared-large "$big" "${LARGE_ITERS[@]}" -- --shared
     fi
 }
 
@@ -145,7 +160,7 @@ import glob, json, os, re, statistics, sys
 out, colls, transport = sys.argv[1], sys.argv[2].split(","), sys.argv[3]
 ox, mpi, ceil = {}, {}, {}
 for path in glob.glob(os.path.join(out, "raw", "oxccl-*.json")):
-    coll = re.match(r"oxccl-\d+-(\w+)-(small|large)\.json", os.path.basename(path)).group(1)
+    coll = re.match(r"oxccl-\d+-(\w+)-(small|medium|large)\.json", os.path.basename(path)).group(1)
     run = json.load(open(path))
     for row in run["rows"]:
         # Both placements count as samples; nccl-tests reports both columns.
