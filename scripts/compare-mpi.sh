@@ -10,8 +10,10 @@
 #   oxccl / Open MPI   (≥ 1 is ahead)
 #   oxccl / ceiling    (zero-copy variant (a), staging-copy variant (b),
 #                       one-line flag protocol (d) for the small sizes)
-#                       — the references run in place, so the table adds
-#                       oxccl's in-place figures over them
+#   oxccl's main column is the placement of Open MPI's call (out of
+#   place; broadcast in place, as MPI_Bcast), the other placement beside it;
+#   the ceiling's variants run in place, so oxccl's in-place figures are
+#   set against them
 #
 # Usage: scripts/compare-mpi.sh [options]
 #   --reps N            alternating repetitions (default 3)
@@ -166,12 +168,13 @@ for path in glob.glob(os.path.join(out, "raw", "oxccl-*.json")):
         # Both placements count as samples; nccl-tests reports both columns.
         key = (coll, row["bytes"])
         ox.setdefault(key, {"busbw": [], "time": [], "algo": row["algo"], "oop": [], "ip": [],
-                            "time_ip": []})
+                            "time_ip": [], "time_oop": []})
         ox[key]["busbw"] += [row["busbw"], row["busbw_ip"]]
         ox[key]["oop"].append(row["busbw"])
         ox[key]["ip"].append(row["busbw_ip"])
         ox[key]["time"] += [row["time_us"], row["time_us_ip"]]
         ox[key]["time_ip"].append(row["time_us_ip"])
+        ox[key]["time_oop"].append(row["time_us"])
         if row["wrong"] or row["wrong_ip"]:
             sys.exit(f"oxccl-perf reported wrong values in {path}")
 for path in glob.glob(os.path.join(out, "raw", "mpi-*.txt")):
@@ -201,44 +204,52 @@ def fmt(x, unit=""):
 def ratio(a, b):
     return "—" if a is None or b in (None, 0) else f"{a / b:.2f}×"
 print(f"\n## oxccl vs Open MPI ({transport}) and the shared-memory ceiling — busbw GB/s (time in µs up to 1 KiB), medians\n")
+print("`oxccl` is the placement of Open MPI's call (out of place; broadcast in place, as")
+print("`MPI_Bcast`), `other` the other placement. The ceiling's variants run in place.\n")
+# Open MPI's benchmark calls MPI_Allreduce, MPI_Allgather and
+# MPI_Reduce_scatter_block with separate buffers and MPI_Bcast in place.
+def like_mpi(coll):
+    return "ip" if coll == "broadcast" else "oop"
+def figure(key, placement, small):
+    entry = ox.get(key, {})
+    if small:
+        return med(entry.get("time_ip" if placement == "ip" else "time_oop", []))
+    return med(entry.get(placement, []))
+def faster(a, b, small):
+    """a over b, above 1 when a is ahead (for times: b takes longer)."""
+    return ratio(b, a) if small else ratio(a, b)
 for coll in colls:
     print(f"### {coll}\n")
-    head = "| size | algo | oxccl | Open MPI | oxccl / MPI |"
-    sep = "|---:|---|---:|---:|---:|"
+    like = like_mpi(coll)
+    other = "oop" if like == "ip" else "ip"
+    names = {"ip": "in place", "oop": "out of place"}
+    head = f"| size | algo | oxccl ({names[like]}) | other ({names[other]}) | Open MPI | oxccl / MPI | other / MPI |"
+    sep = "|---:|---|---:|---:|---:|---:|---:|"
     with_ceiling = coll == "allreduce" and ceil
     if with_ceiling:
-        # The references run in place: the like-for-like ratios are oxccl's
-        # in-place figures over them.
-        head += " (a) zero copy | (b) staging | (d) flag | oxccl / (a) | oxccl / (b) |"
-        head += " in place / (b) | alloc_shared | alloc_shared in place / (a) |"
-        sep += "---:|---:|---:|---:|---:|---:|---:|---:|"
+        head += " (a) zero copy | (b) staging | (d) flag | in place / (a) | in place / (b) |"
+        head += " alloc_shared in place | alloc_shared / (a) |"
+        sep += "---:|---:|---:|---:|---:|---:|---:|"
     print(head)
     print(sep)
     for b in sorted({k[1] for k in ox if k[0] == coll} | {k[1] for k in mpi if k[0] == coll}):
         small = b <= 1024
-        pick = "time" if small else "busbw"
-        o = med(ox.get((coll, b), {}).get(pick, []))
-        m = med(mpi.get((coll, b), {}).get(pick, []))
-        algo = ox.get((coll, b), {}).get("algo", "—")
         u = " µs" if small else ""
-        # For times, lower is better: the ratio is MPI / oxccl.
-        r = ratio(m, o) if small else ratio(o, m)
-        line = f"| {size(b)} | {algo} | {fmt(o, u)} | {fmt(m, u)} | {r} |"
+        o = figure((coll, b), like, small)
+        x = figure((coll, b), other, small)
+        m = med(mpi.get((coll, b), {}).get("time" if small else "busbw", []))
+        algo = ox.get((coll, b), {}).get("algo", "—")
+        line = (f"| {size(b)} | {algo} | {fmt(o, u)} | {fmt(x, u)} | {fmt(m, u)} |"
+                f" {faster(o, m, small)} | {faster(x, m, small)} |")
         if with_ceiling:
+            pick = "time" if small else "busbw"
             ca = med(ceil.get(("a", b), {}).get(pick, []))
             cb = med(ceil.get(("b", b), {}).get(pick, []))
             cd = med(ceil.get(("d", b), {}).get(pick, []))
-            ra = ratio(ca, o) if small else ratio(o, ca)
-            rb = ratio(cb, o) if small else ratio(o, cb)
-            line += f" {fmt(ca, u)} | {fmt(cb, u)} | {fmt(cd, u)} | {ra} | {rb} |"
-            pick_ip = "time_ip" if small else "ip"
-            oi = med(ox.get((coll, b), {}).get(pick_ip, []))
-            line += f" {ratio(cb, oi) if small else ratio(oi, cb)} |"
-            shared = ox.get(("allreduce_shared", b), {})
-            sh = med(shared.get(pick, []))
-            si = med(shared.get(pick_ip, []))
-            rs = ratio(ca, si) if small else ratio(si, ca)
-            line += f" {fmt(sh, u)} | {rs} |"
+            oi = figure((coll, b), "ip", small)
+            si = figure(("allreduce_shared", b), "ip", small)
+            line += (f" {fmt(ca, u)} | {fmt(cb, u)} | {fmt(cd, u)} | {faster(oi, ca, small)} |"
+                     f" {faster(oi, cb, small)} | {fmt(si, u)} | {faster(si, ca, small)} |")
         print(line)
     print()
 print("Ratios above 1× mean oxccl is ahead (for times: the other takes longer).")
