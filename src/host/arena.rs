@@ -110,6 +110,22 @@ const BROADCAST_PUSH_MIN_BYTES: usize = 64 * 1024;
 /// 29–42 → 35–47 GB/s (4–16 MiB 23 → 28, the zero-copy ceiling's figure);
 /// 64 MiB within 5 %.
 const ZERO_COPY_BLOCK_BYTES: usize = 8 * 1024;
+/// A posted buffer's place in a shared allocation is one word: the
+/// allocation's number + 1 above this many bits, the offset below (user
+/// space addresses, and so offsets, stay under 2^47 on x86-64 and
+/// aarch64).
+const PLACE_OFFSET_BITS: u32 = 48;
+const PLACE_OFFSET_MASK: u64 = (1 << PLACE_OFFSET_BITS) - 1;
+
+/// The posted word for offset `at` in allocation `tag` (number + 1), or 0
+/// ("not in a shared allocation") when either does not fit.
+fn place_word(tag: u64, at: u64) -> u64 {
+    if tag >> (64 - PLACE_OFFSET_BITS) != 0 || at > PLACE_OFFSET_MASK {
+        return 0;
+    }
+    tag << PLACE_OFFSET_BITS | at
+}
+
 /// Part boundaries of a zero-copy split fall on cache lines, so two ranks
 /// never write the same line.
 const CACHE_LINE: usize = 64;
@@ -1704,18 +1720,20 @@ impl Arena {
         }
     }
 
-    /// `(allocation number + 1, offset)` of a buffer of `len` bytes, or
-    /// `(0, 0)` when it is not in a live shared allocation of this rank.
-    fn locate(&self, ptr: *const u8, len: usize) -> (u64, u64) {
+    /// Where a buffer of `len` bytes lies, as one posted word:
+    /// `(allocation number + 1) << PLACE_OFFSET_BITS | offset`, or 0 when
+    /// it is not in a live shared allocation of this rank (or its number
+    /// or offset does not fit the word: the call then takes another path).
+    fn locate(&self, ptr: *const u8, len: usize) -> u64 {
         self.shared
             .iter()
             .filter_map(Weak::upgrade)
             .find_map(|r| {
                 r.offset_of(ptr, len)
                     .filter(|_| !r.maps.is_empty())
-                    .map(|at| (r.id + 1, at as u64))
+                    .map(|at| place_word(r.id + 1, at as u64))
             })
-            .unwrap_or((0, 0))
+            .unwrap_or(0)
     }
 
     /// Whether every rank posted, in round `g`, its input in one and the
@@ -1725,7 +1743,8 @@ impl Arena {
         let tags = |p: Rank| {
             let slot = self.payload::<u64>(p, g);
             // SAFETY: posted in round g (awaited by `enter`).
-            unsafe { (slot.add(2).read(), slot.add(4).read()) }
+            let (input, output) = unsafe { (slot.add(2).read(), slot.add(3).read()) };
+            (input >> PLACE_OFFSET_BITS, output >> PLACE_OFFSET_BITS)
         };
         let mine = tags(self.rank);
         mine.0 != 0 && mine.1 != 0 && (0..self.world()).all(|p| tags(p) == mine)
@@ -1741,19 +1760,20 @@ impl Arena {
         (in_len, out_len): (usize, usize),
     ) -> Result<u64> {
         let elem = std::mem::size_of::<T>();
-        let (in_tag, in_at) = self.locate(bufs.input.cast(), in_len * elem);
-        let (out_tag, out_at) = self.locate(bufs.output.cast_const().cast(), out_len * elem);
+        let in_place_word = self.locate(bufs.input.cast(), in_len * elem);
+        let out_place_word = self.locate(bufs.output.cast_const().cast(), out_len * elem);
         let g = self.begin(call)?;
         let slot = self.payload::<u64>(self.rank, g);
-        // SAFETY: the slot holds far more than six words.
+        // Four words, in the slot header's cache line (the header is 32
+        // bytes of a 4096-aligned slot): a peer that sees `posted` reads
+        // them without another line transfer.
+        // SAFETY: the slot holds far more than four words.
         unsafe {
             for (i, word) in [
                 bufs.input as usize as u64,
                 bufs.output as usize as u64,
-                in_tag,
-                in_at,
-                out_tag,
-                out_at,
+                in_place_word,
+                out_place_word,
             ]
             .into_iter()
             .enumerate()
@@ -1772,12 +1792,15 @@ impl Arena {
     /// call runs [`Direct::Mapped`].
     fn buffers_of<T>(&self, p: Rank, g: u64) -> (*const T, *mut T) {
         let slot = self.payload::<u64>(p, g);
+        // Only the words this path needs: a peer's are in another core's
+        // cache.
         // SAFETY: posted in round g (awaited by `enter`).
-        let words: [u64; 6] = std::array::from_fn(|i| unsafe { slot.add(i).read() });
+        let word = |i: usize| unsafe { slot.add(i).read() };
         if self.direct != Direct::Mapped || p == self.rank {
-            return (words[0] as usize as *const T, words[1] as usize as *mut T);
+            return (word(0) as usize as *const T, word(1) as usize as *mut T);
         }
-        let translate = |tag: u64, at: u64| -> *mut T {
+        let translate = |place: u64| -> *mut T {
+            let (tag, at) = (place >> PLACE_OFFSET_BITS, place & PLACE_OFFSET_MASK);
             self.shared
                 .iter()
                 .filter_map(Weak::upgrade)
@@ -1789,10 +1812,7 @@ impl Arena {
                 .map(|r| unsafe { r.maps[p].add(at as usize) as *mut T })
                 .unwrap_or(std::ptr::null_mut())
         };
-        (
-            translate(words[2], words[3]).cast_const(),
-            translate(words[4], words[5]),
-        )
+        (translate(word(2)).cast_const(), translate(word(3)))
     }
 
     /// A collective allocation of `bytes` per rank (see
@@ -2328,5 +2348,24 @@ fn futex_wake(word: &AtomicU32) {
             std::ptr::null::<u32>(),
             0u32,
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_place_word_holds_allocation_and_offset_or_says_nowhere() {
+        let word = place_word(3, 0x1234_5678);
+        assert_eq!(word >> PLACE_OFFSET_BITS, 3);
+        assert_eq!(word & PLACE_OFFSET_MASK, 0x1234_5678);
+        let largest = place_word(u16::MAX as u64, PLACE_OFFSET_MASK);
+        assert_eq!(largest >> PLACE_OFFSET_BITS, u16::MAX as u64);
+        assert_eq!(largest & PLACE_OFFSET_MASK, PLACE_OFFSET_MASK);
+        // What does not fit is "not in a shared allocation" (another
+        // path), never a wrong allocation or offset.
+        assert_eq!(place_word(1 << 16, 0), 0);
+        assert_eq!(place_word(1, PLACE_OFFSET_MASK + 1), 0);
     }
 }
