@@ -158,6 +158,13 @@ impl Link {
             Link::Tcp(link) => link.read_some(buf),
         }
     }
+
+    /// A frame header carrying `payload_bytes` was just read.
+    fn saw_frame(&mut self, payload_bytes: usize) {
+        if let Link::Tcp(link) = self {
+            link.saw_frame(payload_bytes);
+        }
+    }
 }
 
 /// A frame waiting to be written, with how much of it already went out.
@@ -544,6 +551,7 @@ impl Fabric {
                             if *filled == FRAME_HEADER_BYTES {
                                 match decode(buf) {
                                     Ok((kind, header)) => {
+                                        peer.link.saw_frame(header.bytes);
                                         let key = (
                                             source,
                                             header.ctx,

@@ -255,6 +255,21 @@ fn log_refusal(me: usize, from: SocketAddr, why: &str) {
 /// (about 2 µs each on the VMs measured) instead of two. Larger reads
 /// bypass this buffer and land where they are asked to.
 const READ_BUFFER_BYTES: usize = 4096;
+/// While the frames arriving are small (payloads up to
+/// [`SMALL_FRAME_BYTES`]), a buffered read asks for this many bytes
+/// instead: a stream of small frames (a broadcast root running ahead)
+/// then comes in several frames per `recv`, and the reader takes the
+/// receiving socket's lock — which the loopback delivery of the sender's
+/// next frame needs too — less often. Measured, 2 processes over
+/// loopback, 5 alternating runs of 5000 iterations: broadcast 4 KiB
+/// 3.4–4.9 → 3.2–4.0 µs per call (medians 4.7 → 3.4 out of place, 4.4 →
+/// 3.4 in place), other collectives within the noise. After a larger
+/// frame reads go back to [`READ_BUFFER_BYTES`]: a large read ahead copies
+/// part of a large payload a second time (with 32 KiB always, ring
+/// all-reduce 1–4 MiB ran 3–5 % slower).
+const SMALL_FRAME_READ_BYTES: usize = 32 * 1024;
+/// See [`SMALL_FRAME_READ_BYTES`].
+pub(crate) const SMALL_FRAME_BYTES: usize = 8 * 1024;
 
 /// One TCP link as a non-blocking byte stream.
 pub(crate) struct TcpLink {
@@ -264,16 +279,30 @@ pub(crate) struct TcpLink {
     read_buf: Box<[u8]>,
     read_start: usize,
     read_end: usize,
+    /// How many bytes a buffered read asks for now (see
+    /// [`SMALL_FRAME_READ_BYTES`]); at most `read_buf.len()`.
+    read_ahead: usize,
 }
 
 impl TcpLink {
     pub fn new(stream: TcpStream) -> TcpLink {
         TcpLink {
             stream,
-            read_buf: vec![0; READ_BUFFER_BYTES].into_boxed_slice(),
+            read_buf: vec![0; SMALL_FRAME_READ_BYTES].into_boxed_slice(),
             read_start: 0,
             read_end: 0,
+            read_ahead: READ_BUFFER_BYTES,
         }
+    }
+
+    /// Tells the link the payload size of the frame whose header was just
+    /// read: the next buffered reads ask for more while frames are small.
+    pub fn saw_frame(&mut self, payload_bytes: usize) {
+        self.read_ahead = if payload_bytes <= SMALL_FRAME_BYTES {
+            SMALL_FRAME_READ_BYTES
+        } else {
+            READ_BUFFER_BYTES
+        };
     }
 
     /// Whether bytes read from the socket are waiting in the link's own
@@ -323,11 +352,12 @@ impl TcpLink {
             return Ok(0);
         }
         if !self.has_buffered() {
-            if buf.len() >= READ_BUFFER_BYTES {
+            if buf.len() >= self.read_ahead {
                 return self.recv(buf);
             }
             let mut read_buf = std::mem::take(&mut self.read_buf);
-            let got = self.recv(&mut read_buf);
+            let ahead = self.read_ahead;
+            let got = self.recv(&mut read_buf[..ahead]);
             self.read_buf = read_buf;
             (self.read_start, self.read_end) = (0, got?);
         }
@@ -420,14 +450,24 @@ mod tests {
         let (reader, _) = listener.accept().unwrap();
         reader.set_nonblocking(true).unwrap();
         let mut link = TcpLink::new(reader);
-        let sent: Vec<u8> = (0..100_000u32).map(|i| (i * 31 + 7) as u8).collect();
-        writer.write_all(&sent).unwrap();
-        drop(writer);
-        // Header-sized, small, large and odd-sized reads, in a cycle.
-        let sizes = [64, 8, 3, 20_000, 1, 4095, 4096, 9000];
+        let sent: Vec<u8> = (0..400_000u32).map(|i| (i * 31 + 7) as u8).collect();
+        // From another thread: more than the sockets' buffers may hold.
+        let writing = {
+            let sent = sent.clone();
+            std::thread::spawn(move || {
+                writer.write_all(&sent).unwrap();
+                drop(writer);
+            })
+        };
+        // Header-sized, small, large and odd-sized reads, in a cycle, with
+        // the read-ahead switching between its two sizes (frames seen
+        // small, then large) at sizes on either side of both.
+        let sizes = [64, 8, 3, 20_000, 1, 4095, 4096, 9000, 40_000, 32_768];
+        let seen = [100, SMALL_FRAME_BYTES + 1, SMALL_FRAME_BYTES, 0, 70_000];
         let mut got = Vec::new();
         let deadline = Instant::now() + Duration::from_secs(10);
-        for size in sizes.iter().cycle() {
+        for (size, frame) in sizes.iter().cycle().zip(seen.iter().cycle()) {
+            link.saw_frame(*frame);
             let mut buf = vec![0u8; *size];
             match link.read_some(&mut buf) {
                 Ok(n) => got.extend_from_slice(&buf[..n]),
@@ -438,6 +478,7 @@ mod tests {
             }
             assert!(Instant::now() < deadline, "stream not finished");
         }
+        writing.join().unwrap();
         assert_eq!(got.len(), sent.len());
         assert!(got == sent, "bytes reordered or changed");
     }
