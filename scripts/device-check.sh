@@ -13,7 +13,8 @@
 # and as processes joined by CUDA IPC; also host-staged, OXCCL_P2P_DISABLE=1)
 # and oxccl-perf --backend cuda-ring beside the GPU's
 # copy bandwidth, and prints a short summary table last. Exit status:
-# non-zero when any step failed.
+# non-zero when any step failed. STEP_TIMEOUT (seconds, default 300) bounds
+# each step, so that a hang costs one step, not the session's device time.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUNDLE="${1:-carry/device}"
@@ -29,7 +30,7 @@ step() {
     local name="$1"; shift
     echo; echo "=== $name: $*" | tee -a "$LOG"
     local t0=$SECONDS
-    timeout 300 "$@" 2>&1 | tee -a "$LOG"
+    timeout "${STEP_TIMEOUT:-300}" "$@" 2>&1 | tee -a "$LOG"
     local rc=${PIPESTATUS[0]}
     local status=ok
     [ "$rc" -eq 0 ] || { status="FAILED (rc $rc)"; FAILED=1; }
