@@ -87,6 +87,12 @@ step "oxccl-perf nccl bfloat16 avg" \
 # The cuda-ring: oxccl's own kernels, several ranks per GPU allowed.
 step "cuda-ring GPU tests (threads, processes)" \
     "$BUNDLE/cuda_ring_gpu" --ignored --test-threads=1 --nocapture
+# Pieces far smaller than the default, so that every collective runs
+# through many pipeline pieces per chunk.
+step "cuda-ring GPU tests, OXCCL_CHUNK_BYTES=64K" \
+    env OXCCL_CHUNK_BYTES=65536 "$BUNDLE/cuda_ring_gpu" --ignored --test-threads=1 \
+    every_collective_dtype_and_op_matches_the_host_bit_for_bit \
+    all_reduce_is_all_gather_of_reduce_scatter_bit_for_bit
 step "cuda-ring GPU tests, OXCCL_P2P_DISABLE=1" \
     env OXCCL_P2P_DISABLE=1 OXCCL_DEBUG=INFO "$BUNDLE/cuda_ring_gpu" --ignored --test-threads=1 \
     every_collective_dtype_and_op_matches_the_host_bit_for_bit
