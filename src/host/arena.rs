@@ -2193,10 +2193,29 @@ impl Arena {
                         }
                     })
             }
-            None => (0..world)
-                .filter(|&p| p != me || !bufs.in_place)
-                // SAFETY: output holds world·count elements.
-                .try_for_each(|p| pull(p, unsafe { bufs.output.add(p * count) })),
+            None => {
+                // Out of place from OWN_PART_STREAM_MIN_BYTES, this rank's
+                // own part bypasses the cache (see there).
+                let own_stream = stream || world * bytes >= stream::OWN_PART_STREAM_MIN_BYTES;
+                // In rank order on every rank: rank p copies its own part
+                // while the ranks after it pull the same lines, which
+                // halves the memory reads for large buffers (pulls first,
+                // then own parts, measured 5.5–5.7 → 4.7–5.2 GB/s at
+                // 16 MiB over shared memory, 8.2 → 6.3 GB/s on threads).
+                (0..world).try_for_each(|p| {
+                    // SAFETY: output holds world·count elements.
+                    let dst = unsafe { bufs.output.add(p * count) };
+                    if p != me {
+                        pull(p, dst)
+                    } else {
+                        if !bufs.in_place {
+                            // SAFETY: distinct buffers of count elements.
+                            unsafe { copy_out(own_stream, bufs.input, dst, count) };
+                        }
+                        Ok(())
+                    }
+                })
+            }
         };
         result?;
         self.leave(call, sig, g)
