@@ -90,7 +90,17 @@ fn all_gather_piece(
 ) {
     let (prev, next) = neighbours(rank, world);
     let nonempty = |c: usize| layout.piece(c, j).1 > 0;
-    if let Some(src) = own_input.filter(|s| s.len > 0) {
+    let own_input = own_input.filter(|s| s.len > 0);
+    // Out of place the own piece goes out from the input, before it is
+    // copied into the output: the next rank's receive need not wait for
+    // the copy.
+    if world > 1 && nonempty(rank) {
+        steps.push(Step::Send {
+            peer: next,
+            src: own_input.unwrap_or_else(|| output(rank)),
+        });
+    }
+    if let Some(src) = own_input {
         steps.push(Step::Copy {
             src,
             dst: output(rank),
@@ -98,12 +108,6 @@ fn all_gather_piece(
     }
     if world == 1 {
         return;
-    }
-    if nonempty(rank) {
-        steps.push(Step::Send {
-            peer: next,
-            src: output(rank),
-        });
     }
     for k in 0..world - 2 {
         let c = (rank + world - k - 1) % world;
