@@ -280,6 +280,33 @@ pub(crate) struct CallSig {
 }
 
 /// One rank's handle on an arena.
+/// Every rank's input and output address for one zero-copy call, in lists
+/// kept from call to call so that a call allocates nothing: refilled at
+/// the start of each call, never read after it.
+#[derive(Default)]
+struct PeerBuffers {
+    inputs: Vec<*const u8>,
+    outputs: Vec<*mut u8>,
+}
+
+// SAFETY: plain addresses, dereferenced only inside the call that filled
+// them, on the thread that runs it.
+unsafe impl Send for PeerBuffers {}
+
+impl PeerBuffers {
+    /// The inputs as `T` pointers.
+    fn inputs<T>(&self) -> &[*const T] {
+        // SAFETY: `*const u8` and `*const T` have one size and alignment.
+        unsafe { std::slice::from_raw_parts(self.inputs.as_ptr().cast(), self.inputs.len()) }
+    }
+
+    /// The outputs as `T` pointers.
+    fn outputs<T>(&self) -> &[*mut T] {
+        // SAFETY: as for `inputs`.
+        unsafe { std::slice::from_raw_parts(self.outputs.as_ptr().cast(), self.outputs.len()) }
+    }
+}
+
 pub(crate) struct Arena {
     memory: Arc<Memory>,
     geometry: Geometry,
@@ -302,6 +329,8 @@ pub(crate) struct Arena {
     shared_ever: bool,
     /// The next allocation's number.
     next_shared: u64,
+    /// The peers' buffer addresses of the current zero-copy call.
+    peer_buffers: PeerBuffers,
     /// How the current direct call reaches the peers' buffers.
     direct: Direct,
     /// How the last call that could go direct went (`None`: staged).
@@ -475,6 +504,7 @@ impl Arena {
             shared: Vec::new(),
             shared_ever: false,
             next_shared: 0,
+            peer_buffers: PeerBuffers::default(),
             direct: Direct::Local,
             last_direct: None,
             mailbox_next: RankWords::new(geometry.world),
@@ -577,7 +607,11 @@ impl Arena {
         let deadline = start + self.timeout;
         let mut spin_until = start + SPIN;
         let sleep_after = start + SLEEP_AFTER;
-        let mut next_liveness = start;
+        // Peer processes are looked up (`/proc`, several system calls) only
+        // once a wait has lasted a whole interval: checked at its first
+        // pass, every wait over 5 µs paid for it (1–4 MiB collectives wait
+        // that long several times per call). Departures are a load.
+        let mut next_liveness = start + LIVENESS_INTERVAL;
         let control = self.control(peer);
         loop {
             for _ in 0..64 {
@@ -596,17 +630,18 @@ impl Arena {
             if self.aborted.load(Ordering::Relaxed) {
                 return Err(call.error(peer, TransportError::Aborted));
             }
-            if now >= next_liveness {
+            let check_pids = now >= next_liveness;
+            if check_pids {
                 next_liveness = now + LIVENESS_INTERVAL;
-                if let Some(lost) = self.lost_member(peer) {
-                    if ready() {
-                        return Ok(());
-                    }
-                    if lost == peer && peer_left_ok && self.departed(peer) {
-                        return Ok(());
-                    }
-                    return Err(call.error(lost, TransportError::PeerLost { rank: Some(lost) }));
+            }
+            if let Some(lost) = self.lost_member(peer, check_pids) {
+                if ready() {
+                    return Ok(());
                 }
+                if lost == peer && peer_left_ok && self.departed(peer) {
+                    return Ok(());
+                }
+                return Err(call.error(lost, TransportError::PeerLost { rank: Some(lost) }));
             }
             if now >= deadline {
                 return Err(call.error(peer, TransportError::Timeout(now - start)));
@@ -632,9 +667,9 @@ impl Arena {
 
     /// A member that left or died, looking at `first` before the others
     /// (a crash elsewhere is usually why `first` went quiet).
-    fn lost_member(&self, first: Rank) -> Option<Rank> {
+    fn lost_member(&self, first: Rank, check_pids: bool) -> Option<Rank> {
         let dead = |r: Rank| {
-            self.watch_pids && {
+            check_pids && self.watch_pids && {
                 let pid = self.control(r).pid.load(Ordering::Relaxed) as u32;
                 pid != 0 && !process_alive(pid)
             }
@@ -1815,6 +1850,21 @@ impl Arena {
         (translate(word(2)).cast_const(), translate(word(3)))
     }
 
+    /// Takes the reusable address lists, filled with every rank's buffers
+    /// of round `g`, the inputs moved by `input_offset` elements; give them
+    /// back with `self.peer_buffers = …` when the call is done with them.
+    fn take_peer_buffers<T>(&mut self, g: u64, input_offset: usize) -> PeerBuffers {
+        let mut lists = std::mem::take(&mut self.peer_buffers);
+        lists.inputs.clear();
+        lists.outputs.clear();
+        for p in 0..self.world() {
+            let (input, output) = self.buffers_of::<T>(p, g);
+            lists.inputs.push(input.wrapping_add(input_offset).cast());
+            lists.outputs.push(output.cast());
+        }
+        lists
+    }
+
     /// A collective allocation of `bytes` per rank (see
     /// [`SharedBuffer`](crate::host::SharedBuffer)). Across processes: every
     /// rank creates a segment, then (one round later) maps every peer's,
@@ -2033,9 +2083,8 @@ impl Arena {
         let world = self.world();
         let (start, end) = self.share::<T>(count);
         if end > start {
-            let peers: Vec<(*const T, *mut T)> =
-                (0..world).map(|p| self.buffers_of::<T>(p, g)).collect();
-            let inputs: Vec<*const T> = peers.iter().map(|b| b.0).collect();
+            let lists = self.take_peer_buffers::<T>(g, 0);
+            let (inputs, outputs) = (lists.inputs::<T>(), lists.outputs::<T>());
             // SAFETY: every rank stays in this call until `leave`; this rank
             // alone touches [start, end) of every buffer.
             // Block by block, so the copies to the other outputs read the
@@ -2053,13 +2102,13 @@ impl Arena {
                     let out = if stream {
                         view_mut(self.scratch::<T>(g).0, 0, n)
                     } else {
-                        view_mut(peers[self.rank].1, at, n)
+                        view_mut(outputs[self.rank], at, n)
                     };
-                    self.fold_inputs(op, &inputs, at, out, bufs.in_place, self.scratch(g));
+                    self.fold_inputs(op, inputs, at, out, bufs.in_place, self.scratch(g));
                     if op == ReduceOp::Avg {
                         T::divide_by(out, world);
                     }
-                    for (p, &(_, output)) in peers.iter().enumerate() {
+                    for (p, &output) in outputs.iter().enumerate() {
                         if stream {
                             stream::copy_streaming_unfenced(out.as_ptr(), output.add(at), n);
                         } else if p != self.rank {
@@ -2072,6 +2121,7 @@ impl Arena {
             if stream {
                 stream::fence();
             }
+            self.peer_buffers = lists;
         }
         self.leave(call, sig, g)
     }
@@ -2086,25 +2136,27 @@ impl Arena {
         op: ReduceOp,
     ) -> Result<()> {
         let (world, me) = (self.world(), self.rank);
-        let inputs: Vec<*const T> = (0..world).map(|p| self.buffers_of::<T>(p, g).0).collect();
         if count > 0 {
+            // Part `me` of every input.
+            let lists = self.take_peer_buffers::<T>(g, me * count);
+            let shifted = lists.inputs::<T>();
             // Part `me` of every input folds into this rank's output (in
             // place: part `me` of its own input).
             // SAFETY: inputs live until `leave`; this rank writes only its
             // output and its own slot.
             unsafe {
                 let out = view_mut(bufs.output, 0, count);
-                let shifted: Vec<*const T> = inputs.iter().map(|&i| i.add(me * count)).collect();
                 // Out of place, a large output is streamed (never read);
                 // in place it is this rank's input, read by the fold.
                 let stream = !bufs.in_place && streams::<T>(world * count);
                 write_out(stream, out, |block, at| {
-                    self.fold_inputs(op, &shifted, at, block, bufs.in_place, self.scratch(g));
+                    self.fold_inputs(op, shifted, at, block, bufs.in_place, self.scratch(g));
                     if op == ReduceOp::Avg {
                         T::divide_by(block, world);
                     }
                 });
             }
+            self.peer_buffers = lists;
         }
         self.leave(call, sig, g)
     }
@@ -2232,19 +2284,21 @@ impl Arena {
     ) -> Result<()> {
         let world = self.world();
         if self.rank == root && count > 0 {
-            let inputs: Vec<*const T> = (0..world).map(|p| self.buffers_of::<T>(p, g).0).collect();
+            let lists = self.take_peer_buffers::<T>(g, 0);
+            let inputs = lists.inputs::<T>();
             // SAFETY: inputs live until `leave`; the root writes only its
             // output and its own slot.
             unsafe {
                 let out = view_mut(bufs.output, 0, count);
                 let stream = !bufs.in_place && streams::<T>(count);
                 write_out(stream, out, |block, at| {
-                    self.fold_inputs(op, &inputs, at, block, bufs.in_place, self.scratch(g));
+                    self.fold_inputs(op, inputs, at, block, bufs.in_place, self.scratch(g));
                     if op == ReduceOp::Avg {
                         T::divide_by(block, world);
                     }
                 });
             }
+            self.peer_buffers = lists;
         }
         self.leave(call, sig, g)
     }
