@@ -985,11 +985,12 @@ impl NetEndpoint {
             Gone::Departed(_) => None,
         };
         let collective = expect.filter(|h| h.space == Space::Collective);
-        let involved: Vec<usize> = match collective {
-            Some(_) => (0..self.members.len()).collect(),
-            None => vec![peer],
+        // A range, not a list: this runs at every pass of a wait.
+        let involved = match collective {
+            Some(_) => 0..self.members.len(),
+            None => peer..peer + 1,
         };
-        for &member in &involved {
+        for member in involved.clone() {
             if let Some(e) = fabric
                 .gone(self.members[member])
                 .and_then(|g| fatal(member, g))
@@ -998,7 +999,7 @@ impl NetEndpoint {
             }
         }
         if let Some(h) = collective {
-            for &member in &involved {
+            for member in involved {
                 if let Some(Gone::Departed(entered)) = fabric.gone(self.members[member]) {
                     if entered.get(&h.ctx).is_none_or(|&n| n <= h.seq) {
                         return Some(lost(member));
