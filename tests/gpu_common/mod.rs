@@ -5,12 +5,21 @@
 use cudarc::driver::DeviceRepr;
 use oxccl::{Communicator, DeviceCommunicator, Element, ReduceOp};
 
-/// Inputs whose float products depend on the order of multiplication (so a
-/// different order shows). Sums stay in range; products of 8 ranks overflow
-/// f16 (15^8 > 65504), which exercises infinities and NaNs (inf · 0).
+/// Inputs whose float sums and products depend on the order of the fold
+/// (floats get a fraction of a third, which no binary format holds
+/// exactly), so a reduction in another order than the host's shows. Sums
+/// stay in range; products of 8 ranks overflow f16 (15^8 > 65504), which
+/// exercises infinities and NaNs (inf · 0).
 pub fn input<T: Element>(rank: usize, len: usize) -> Vec<T> {
     (0..len)
-        .map(|i| T::from_i64_wrapping(((rank * 131 + i * 17) % 23) as i64 - 7))
+        .map(|i| {
+            let whole = ((rank * 131 + i * 17) % 23) as i64 - 7;
+            if T::DTYPE.is_float() {
+                T::from_f64(whole as f64 + (rank as f64 + 1.0) / 3.0)
+            } else {
+                T::from_i64_wrapping(whole)
+            }
+        })
         .collect()
 }
 
