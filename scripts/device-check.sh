@@ -87,10 +87,12 @@ step "oxccl-perf nccl bfloat16 avg" \
 # The cuda-ring: oxccl's own kernels, several ranks per GPU allowed.
 step "cuda-ring GPU tests (threads, processes)" \
     "$BUNDLE/cuda_ring_gpu" --ignored --test-threads=1 --nocapture
-# Pieces far smaller than the default, so that every collective runs
-# through many pipeline pieces per chunk.
-step "cuda-ring GPU tests, OXCCL_CHUNK_BYTES=64K" \
-    env OXCCL_CHUNK_BYTES=65536 "$BUNDLE/cuda_ring_gpu" --ignored --test-threads=1 \
+# Threads on one GPU run all-reduce, reduce-scatter and all-gather
+# peer-direct by default; this step keeps them on the ring, with pieces far
+# smaller than the default, so that every collective runs through many
+# pipeline pieces per chunk.
+step "cuda-ring GPU tests, OXCCL_ALGO=ring OXCCL_CHUNK_BYTES=64K" \
+    env OXCCL_ALGO=ring OXCCL_CHUNK_BYTES=65536 "$BUNDLE/cuda_ring_gpu" --ignored --test-threads=1 \
     every_collective_dtype_and_op_matches_the_host_bit_for_bit \
     all_reduce_is_all_gather_of_reduce_scatter_bit_for_bit
 step "cuda-ring GPU tests, OXCCL_P2P_DISABLE=1" \
@@ -102,6 +104,12 @@ step "cuda-ring processes, OXCCL_P2P_DISABLE=1" \
 RING_RANKS=$(( GPUS > 1 ? GPUS : 2 ))
 step "oxccl-perf cuda-ring all_reduce -t $RING_RANKS" \
     env OXCCL_DEBUG=INFO "$BUNDLE/oxccl-perf" --backend cuda-ring -t "$RING_RANKS" -b 8 -e 256M -f 4 -n 20 -w 5
+step "oxccl-perf cuda-ring all_reduce -t $RING_RANKS, OXCCL_ALGO=ring" \
+    env OXCCL_ALGO=ring "$BUNDLE/oxccl-perf" --backend cuda-ring -t "$RING_RANKS" -b 8 -e 256M -f 4 -n 20 -w 5
+for ranks in 4 8; do
+    step "oxccl-perf cuda-ring all_reduce -t $ranks" \
+        "$BUNDLE/oxccl-perf" --backend cuda-ring -t "$ranks" -b 8 -e 256M -f 16 -n 10 -w 2
+done
 for coll in all_gather reduce_scatter broadcast; do
     step "oxccl-perf cuda-ring $coll -t $RING_RANKS" \
         "$BUNDLE/oxccl-perf" --backend cuda-ring -t "$RING_RANKS" --collective "$coll" -b 1M -e 256M -f 16 -n 10 -w 2

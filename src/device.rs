@@ -26,8 +26,8 @@ use cudarc::driver::CudaSlice;
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, DriverError};
 
 use crate::bootstrap::{LaunchEnv, PrefixStore, Store};
-use crate::comm::{launch_store, CommConfig};
-use crate::cuda::lower::{concat, lower, Lowered};
+use crate::comm::{launch_store, Algo, CommConfig};
+use crate::cuda::lower::{concat, lower, lower_peer_direct, Lowered};
 use crate::cuda::ring::{CallBufs, RingComm, RingGroup};
 use crate::desc::{BufDesc, Buffer, CollectiveDesc, MemoryKind};
 use crate::error::{Error, Result};
@@ -245,8 +245,9 @@ impl DeviceCommBuilder {
                         world_size,
                         Arc::new(PrefixStore::new(format!("{prefix}/control"), store)),
                     )?;
+                let algo = ring_algo_from_env()?;
                 let ring = RingComm::new_remote(control, ctx, timeout)?;
-                Ok(DeviceCommunicator::assemble_ring(ring, timeout))
+                Ok(DeviceCommunicator::assemble_ring(ring, timeout, algo))
             }
             _ => self.nccl_init(rank, world_size, store, device, &prefix, timeout),
         }
@@ -371,6 +372,7 @@ impl DeviceCommBuilder {
     /// `n` cuda-ring ranks, rank `i` on GPU `i` modulo the visible GPUs.
     fn ring_local_group(&self, n: usize, timeout: Duration) -> Result<Vec<DeviceCommunicator>> {
         let count = visible_devices(0)?;
+        let algo = ring_algo_from_env()?;
         let contexts = (0..n)
             .map(|i| open_device(i, Some(i % count.max(1))))
             .collect::<Result<Vec<_>>>()?;
@@ -381,7 +383,7 @@ impl DeviceCommBuilder {
             .enumerate()
             .map(|(rank, ctx)| {
                 RingComm::new(group.clone(), rank, ctx, timeout)
-                    .map(|ring| DeviceCommunicator::assemble_ring(ring, timeout))
+                    .map(|ring| DeviceCommunicator::assemble_ring(ring, timeout, algo))
             })
             .collect()
     }
@@ -557,6 +559,10 @@ pub struct DeviceCommunicator {
     engine: Engine,
     /// Pipeline piece size of the cuda-ring's schedules.
     chunk_bytes: usize,
+    /// The cuda-ring's algorithm setting (`OXCCL_ALGO`): `Ring` keeps every
+    /// call on the ring; otherwise all-reduce, reduce-scatter and
+    /// all-gather run peer-direct where the ranks allow it.
+    ring_algo: Algo,
     timeout: Duration,
     /// Collective calls made so far (the number errors carry).
     seq: u64,
@@ -629,13 +635,14 @@ impl DeviceCommunicator {
                 barrier_cell,
             },
             chunk_bytes: RING_CHUNK_BYTES,
+            ring_algo: Algo::Auto,
             timeout,
             seq: 0,
             failed: None,
         })
     }
 
-    fn assemble_ring(ring: RingComm, timeout: Duration) -> Self {
+    fn assemble_ring(ring: RingComm, timeout: Duration, ring_algo: Algo) -> Self {
         DeviceCommunicator {
             rank: ring.rank(),
             world: ring.world(),
@@ -643,6 +650,7 @@ impl DeviceCommunicator {
             stream: ring.stream().clone(),
             engine: Engine::Ring(Box::new(ring)),
             chunk_bytes: ring_chunk_bytes(),
+            ring_algo,
             timeout,
             seq: 0,
             failed: None,
@@ -680,6 +688,32 @@ impl DeviceCommunicator {
             #[cfg(feature = "nccl")]
             Engine::Nccl { .. } => "nccl",
             Engine::Ring(_) => "cuda-ring",
+        }
+    }
+
+    /// The algorithm a call of `op` runs, for reports: `nccl`, or on the
+    /// cuda-ring `peer-direct` or `ring`.
+    pub fn algorithm_for(&self, op: OpKind) -> &'static str {
+        match &self.engine {
+            #[cfg(feature = "nccl")]
+            Engine::Nccl { .. } => "nccl",
+            Engine::Ring(ring) => {
+                // An empty call of `op` lowers as any call of it would.
+                let desc = CollectiveDesc::new(
+                    op,
+                    crate::DType::U8,
+                    self.rank,
+                    self.world,
+                    MemoryKind::Device,
+                );
+                let direct =
+                    peer_direct_allowed(ring, self.ring_algo) && lower_peer_direct(&desc).is_some();
+                if direct {
+                    "peer-direct"
+                } else {
+                    "ring"
+                }
+            }
         }
     }
 
@@ -858,7 +892,14 @@ impl DeviceCommunicator {
                 call.run(comm, barrier_cell, desc, send, recv)
             }
             Engine::Ring(ring) => {
-                ring_enqueue(ring, desc, self.chunk_bytes, &[CallBufs { send, recv }])
+                let lowered = ring_lowering(ring, self.ring_algo, desc, self.chunk_bytes);
+                ring.run(
+                    desc.op,
+                    desc.dtype,
+                    desc.reduce_op.unwrap_or(ReduceOp::Sum),
+                    &lowered,
+                    &[CallBufs { send, recv }],
+                )
             }
         }
     }
@@ -1198,7 +1239,7 @@ impl DeviceCommunicator {
             .bind_to_thread()
             .map_err(cuda_error(self.rank, "binding the GPU to this thread"))?;
         self.seq += 1;
-        let timeout = self.timeout;
+        let (timeout, ring_algo) = (self.timeout, self.ring_algo);
         let child = match &mut self.engine {
             #[cfg(feature = "nccl")]
             Engine::Nccl { comm, .. } => comm.split(color, key).and_then(|c| {
@@ -1207,7 +1248,7 @@ impl DeviceCommunicator {
             }),
             Engine::Ring(ring) => ring
                 .split(color, key)
-                .map(|c| c.map(|c| Self::assemble_ring(c, timeout))),
+                .map(|c| c.map(|c| Self::assemble_ring(c, timeout, ring_algo))),
         };
         if let Err(e) = &child {
             self.failed.get_or_insert_with(|| e.to_string());
@@ -1275,20 +1316,39 @@ fn ring_plan(desc: &CollectiveDesc, chunk_bytes: usize) -> Lowered {
     lower(&plan, desc.world_size)
 }
 
-fn ring_enqueue(
-    ring: &mut RingComm,
+/// A validated call's lowering on the cuda-ring: peer-direct when the
+/// ranks can address each other's buffers and `algo` is not `Ring`, else
+/// the ring's. Every rank decides alike (same call, same path table).
+fn ring_lowering(
+    ring: &RingComm,
+    algo: Algo,
     desc: &CollectiveDesc,
     chunk_bytes: usize,
-    bufs: &[CallBufs],
-) -> Result<()> {
-    let lowered = ring_plan(desc, chunk_bytes);
-    ring.run(
-        desc.op,
-        desc.dtype,
-        desc.reduce_op.unwrap_or(ReduceOp::Sum),
-        &lowered,
-        bufs,
-    )
+) -> Lowered {
+    let direct = peer_direct_allowed(ring, algo)
+        .then(|| lower_peer_direct(desc))
+        .flatten();
+    direct.unwrap_or_else(|| ring_plan(desc, chunk_bytes))
+}
+
+/// Whether the cuda-ring may run calls peer-direct: not forced onto the
+/// ring, and the ranks can address each other's buffers.
+fn peer_direct_allowed(ring: &RingComm, algo: Algo) -> bool {
+    algo != Algo::Ring && ring.peer_direct_available()
+}
+
+/// `OXCCL_ALGO` for the cuda-ring: `ring` keeps every call on the ring;
+/// `auto` (the default) and `direct` run all-reduce, reduce-scatter and
+/// all-gather peer-direct where the ranks allow it.
+fn ring_algo_from_env() -> Result<Algo> {
+    match std::env::var("OXCCL_ALGO") {
+        Ok(value) => Algo::from_name(&value).ok_or_else(|| Error::Config {
+            name: "OXCCL_ALGO".into(),
+            value,
+            reason: "expected auto, ring or direct".into(),
+        }),
+        Err(_) => Ok(Algo::Auto),
+    }
 }
 
 /// One NCCL call being enqueued.

@@ -216,7 +216,100 @@ __device__ __forceinline__ void divide_bf16(u16* x, u64 n, u64 world) {
     }
 }
 
-// ---- the entry points: oxccl_combine_<dtype>_<op>, oxccl_divide_<dtype> ---
+// ---- reduce_peers: one rank's chunk, read from every rank, written to one
+// or all of them ---------------------------------------------------------
+//
+// The peer-direct all-reduce and reduce-scatter (src/cuda/lower.rs): ranks
+// that can address each other's buffers (one process, same GPU or peer
+// access) skip the ring's staging. The rank owning chunk c reads it from
+// every rank's input, in the ring's order, c+1, c+2, ..., c, folding
+// acc = x[c+k] (+) acc exactly as the ring's receive-reduce steps do (local
+// operand first, the partial result second, rounded to T at every step), so
+// the bits are the ring's. Avg divides the result once, as the ring's owner
+// does, then it is written to every destination.
+
+#define MAX_PEERS 8
+struct Ptrs {
+    u64 p[MAX_PEERS];
+};
+
+template <typename T> struct DivideOps {
+    __device__ static __forceinline__ T finish(T x, u64 world) { return divide_one<T>(x, world); }
+};
+struct DivideF16 {
+    __device__ static __forceinline__ u16 finish(u16 x, u64 world) {
+        return f32_to_f16(f16_to_f32(x) / (float)world);
+    }
+};
+struct DivideBf16 {
+    __device__ static __forceinline__ u16 finish(u16 x, u64 world) {
+        return f32_to_bf16(bf16_to_f32(x) / (float)world);
+    }
+};
+
+// srcs.p[0..nsrc) in folding order; dsts.p[0..ndst); divide_by 0 = no divide.
+// One element of the fold: what the vector body does per lane, and the
+// scalar head and tail.
+template <typename T, typename Ops, typename Op, typename Div>
+__device__ __forceinline__ T fold_one(const Ptrs& srcs, u32 nsrc, u64 i, u64 divide_by) {
+    T acc = ((const T*)srcs.p[0])[i];
+#pragma unroll 1
+    for (u32 k = 1; k < nsrc; k++) acc = Ops::apply(Op(), ((const T*)srcs.p[k])[i], acc);
+    if (divide_by != 0) acc = Div::finish(acc, divide_by);
+    return acc;
+}
+
+template <typename T, typename Ops, typename Op, typename Div>
+__device__ __forceinline__ void reduce_peers(Ptrs srcs, u32 nsrc, Ptrs dsts, u32 ndst, u64 n,
+                                             u64 divide_by) {
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    const u64 first = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    const int V = 16 / (int)sizeof(T);
+    // Every rank's chunk sits at the same offset of buffers that are
+    // usually allocated alike, so the pointers usually share their
+    // misalignment: a scalar head then brings all of them to 16 bytes.
+    const u64 mis = srcs.p[0] & 15u;
+    bool same = true;
+    for (u32 k = 0; k < nsrc; k++) same = same && (srcs.p[k] & 15u) == mis;
+    for (u32 k = 0; k < ndst; k++) same = same && (dsts.p[k] & 15u) == mis;
+    u64 head = same ? ((16u - mis) & 15u) / sizeof(T) : n;
+    if (head > n) head = n;
+    const u64 vectors = (n - head) / V;
+    const u64 tail = head + vectors * V;
+    for (u64 i = first; i < head; i += stride) {
+        T acc = fold_one<T, Ops, Op, Div>(srcs, nsrc, i, divide_by);
+        for (u32 k = 0; k < ndst; k++) ((T*)dsts.p[k])[i] = acc;
+    }
+    for (u64 v = first; v < vectors; v += stride) {
+        const u64 at = head * sizeof(T) + v * 16u;
+        uint4 acc = *(const uint4*)(srcs.p[0] + at);
+        T* ea = (T*)&acc;
+        // Not unrolled: nsrc is small and the body, for halves, large.
+#pragma unroll 1
+        for (u32 k = 1; k < nsrc; k++) {
+            uint4 x = *(const uint4*)(srcs.p[k] + at);
+            const T* ex = (const T*)&x;
+#pragma unroll
+            for (int i = 0; i < V; i++) {
+                ea[i] = Ops::apply(Op(), ex[i], ea[i]);
+            }
+        }
+        if (divide_by != 0) {
+#pragma unroll
+            for (int i = 0; i < V; i++) {
+                ea[i] = Div::finish(ea[i], divide_by);
+            }
+        }
+        for (u32 k = 0; k < ndst; k++) *(uint4*)(dsts.p[k] + at) = acc;
+    }
+    for (u64 i = tail + first; i < n; i += stride) {
+        T acc = fold_one<T, Ops, Op, Div>(srcs, nsrc, i, divide_by);
+        for (u32 k = 0; k < ndst; k++) ((T*)dsts.p[k])[i] = acc;
+    }
+}
+
+// ---- the entry points: oxccl_combine_<dtype>_<op>, oxccl_divide_<dtype>,
+// oxccl_reduce_peers_<dtype>_<op>
 //
 // dtype names are oxccl's (DType::name in src/types.rs): int8 uint8 int32
 // uint32 int64 uint64 half float double bfloat16.
@@ -227,11 +320,21 @@ __device__ __forceinline__ void divide_bf16(u16* x, u64 n, u64 world) {
         combine<T, OPS, OP>(dst, a, b, n);                                            \
     }
 
-#define ALL_OPS(NAME, T, OPS)   \
-    COMBINE(NAME, T, OPS, Sum)  \
-    COMBINE(NAME, T, OPS, Prod) \
-    COMBINE(NAME, T, OPS, Min)  \
-    COMBINE(NAME, T, OPS, Max)
+#define REDUCE_PEERS(NAME, T, OPS, OP, DIV)                                            \
+    extern "C" __global__ void oxccl_reduce_peers_##NAME##_##OP(                        \
+        Ptrs srcs, u32 nsrc, Ptrs dsts, u32 ndst, u64 n, u64 divide_by) {               \
+        reduce_peers<T, OPS, OP, DIV>(srcs, nsrc, dsts, ndst, n, divide_by);            \
+    }
+
+#define ALL_OPS(NAME, T, OPS, DIV)          \
+    COMBINE(NAME, T, OPS, Sum)              \
+    COMBINE(NAME, T, OPS, Prod)             \
+    COMBINE(NAME, T, OPS, Min)              \
+    COMBINE(NAME, T, OPS, Max)              \
+    REDUCE_PEERS(NAME, T, OPS, Sum, DIV)    \
+    REDUCE_PEERS(NAME, T, OPS, Prod, DIV)   \
+    REDUCE_PEERS(NAME, T, OPS, Min, DIV)    \
+    REDUCE_PEERS(NAME, T, OPS, Max, DIV)
 
 typedef IntOps<signed char, unsigned char> I8Ops;
 typedef IntOps<unsigned char, unsigned char> U8Ops;
@@ -242,16 +345,16 @@ typedef IntOps<u64, u64> U64Ops;
 typedef FloatOps<float> F32Ops;
 typedef FloatOps<double> F64Ops;
 
-ALL_OPS(int8, signed char, I8Ops)
-ALL_OPS(uint8, unsigned char, U8Ops)
-ALL_OPS(int32, int, I32Ops)
-ALL_OPS(uint32, u32, U32Ops)
-ALL_OPS(int64, i64, I64Ops)
-ALL_OPS(uint64, u64, U64Ops)
-ALL_OPS(half, u16, F16Ops)
-ALL_OPS(float, float, F32Ops)
-ALL_OPS(double, double, F64Ops)
-ALL_OPS(bfloat16, u16, Bf16Ops)
+ALL_OPS(int8, signed char, I8Ops, DivideOps<signed char>)
+ALL_OPS(uint8, unsigned char, U8Ops, DivideOps<unsigned char>)
+ALL_OPS(int32, int, I32Ops, DivideOps<int>)
+ALL_OPS(uint32, u32, U32Ops, DivideOps<u32>)
+ALL_OPS(int64, i64, I64Ops, DivideOps<i64>)
+ALL_OPS(uint64, u64, U64Ops, DivideOps<u64>)
+ALL_OPS(half, u16, F16Ops, DivideF16)
+ALL_OPS(float, float, F32Ops, DivideOps<float>)
+ALL_OPS(double, double, F64Ops, DivideOps<double>)
+ALL_OPS(bfloat16, u16, Bf16Ops, DivideBf16)
 
 #define DIVIDE(NAME, T)                                                                \
     extern "C" __global__ void oxccl_divide_##NAME(T* x, u64 n, u64 world) {           \

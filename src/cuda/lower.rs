@@ -36,8 +36,9 @@
 //! | `ReduceLocal{src, dst}` | `dst = dst ⊕ src` |
 //! | `DivideByWorld{span}` | divide |
 
-use crate::schedule::{BufId, Plan, Span, Step};
-use crate::types::Rank;
+use crate::desc::CollectiveDesc;
+use crate::schedule::{BufId, ChunkLayout, Plan, Span, Step};
+use crate::types::{OpKind, Rank, ReduceOp};
 
 /// A memory a device operation reads or writes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -78,6 +79,29 @@ pub(crate) enum DevOp {
     Post { to: Rank },
     /// Wait for the next message from `from`.
     Await { from: Rank },
+    /// Peer-direct reduction of this rank's chunk: reads `len` elements at
+    /// `input` of *every* rank's buffer (the same `BufId` and offset on
+    /// each), folds them in the ring's order for the chunk this rank owns
+    /// (`rank+1, rank+2, …, rank`: `acc = x ⊕ acc`), divides by the world
+    /// size when `divide` (`Avg`), and writes the result at `output` of every
+    /// rank's buffer (`to_all`, all-reduce) or of this rank's only
+    /// (reduce-scatter).
+    ReducePeers {
+        input: At,
+        output: At,
+        len: usize,
+        to_all: bool,
+        divide: bool,
+    },
+    /// Peer-direct all-gather: copies `len` elements at `src` of this rank
+    /// to `dst` of every other rank's buffer, and of this rank's own when
+    /// `include_self`.
+    CopyToPeers {
+        src: At,
+        dst: At,
+        len: usize,
+        include_self: bool,
+    },
 }
 
 /// A lowered plan: the operations, and the inbox sizes they need.
@@ -213,6 +237,94 @@ pub(crate) fn lower(plan: &Plan, world: usize) -> Lowered {
     out
 }
 
+/// The largest world the peer-direct lowering serves: the reduction
+/// kernel takes every rank's address by value (`MAX_PEERS` in
+/// `kernels.cu`).
+pub(crate) const PEER_DIRECT_MAX_WORLD: usize = 8;
+
+/// The *peer-direct* form of all-reduce, reduce-scatter and all-gather, for
+/// ranks that can address each other's buffers (threads of one process on
+/// one GPU, or on GPUs with peer access): no inboxes, no staging copies.
+///
+/// Rank `r` owns chunk `r` of the ring's [`ChunkLayout`] and folds it from
+/// every rank's input in the ring's order, so the bits are the ring's
+/// (all-reduce, reduce-scatter); all-gather copies this rank's part into
+/// every output. Per rank, an all-reduce reads `M` and writes `M` bytes,
+/// where the ring's staging reads `2.5·M` and writes `2·M` (two ranks).
+///
+/// The ops, identical on every rank: await every peer's *ready* (its stream
+/// has reached the call: its input is final, its output no longer used by
+/// earlier work), the one kernel or the copies, then post an empty message
+/// to every peer ("done with your buffers") and await every peer's. A
+/// rank's call therefore ends on its stream only after every peer has
+/// finished reading and writing its buffers. Chunks are disjoint, so ranks
+/// never touch the same elements (in place included: a rank reads and
+/// writes only its own chunk of each buffer).
+///
+/// `None` for other operations, one rank, or more than
+/// [`PEER_DIRECT_MAX_WORLD`] ranks: those run the ring.
+pub(crate) fn lower_peer_direct(desc: &CollectiveDesc) -> Option<Lowered> {
+    let (rank, world) = (desc.rank, desc.world_size);
+    if !(2..=PEER_DIRECT_MAX_WORLD).contains(&world) {
+        return None;
+    }
+    let input_buf = if desc.in_place {
+        BufId::Recv
+    } else {
+        BufId::Send
+    };
+    let buf = |b: BufId, offset: usize| At {
+        mem: Mem::Buf(b),
+        offset,
+    };
+    let count = desc.count();
+    let main = match desc.op {
+        OpKind::AllReduce => {
+            let (offset, len) = ChunkLayout::new(count, world, 1).chunk(rank);
+            DevOp::ReducePeers {
+                input: buf(input_buf, offset),
+                output: buf(BufId::Recv, offset),
+                len,
+                to_all: true,
+                divide: desc.reduce_op == Some(ReduceOp::Avg),
+            }
+        }
+        OpKind::ReduceScatter => {
+            let offset = rank * count;
+            DevOp::ReducePeers {
+                input: buf(input_buf, offset),
+                output: buf(BufId::Recv, if desc.in_place { offset } else { 0 }),
+                len: count,
+                to_all: false,
+                divide: desc.reduce_op == Some(ReduceOp::Avg),
+            }
+        }
+        OpKind::AllGather => DevOp::CopyToPeers {
+            src: if desc.in_place {
+                buf(BufId::Recv, rank * count)
+            } else {
+                buf(BufId::Send, 0)
+            },
+            dst: buf(BufId::Recv, rank * count),
+            len: count,
+            include_self: !desc.in_place,
+        },
+        _ => return None,
+    };
+    let peers = || (0..world).filter(move |&p| p != rank);
+    let mut ops: Vec<DevOp> = peers().map(|to| DevOp::AwaitReady { to }).collect();
+    ops.push(main);
+    ops.extend(peers().map(|to| DevOp::Post { to }));
+    ops.extend(peers().map(|from| DevOp::Await { from }));
+    Some(Lowered {
+        ops,
+        incoming: vec![0; world],
+        receives_from: (0..world).map(|p| p != rank).collect(),
+        outgoing: vec![0; world],
+        scratch_len: 0,
+    })
+}
+
 /// One call made of several lowered parts (a group of point-to-point
 /// calls): part `i`'s buffers become [`Mem::Part`]`(i, ..)`, its inbox and
 /// outbox offsets follow the earlier parts', and each peer's inbox is made
@@ -269,6 +381,10 @@ pub(crate) fn concat(parts: &[Lowered]) -> Lowered {
                     dst: place(dst),
                     len,
                 },
+                // Grouped calls are point-to-point: never peer-direct.
+                DevOp::ReducePeers { .. } | DevOp::CopyToPeers { .. } => {
+                    unreachable!("peer-direct ops in a group")
+                }
                 other => other,
             });
         }
@@ -395,6 +511,51 @@ mod tests {
                         T::divide_by(&mut x, world);
                         write(&mut ranks, me, dst, &x);
                     }
+                    DevOp::ReducePeers {
+                        input,
+                        output,
+                        len,
+                        to_all,
+                        divide,
+                    } => {
+                        for p in (0..world).filter(|&p| p != me) {
+                            assert!(
+                                lowered[me].ops[..ranks[me].pc]
+                                    .contains(&DevOp::AwaitReady { to: p }),
+                                "rank {me} reads rank {p}'s buffer before its ready"
+                            );
+                        }
+                        // The ring's order for chunk `me`: me+1, …, me.
+                        let mut acc = read(&ranks, (me + 1) % world, input, len);
+                        for k in 2..=world {
+                            let x = read(&ranks, (me + k) % world, input, len);
+                            let mut out = vec![T::zeroed(); len];
+                            T::combine_into(op, &mut out, &x, &acc);
+                            acc = out;
+                        }
+                        if divide {
+                            T::divide_by(&mut acc, world);
+                        }
+                        let targets: Vec<usize> = if to_all {
+                            (0..world).collect()
+                        } else {
+                            vec![me]
+                        };
+                        for p in targets {
+                            write(&mut ranks, p, output, &acc);
+                        }
+                    }
+                    DevOp::CopyToPeers {
+                        src,
+                        dst,
+                        len,
+                        include_self,
+                    } => {
+                        let data = read(&ranks, me, src, len);
+                        for p in (0..world).filter(|&p| include_self || p != me) {
+                            write(&mut ranks, p, dst, &data);
+                        }
+                    }
                 }
                 ranks[me].pc += 1;
                 progressed = true;
@@ -414,10 +575,19 @@ mod tests {
         ranks.into_iter().map(|r| r.recv).collect()
     }
 
-    /// Inputs with varied bits (and some negative values for the signed types).
+    /// Inputs with varied bits (and some negative values for the signed
+    /// types). Floats get fractions no binary format holds exactly, so
+    /// their sums depend on the order of the fold: a plan that reduces in
+    /// another order than the host's fails the comparison.
     fn input<T: Element>(rank: usize, len: usize) -> Vec<T> {
         (0..len)
-            .map(|i| T::from_i64_wrapping(((rank * 131 + i * 17) % 23) as i64 - 7))
+            .map(|i| {
+                let whole = ((rank * 131 + i * 17) % 23) as i64 - 7;
+                match T::DTYPE.is_float() {
+                    true => T::from_f64(whole as f64 + (rank as f64 + 1.0) / 3.0),
+                    false => T::from_i64_wrapping(whole),
+                }
+            })
             .collect()
     }
 
@@ -492,7 +662,12 @@ mod tests {
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     }
 
-    fn lowered_results<T: Element>(case: Case, world: usize, chunk: usize) -> Vec<Vec<T>> {
+    fn lowered_results<T: Element>(
+        case: Case,
+        world: usize,
+        chunk: usize,
+        peer_direct: bool,
+    ) -> Vec<Vec<T>> {
         let (send_len, recv_len) = lens(&case, world);
         let host = |len| BufDesc {
             len,
@@ -514,8 +689,19 @@ mod tests {
                 desc = desc.with_root(root);
             }
             desc.validate().unwrap();
-            let plan = plan_with(&desc, chunk, Family::Ring);
-            let low = lower(&plan, world);
+            let direct = peer_direct.then(|| lower_peer_direct(&desc)).flatten();
+            assert_eq!(
+                direct.is_some(),
+                peer_direct
+                    && world <= PEER_DIRECT_MAX_WORLD
+                    && matches!(
+                        case.op,
+                        OpKind::AllReduce | OpKind::ReduceScatter | OpKind::AllGather
+                    ),
+                "{case:?}"
+            );
+            let low =
+                direct.unwrap_or_else(|| lower(&plan_with(&desc, chunk, Family::Ring), world));
             ranks.push(Rank_ {
                 send: input::<T>(r, send_len),
                 recv: if case.in_place {
@@ -591,10 +777,10 @@ mod tests {
         out
     }
 
-    fn compare<T: Element>(world: usize, chunk: usize) {
+    fn compare<T: Element>(world: usize, chunk: usize, peer_direct: bool) {
         for case in cases(world) {
             let host = host_results::<T>(case, world, chunk);
-            let gpu = lowered_results::<T>(case, world, chunk);
+            let gpu = lowered_results::<T>(case, world, chunk, peer_direct);
             for r in 0..world {
                 // Off the root, reduce's output is unspecified; in-place
                 // reduce-scatter leaves the other blocks unspecified.
@@ -616,11 +802,68 @@ mod tests {
     #[test]
     fn launch_plans_give_the_host_backends_bits() {
         for world in [2, 3, 4] {
-            compare::<f32>(world, 64);
-            compare::<crate::bf16>(world, 256 * 1024);
+            compare::<f32>(world, 64, false);
+            compare::<crate::bf16>(world, 256 * 1024, false);
         }
-        compare::<i8>(3, 16);
-        compare::<f64>(5, 1 << 20);
+        compare::<i8>(3, 16, false);
+        compare::<f64>(5, 1 << 20, false);
+    }
+
+    /// The peer-direct all-reduce, reduce-scatter and all-gather give the
+    /// ring's bits (host `Algo::Ring`, with any piece size: the reduction
+    /// order depends on the chunks only).
+    #[test]
+    fn peer_direct_plans_give_the_rings_bits() {
+        for world in [2, 3, 4] {
+            compare::<f32>(world, 64, true);
+            compare::<crate::f16>(world, 1 << 20, true);
+        }
+        compare::<i8>(3, 16, true);
+        compare::<f64>(5, 1 << 20, true);
+        compare::<crate::bf16>(8, 1 << 20, true);
+        // Past the kernel's pointer arrays: the ring.
+        compare::<f32>(9, 1 << 20, true);
+    }
+
+    #[test]
+    fn peer_direct_all_reduce_is_one_kernel_between_readies_and_done_messages() {
+        let desc = CollectiveDesc::new(
+            OpKind::AllReduce,
+            crate::DType::F32,
+            1,
+            3,
+            MemoryKind::Device,
+        )
+        .with_in_place(BufDesc {
+            len: 10,
+            memory: MemoryKind::Device,
+        })
+        .with_reduce_op(ReduceOp::Avg);
+        let low = lower_peer_direct(&desc).unwrap();
+        let buf = |offset| At {
+            mem: Mem::Buf(BufId::Recv),
+            offset,
+        };
+        assert_eq!(
+            low.ops,
+            vec![
+                DevOp::AwaitReady { to: 0 },
+                DevOp::AwaitReady { to: 2 },
+                DevOp::ReducePeers {
+                    input: buf(4),
+                    output: buf(4),
+                    len: 3,
+                    to_all: true,
+                    divide: true,
+                },
+                DevOp::Post { to: 0 },
+                DevOp::Post { to: 2 },
+                DevOp::Await { from: 0 },
+                DevOp::Await { from: 2 },
+            ]
+        );
+        assert_eq!(low.receives_from, vec![true, false, true]);
+        assert_eq!((low.incoming, low.outgoing), (vec![0; 3], vec![0; 3]));
     }
 
     #[test]

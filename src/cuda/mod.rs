@@ -6,7 +6,9 @@
 //!   `kernels.sm90.ptx`) by `scripts/gen-ptx.py` and embedded by `build.rs`.
 //! - [`lower`]: a schedule plan as the operations one GPU stream runs
 //!   (copies, fused receive-reduce-send kernels, posts and awaits between
-//!   ranks), pure data, checked on the CPU against the host backend.
+//!   ranks) — or, for ranks that address each other's buffers, the
+//!   peer-direct all-reduce, reduce-scatter and all-gather — pure data,
+//!   checked on the CPU against the host backend.
 
 pub(crate) mod ipc;
 pub(crate) mod lower;
@@ -42,6 +44,13 @@ pub(crate) fn combine_kernel(dtype: DType, op: ReduceOp) -> String {
     format!("oxccl_combine_{}_{op}", dtype.name())
 }
 
+/// The kernel folding one chunk read from every rank and writing it to one
+/// or every rank (the peer-direct all-reduce and reduce-scatter; `Avg`
+/// combines as `Sum` and divides at the end).
+pub(crate) fn reduce_peers_kernel(dtype: DType, op: ReduceOp) -> String {
+    combine_kernel(dtype, op).replace("oxccl_combine_", "oxccl_reduce_peers_")
+}
+
 /// The kernel dividing by the world size (the last step of `Avg`).
 pub(crate) fn divide_kernel(dtype: DType) -> String {
     format!("oxccl_divide_{}", dtype.name())
@@ -54,6 +63,7 @@ pub(crate) fn all_kernels() -> Vec<String> {
     for dtype in DType::ALL {
         for op in [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max] {
             names.push(combine_kernel(dtype, op));
+            names.push(reduce_peers_kernel(dtype, op));
         }
         names.push(divide_kernel(dtype));
     }
@@ -81,7 +91,7 @@ mod tests {
         }
         assert!(PTX_SM80.contains("\n.target sm_80\n"));
         assert!(PTX_SM90.contains("\n.target sm_90\n"));
-        assert_eq!(all_kernels().len(), 50);
+        assert_eq!(all_kernels().len(), 90);
         assert_eq!(ptx_for(9, 0), Some(PTX_SM90));
         assert_eq!(ptx_for(8, 6), Some(PTX_SM80));
         assert_eq!(ptx_for(7, 5), None);

@@ -14,6 +14,10 @@
 //! ordering is by events only (`cuStreamWaitEvent`), so the CPU threads
 //! enqueue and move on.
 //!
+//! A receiver's ready also carries its call buffers: a peer-direct call
+//! ([`super::lower::lower_peer_direct`], threads only) reads and writes
+//! them straight, with no inbox.
+//!
 //! Paths between a pair (printed with `OXCCL_DEBUG=INFO`):
 //! - *same GPU*: the inbox is device memory, copies and kernels use it
 //!   directly;
@@ -39,6 +43,15 @@ use super::lower::{At, DevOp, Lowered, Mem};
 use crate::error::{Error, Result};
 use crate::schedule::BufId;
 use crate::types::{DType, OpKind, Rank, ReduceOp};
+
+/// Up to [`super::lower::PEER_DIRECT_MAX_WORLD`] device addresses, passed
+/// to a kernel by value (`struct Ptrs` in `kernels.cu`).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct KernelPtrs([u64; super::lower::PEER_DIRECT_MAX_WORLD]);
+
+// SAFETY: plain old data with the kernel parameter's C layout.
+unsafe impl cudarc::driver::DeviceRepr for KernelPtrs {}
 
 /// Whether `OXCCL_P2P_DISABLE` forces the host-staged path (NCCL's
 /// `NCCL_P2P_DISABLE`).
@@ -92,6 +105,9 @@ struct Ready {
     /// would desynchronise the pair).
     messages: usize,
     event: Arc<CudaEvent>,
+    /// The receiver's buffers of the call, which a peer-direct call
+    /// ([`super::lower::lower_peer_direct`]) reads and writes.
+    bufs: CallBufs,
 }
 
 /// One ordered pair's mailbox, written under its mutex. Both queues are
@@ -417,7 +433,7 @@ impl Inbox {
 }
 
 /// One call's buffers as device addresses (0 where absent).
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct CallBufs {
     pub send: CUdeviceptr,
     pub recv: CUdeviceptr,
@@ -452,6 +468,10 @@ pub(crate) struct RingComm {
     /// equal on every rank, unlike `seq`, which counts point-to-point calls).
     splits: u64,
     sms: u32,
+    /// The event of the last post, while nothing was enqueued after it: the
+    /// next post records nothing new and hands the same event on (a
+    /// peer-direct call posts to every peer in a row).
+    last_post: Option<Arc<CudaEvent>>,
 }
 
 // SAFETY: the raw device addresses are owned allocations; everything else
@@ -526,6 +546,7 @@ impl RingComm {
             seq: 0,
             splits: 0,
             sms,
+            last_post: None,
         })
     }
 
@@ -548,6 +569,22 @@ impl RingComm {
     /// Whether the ranks are separate processes (CUDA IPC).
     pub(crate) fn is_remote(&self) -> bool {
         matches!(self.links, Links::Remote(_))
+    }
+
+    /// Whether calls may run peer-direct
+    /// ([`super::lower::lower_peer_direct`]): ranks are threads of this
+    /// process (their buffers' addresses are usable by every rank), no pair
+    /// is host-staged (every GPU reaches every other's memory), and the
+    /// world fits the kernel. The same answer on every rank, since each
+    /// sees the group's whole path table.
+    pub(crate) fn peer_direct_available(&self) -> bool {
+        match &self.links {
+            Links::Local(group) => {
+                (2..=super::lower::PEER_DIRECT_MAX_WORLD).contains(&self.world)
+                    && group.paths.iter().all(|&p| p != Path::HostStaged)
+            }
+            Links::Remote(_) => false,
+        }
     }
 
     /// The path messages from `from` to `to` take.
@@ -762,21 +799,23 @@ impl RingComm {
     /// Waits for `to`'s ready of this call and orders the stream after it;
     /// returns `to`'s inbox (as this rank addresses it) and the bytes it
     /// expects.
-    fn await_ready(&mut self, op: OpKind, to: Rank) -> Result<(CUdeviceptr, usize, usize)> {
+    fn await_ready(
+        &mut self,
+        op: OpKind,
+        to: Rank,
+    ) -> Result<(CUdeviceptr, usize, usize, CallBufs)> {
         let (rank, seq) = (self.rank, self.seq);
         match &mut self.links {
             Links::Local(group) => {
                 let group = group.clone();
-                let (inbox, bytes, messages, event) =
+                let ready =
                     self.wait_pair(op, to, group.pair(rank, to), "waiting for the inbox", |s| {
-                        s.readies
-                            .pop_front()
-                            .map(|r| (r.inbox, r.bytes, r.messages, r.event))
+                        s.readies.pop_front()
                     })?;
                 self.stream
-                    .wait(&event)
+                    .wait(&ready.event)
                     .map_err(cuda_error(rank, "ordering after a peer's ready event"))?;
-                Ok((inbox, bytes, messages))
+                Ok((ready.inbox, ready.bytes, ready.messages, ready.bufs))
             }
             Links::Remote(links) => {
                 let (stream, timeout) = (&self.stream, self.timeout);
@@ -793,7 +832,13 @@ impl RingComm {
                 // SAFETY: a live stream; an event opened in this context.
                 let rc = unsafe { sys::cuStreamWaitEvent(stream.cu_stream(), ready.event, 0) };
                 check(rank, "ordering after a peer's ready event", rc)?;
-                Ok((ready.inbox, ready.bytes, ready.messages))
+                // Peers in other processes never run peer-direct.
+                Ok((
+                    ready.inbox,
+                    ready.bytes,
+                    ready.messages,
+                    CallBufs::default(),
+                ))
             }
         }
     }
@@ -804,13 +849,18 @@ impl RingComm {
         let (rank, seq) = (self.rank, self.seq);
         match &mut self.links {
             Links::Local(group) => {
-                let event = self
-                    .stream
-                    .record_event(None)
-                    .map_err(cuda_error(rank, "recording a message event"))?;
+                let event = match &self.last_post {
+                    Some(event) => event.clone(),
+                    None => Arc::new(
+                        self.stream
+                            .record_event(None)
+                            .map_err(cuda_error(rank, "recording a message event"))?,
+                    ),
+                };
+                self.last_post = Some(event.clone());
                 let pair = group.pair(rank, to);
                 let mut state = pair.state.lock().unwrap_or_else(|e| e.into_inner());
-                state.messages.push_back(Arc::new(event));
+                state.messages.push_back(event);
                 pair.changed.notify_all();
                 Ok(())
             }
@@ -932,6 +982,7 @@ impl RingComm {
                         bytes: lowered.incoming[from] * elem,
                         messages: expected[from],
                         event: ready.clone(),
+                        bufs: bufs.first().copied().unwrap_or_default(),
                     });
                     pair.changed.notify_all();
                 }
@@ -966,7 +1017,17 @@ impl RingComm {
                 .copied()
                 .unwrap_or(CallBufs { send: 0, recv: 0 })
         };
+        let reduce_peers = self.function(&super::reduce_peers_kernel(dtype, reduce))?;
+        // Peers' buffers of this call, learnt from their readies.
+        let mut peer_bufs = vec![CallBufs::default(); world];
+        peer_bufs[rank] = bufs.first().copied().unwrap_or_default();
+        self.last_post = None;
         for dev_op in &lowered.ops {
+            // A post may reuse the previous post's event only while nothing
+            // else reached the stream since.
+            if !matches!(dev_op, DevOp::Post { .. }) {
+                self.last_post = None;
+            }
             let addr = |at: At, outboxes: &[CUdeviceptr]| -> CUdeviceptr {
                 let base = match at.mem {
                     Mem::Buf(BufId::Send) | Mem::Part(_, BufId::Send) => part(at).send,
@@ -979,7 +1040,8 @@ impl RingComm {
             };
             match *dev_op {
                 DevOp::AwaitReady { to } => {
-                    let (inbox, bytes, messages) = self.await_ready(op, to)?;
+                    let (inbox, bytes, messages, their_bufs) = self.await_ready(op, to)?;
+                    peer_bufs[to] = their_bufs;
                     // The pairing is per call: a call that sends more than
                     // the receiver's matching call expects (one side groups
                     // point-to-point calls, the other does not) would write
@@ -1035,6 +1097,76 @@ impl RingComm {
                             .map_err(cuda_error(rank, "launching a reduction kernel"))?;
                     }
                 }
+                DevOp::ReducePeers {
+                    input,
+                    output,
+                    len,
+                    to_all,
+                    divide,
+                } if len > 0 => {
+                    let at = |p: Rank, at: At| -> CUdeviceptr {
+                        let base = match at.mem {
+                            Mem::Buf(BufId::Send) => peer_bufs[p].send,
+                            _ => peer_bufs[p].recv,
+                        };
+                        base + (at.offset * elem) as u64
+                    };
+                    // The ring's order for the chunk this rank owns.
+                    let mut srcs = KernelPtrs::default();
+                    for k in 1..=world {
+                        srcs.0[k - 1] = at((rank + k) % world, input);
+                    }
+                    let mut dsts = KernelPtrs::default();
+                    let ndst = if to_all {
+                        for p in 0..world {
+                            dsts.0[p] = at(p, output);
+                        }
+                        world
+                    } else {
+                        dsts.0[0] = at(rank, output);
+                        1
+                    };
+                    let (nsrc, ndst) = (world as u32, ndst as u32);
+                    let (n, divide_by) = (len as u64, if divide { world as u64 } else { 0 });
+                    let cfg = self.launch_config(len, elem);
+                    let mut launch = self.stream.launch_builder(&reduce_peers);
+                    launch
+                        .arg(&srcs)
+                        .arg(&nsrc)
+                        .arg(&dsts)
+                        .arg(&ndst)
+                        .arg(&n)
+                        .arg(&divide_by);
+                    // SAFETY: the kernel's signature is (Ptrs, u32, Ptrs,
+                    // u32, u64, u64); every address is a live buffer of the
+                    // call (validated lengths, the same on every rank),
+                    // published with its owner's ready, and the owner's
+                    // stream waits for this rank's done message before
+                    // anything after the call touches it.
+                    unsafe { launch.launch(cfg) }
+                        .map_err(cuda_error(rank, "launching a peer-direct reduction"))?;
+                }
+                DevOp::CopyToPeers {
+                    src,
+                    dst,
+                    len,
+                    include_self,
+                } if len > 0 => {
+                    let from = addr(src, &outboxes);
+                    self.ctx
+                        .bind_to_thread()
+                        .map_err(cuda_error(rank, "binding the GPU to this thread"))?;
+                    for p in (0..world).filter(|&p| include_self || p != rank) {
+                        let to = peer_bufs[p].recv + (dst.offset * elem) as u64;
+                        // SAFETY: as for the reduction above: live buffers
+                        // of the call, ordered by readies and done messages.
+                        let rc = unsafe {
+                            sys::cuMemcpyAsync(to, from, len * elem, self.stream.cu_stream())
+                        };
+                        check(rank, "enqueueing a peer-direct copy", rc)?;
+                    }
+                }
+                DevOp::ReducePeers { .. } | DevOp::CopyToPeers { .. } => {}
                 DevOp::Divide { dst, len } => {
                     if len > 0 {
                         let d = addr(dst, &outboxes);

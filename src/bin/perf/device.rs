@@ -149,7 +149,7 @@ fn bench<T: Element + DeviceRepr>(
         let mut row = Row {
             bytes,
             count,
-            algo: comm.backend_name().into(),
+            algo: comm.algorithm_for(super::op_kind(a.coll)).into(),
             ..Row::default()
         };
         for (k, in_place) in [false, true].into_iter().enumerate() {
