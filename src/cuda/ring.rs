@@ -29,7 +29,7 @@
 //!   writes it, the receiver reads it (over PCIe).
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -119,13 +119,40 @@ struct Ready {
 struct PairState {
     readies: VecDeque<Ready>,
     messages: VecDeque<Arc<CudaEvent>>,
+    /// Waiters asleep on `changed` (a push wakes them; with none asleep it
+    /// skips the futex call).
+    sleepers: usize,
 }
 
 #[derive(Default)]
 struct Pair {
     state: Mutex<PairState>,
     changed: Condvar,
+    /// Bumped, under the lock, by every push: what a spinning waiter
+    /// watches without taking the lock.
+    version: AtomicU64,
 }
+
+impl Pair {
+    /// Pushes with `push` and wakes the waiter if it sleeps.
+    fn publish(&self, push: impl FnOnce(&mut PairState)) {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        push(&mut state);
+        self.version.fetch_add(1, Ordering::Release);
+        if state.sleepers > 0 {
+            self.changed.notify_all();
+        }
+    }
+}
+
+/// How long a host thread waiting for a peer's ready or message spins
+/// before it sleeps on the pair's condvar. Handoffs between the ranks'
+/// threads are on every call's critical path (the next step needs the
+/// peer's event), and on the H200 a 2-rank call waited 5–9 µs per handoff
+/// while a sleeping waiter's wake-up and the poster's futex call cost
+/// several µs more; past this the waiter sleeps, so idle ranks do not burn
+/// a core.
+const HANDOFF_SPIN: Duration = Duration::from_micros(50);
 
 /// The host-side meeting point of a group of ranks in one process.
 pub(crate) struct RingGroup {
@@ -472,6 +499,10 @@ pub(crate) struct RingComm {
     /// next post records nothing new and hands the same event on (a
     /// peer-direct call posts to every peer in a row).
     last_post: Option<Arc<CudaEvent>>,
+    /// Events this rank recorded for peers in this process (readies,
+    /// posts), recorded again once no peer holds them: see
+    /// [`RingComm::record_pooled`].
+    event_pool: Vec<Arc<CudaEvent>>,
 }
 
 // SAFETY: the raw device addresses are owned allocations; everything else
@@ -547,6 +578,7 @@ impl RingComm {
             splits: 0,
             sms,
             last_post: None,
+            event_pool: Vec::new(),
         })
     }
 
@@ -585,6 +617,39 @@ impl RingComm {
             }
             Links::Remote(_) => false,
         }
+    }
+
+    /// Records an event on the stream for peers in this process, reusing a
+    /// pooled one no peer holds any more. A peer drops its handle only
+    /// after enqueuing its stream's wait on it, and a wait is for the
+    /// record current when it was enqueued, so recording the event again
+    /// cannot move a wait already queued. Creating and destroying an event
+    /// per ready and per post was two more driver calls each, contending
+    /// with the other ranks' threads for the GPU's context. The pool stays
+    /// small: ranks move in step (a call waits for every peer's ready), so
+    /// only a few events are ever held by peers at once.
+    fn record_pooled(&mut self, what: &str) -> Result<Arc<CudaEvent>> {
+        let rank = self.rank;
+        // `get_mut` succeeds only on the sole handle, with acquire ordering
+        // against the peer's release of its clone.
+        let index = match self
+            .event_pool
+            .iter_mut()
+            .position(|e| Arc::get_mut(e).is_some())
+        {
+            Some(i) => i,
+            None => {
+                let event = self
+                    .ctx
+                    .new_event(None)
+                    .map_err(cuda_error(rank, "creating an event"))?;
+                self.event_pool.push(Arc::new(event));
+                self.event_pool.len() - 1
+            }
+        };
+        let event = &self.event_pool[index];
+        event.record(&self.stream).map_err(cuda_error(rank, what))?;
+        Ok(event.clone())
     }
 
     /// The path messages from `from` to `to` take.
@@ -772,7 +837,8 @@ impl RingComm {
         mut ready: impl FnMut(&mut PairState) -> Option<R>,
     ) -> Result<R> {
         let start = Instant::now();
-        let mut state = pair.state.lock().unwrap_or_else(|e| e.into_inner());
+        let lock = || pair.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut state = lock();
         loop {
             if let Some(r) = ready(&mut state) {
                 return Ok(r);
@@ -788,11 +854,24 @@ impl RingComm {
                     waited,
                 });
             }
+            if waited < HANDOFF_SPIN {
+                // Read under the lock: any push after this bumps it.
+                let seen = pair.version.load(Ordering::Acquire);
+                drop(state);
+                while pair.version.load(Ordering::Acquire) == seen && start.elapsed() < HANDOFF_SPIN
+                {
+                    std::hint::spin_loop();
+                }
+                state = lock();
+                continue;
+            }
+            state.sleepers += 1;
             let (next, _) = pair
                 .changed
                 .wait_timeout(state, WAKE.min(self.timeout - waited))
                 .unwrap_or_else(|e| e.into_inner());
             state = next;
+            state.sleepers -= 1;
         }
     }
 
@@ -849,19 +928,15 @@ impl RingComm {
         let (rank, seq) = (self.rank, self.seq);
         match &mut self.links {
             Links::Local(group) => {
+                let group = group.clone();
                 let event = match &self.last_post {
                     Some(event) => event.clone(),
-                    None => Arc::new(
-                        self.stream
-                            .record_event(None)
-                            .map_err(cuda_error(rank, "recording a message event"))?,
-                    ),
+                    None => self.record_pooled("recording a message event")?,
                 };
                 self.last_post = Some(event.clone());
-                let pair = group.pair(rank, to);
-                let mut state = pair.state.lock().unwrap_or_else(|e| e.into_inner());
-                state.messages.push_back(event);
-                pair.changed.notify_all();
+                group
+                    .pair(rank, to)
+                    .publish(|state| state.messages.push_back(event));
                 Ok(())
             }
             Links::Remote(links) => links
@@ -969,22 +1044,18 @@ impl RingComm {
         let senders = (0..world).filter(|&p| p != rank && lowered.receives_from[p]);
         match &mut self.links {
             Links::Local(group) => {
-                let ready = Arc::new(
-                    self.stream
-                        .record_event(None)
-                        .map_err(cuda_error(rank, "recording the ready event"))?,
-                );
+                let group = group.clone();
+                let ready = self.record_pooled("recording the ready event")?;
                 for from in senders {
-                    let pair = group.pair(from, rank);
-                    let mut state = pair.state.lock().unwrap_or_else(|e| e.into_inner());
-                    state.readies.push_back(Ready {
-                        inbox: self.inboxes[from].ptr,
-                        bytes: lowered.incoming[from] * elem,
-                        messages: expected[from],
-                        event: ready.clone(),
-                        bufs: bufs.first().copied().unwrap_or_default(),
+                    group.pair(from, rank).publish(|state| {
+                        state.readies.push_back(Ready {
+                            inbox: self.inboxes[from].ptr,
+                            bytes: lowered.incoming[from] * elem,
+                            messages: expected[from],
+                            event: ready.clone(),
+                            bufs: bufs.first().copied().unwrap_or_default(),
+                        })
                     });
-                    pair.changed.notify_all();
                 }
             }
             Links::Remote(links) => {
