@@ -560,8 +560,8 @@ pub struct DeviceCommunicator {
     /// Pipeline piece size of the cuda-ring's schedules.
     chunk_bytes: usize,
     /// The cuda-ring's algorithm setting (`OXCCL_ALGO`): `Ring` keeps every
-    /// call on the ring; otherwise all-reduce, reduce-scatter and
-    /// all-gather run peer-direct where the ranks allow it.
+    /// call on the ring; otherwise all-reduce, reduce-scatter,
+    /// all-gather and broadcast run peer-direct where the ranks allow it.
     ring_algo: Algo,
     timeout: Duration,
     /// Collective calls made so far (the number errors carry).
@@ -1338,8 +1338,8 @@ fn peer_direct_allowed(ring: &RingComm, algo: Algo) -> bool {
 }
 
 /// `OXCCL_ALGO` for the cuda-ring: `ring` keeps every call on the ring;
-/// `auto` (the default) and `direct` run all-reduce, reduce-scatter and
-/// all-gather peer-direct where the ranks allow it.
+/// `auto` (the default) and `direct` run all-reduce, reduce-scatter,
+/// all-gather and broadcast peer-direct where the ranks allow it.
 fn ring_algo_from_env() -> Result<Algo> {
     match std::env::var("OXCCL_ALGO") {
         Ok(value) => Algo::from_name(&value).ok_or_else(|| Error::Config {

@@ -242,14 +242,16 @@ pub(crate) fn lower(plan: &Plan, world: usize) -> Lowered {
 /// `kernels.cu`).
 pub(crate) const PEER_DIRECT_MAX_WORLD: usize = 8;
 
-/// The *peer-direct* form of all-reduce, reduce-scatter and all-gather, for
+/// The *peer-direct* form of all-reduce, reduce-scatter, all-gather and
+/// broadcast, for
 /// ranks that can address each other's buffers (threads of one process on
 /// one GPU, or on GPUs with peer access): no inboxes, no staging copies.
 ///
 /// Rank `r` owns chunk `r` of the ring's [`ChunkLayout`] and folds it from
 /// every rank's input in the ring's order, so the bits are the ring's
 /// (all-reduce, reduce-scatter); all-gather copies this rank's part into
-/// every output. Per rank, an all-reduce reads `M` and writes `M` bytes,
+/// every output, broadcast the root's input (see
+/// [`peer_direct_broadcast`], whose ops differ from the rest below). Per rank, an all-reduce reads `M` and writes `M` bytes,
 /// where the ring's staging reads `2.5·M` and writes `2·M` (two ranks).
 ///
 /// The ops, identical on every rank: await every peer's *ready* (its stream
@@ -309,6 +311,7 @@ pub(crate) fn lower_peer_direct(desc: &CollectiveDesc) -> Option<Lowered> {
             len: count,
             include_self: !desc.in_place,
         },
+        OpKind::Broadcast => return Some(peer_direct_broadcast(desc)),
         _ => return None,
     };
     let peers = || (0..world).filter(move |&p| p != rank);
@@ -323,6 +326,44 @@ pub(crate) fn lower_peer_direct(desc: &CollectiveDesc) -> Option<Lowered> {
         outgoing: vec![0; world],
         scratch_len: 0,
     })
+}
+
+/// Peer-direct broadcast: the root waits for every peer's ready, copies its
+/// input into every output (its own too, out of place) and posts "done";
+/// the others only publish their ready to the root and await its done
+/// (nobody else touches the root's buffers, so it awaits nothing after).
+fn peer_direct_broadcast(desc: &CollectiveDesc) -> Lowered {
+    let (rank, world, root) = (desc.rank, desc.world_size, desc.root.unwrap_or(0));
+    let mut out = Lowered {
+        ops: Vec::new(),
+        incoming: vec![0; world],
+        receives_from: vec![false; world],
+        outgoing: vec![0; world],
+        scratch_len: 0,
+    };
+    if rank != root {
+        out.receives_from[root] = true;
+        out.ops.push(DevOp::Await { from: root });
+        return out;
+    }
+    let peers = || (0..world).filter(move |&p| p != rank);
+    out.ops.extend(peers().map(|to| DevOp::AwaitReady { to }));
+    let buf = |b: BufId| At {
+        mem: Mem::Buf(b),
+        offset: 0,
+    };
+    out.ops.push(DevOp::CopyToPeers {
+        src: buf(if desc.in_place {
+            BufId::Recv
+        } else {
+            BufId::Send
+        }),
+        dst: buf(BufId::Recv),
+        len: desc.count(),
+        include_self: !desc.in_place,
+    });
+    out.ops.extend(peers().map(|to| DevOp::Post { to }));
+    out
 }
 
 /// One call made of several lowered parts (a group of point-to-point
@@ -696,7 +737,10 @@ mod tests {
                     && world <= PEER_DIRECT_MAX_WORLD
                     && matches!(
                         case.op,
-                        OpKind::AllReduce | OpKind::ReduceScatter | OpKind::AllGather
+                        OpKind::AllReduce
+                            | OpKind::ReduceScatter
+                            | OpKind::AllGather
+                            | OpKind::Broadcast
                     ),
                 "{case:?}"
             );
@@ -809,7 +853,7 @@ mod tests {
         compare::<f64>(5, 1 << 20, false);
     }
 
-    /// The peer-direct all-reduce, reduce-scatter and all-gather give the
+    /// The peer-direct all-reduce, reduce-scatter, all-gather and broadcast give the
     /// ring's bits (host `Algo::Ring`, with any piece size: the reduction
     /// order depends on the chunks only).
     #[test]

@@ -7,7 +7,7 @@
 //! - [`lower`]: a schedule plan as the operations one GPU stream runs
 //!   (copies, fused receive-reduce-send kernels, posts and awaits between
 //!   ranks) — or, for ranks that address each other's buffers, the
-//!   peer-direct all-reduce, reduce-scatter and all-gather — pure data,
+//!   peer-direct all-reduce, reduce-scatter, all-gather and broadcast — pure data,
 //!   checked on the CPU against the host backend.
 
 pub(crate) mod ipc;
