@@ -280,27 +280,43 @@ __device__ __forceinline__ void reduce_peers(Ptrs srcs, u32 nsrc, Ptrs dsts, u32
         T acc = fold_one<T, Ops, Op, Div>(srcs, nsrc, i, divide_by);
         for (u32 k = 0; k < ndst; k++) ((T*)dsts.p[k])[i] = acc;
     }
-    for (u64 v = first; v < vectors; v += stride) {
+    // Two vectors per thread per pass, a grid apart: both loads of each
+    // source are in flight together.
+    for (u64 v = first; v < vectors; v += 2 * stride) {
+        const u64 v2 = v + stride;
+        const bool two = v2 < vectors;
         const u64 at = head * sizeof(T) + v * 16u;
+        const u64 at2 = head * sizeof(T) + v2 * 16u;
         uint4 acc = *(const uint4*)(srcs.p[0] + at);
+        uint4 acc2 = acc;
+        if (two) acc2 = *(const uint4*)(srcs.p[0] + at2);
         T* ea = (T*)&acc;
+        T* ea2 = (T*)&acc2;
         // Not unrolled: nsrc is small and the body, for halves, large.
 #pragma unroll 1
         for (u32 k = 1; k < nsrc; k++) {
             uint4 x = *(const uint4*)(srcs.p[k] + at);
+            uint4 x2 = x;
+            if (two) x2 = *(const uint4*)(srcs.p[k] + at2);
             const T* ex = (const T*)&x;
+            const T* ex2 = (const T*)&x2;
 #pragma unroll
             for (int i = 0; i < V; i++) {
                 ea[i] = Ops::apply(Op(), ex[i], ea[i]);
+                ea2[i] = Ops::apply(Op(), ex2[i], ea2[i]);
             }
         }
         if (divide_by != 0) {
 #pragma unroll
             for (int i = 0; i < V; i++) {
                 ea[i] = Div::finish(ea[i], divide_by);
+                ea2[i] = Div::finish(ea2[i], divide_by);
             }
         }
-        for (u32 k = 0; k < ndst; k++) *(uint4*)(dsts.p[k] + at) = acc;
+        for (u32 k = 0; k < ndst; k++) {
+            *(uint4*)(dsts.p[k] + at) = acc;
+            if (two) *(uint4*)(dsts.p[k] + at2) = acc2;
+        }
     }
     for (u64 i = tail + first; i < n; i += stride) {
         T acc = fold_one<T, Ops, Op, Div>(srcs, nsrc, i, divide_by);
