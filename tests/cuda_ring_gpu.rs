@@ -156,6 +156,120 @@ fn point_to_point_groups_split_barrier_and_errors() {
     }
 }
 
+/// Ranks choose in place each for themselves (as NCCL allows): odd ranks
+/// in place, even ones out of place, every peer-direct collective against
+/// the host with the same mix, bit for bit.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn ranks_may_mix_in_place_and_out_of_place() {
+    for world in [2, 3, 4] {
+        let bad = on_threads(world, |mut h, mut d| -> Vec<String> {
+            let (rank, n) = (d.rank(), d.world_size());
+            let mine_in_place = rank % 2 == 1;
+            let block = 1001;
+            let s = d.stream().clone();
+            let mut bad = Vec::new();
+            let mut check = |what: &str, host: Vec<f32>, dev: Vec<f32>| {
+                let same = host.len() == dev.len()
+                    && host
+                        .iter()
+                        .zip(&dev)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                if !same {
+                    bad.push(format!("rank {rank} {what}"));
+                }
+            };
+            // All-reduce.
+            let x = input::<f32>(rank, block * n);
+            let mut want = vec![0f32; block * n];
+            h.all_reduce(&x, &mut want, ReduceOp::Sum).unwrap();
+            let got = if mine_in_place {
+                let mut buf = s.clone_htod(&x).unwrap();
+                d.all_reduce_in_place(&mut buf, ReduceOp::Sum).unwrap();
+                buf
+            } else {
+                let src = s.clone_htod(&x).unwrap();
+                let mut out = s.alloc_zeros::<f32>(block * n).unwrap();
+                d.all_reduce(&src, &mut out, ReduceOp::Sum).unwrap();
+                out
+            };
+            d.synchronize().unwrap();
+            check("all-reduce", want, s.clone_dtoh(&got).unwrap());
+            // Reduce-scatter: the result is this rank's block.
+            let mut want = vec![0f32; block];
+            h.reduce_scatter(&x, &mut want, ReduceOp::Sum).unwrap();
+            let got = if mine_in_place {
+                let mut buf = s.clone_htod(&x).unwrap();
+                d.reduce_scatter_in_place(&mut buf, ReduceOp::Sum).unwrap();
+                d.synchronize().unwrap();
+                s.clone_dtoh(&buf).unwrap()[rank * block..(rank + 1) * block].to_vec()
+            } else {
+                let src = s.clone_htod(&x).unwrap();
+                let mut out = s.alloc_zeros::<f32>(block).unwrap();
+                d.reduce_scatter(&src, &mut out, ReduceOp::Sum).unwrap();
+                d.synchronize().unwrap();
+                s.clone_dtoh(&out).unwrap()
+            };
+            check("reduce-scatter", want, got);
+            // All-gather and broadcast (root 1).
+            let part = input::<f32>(rank, block);
+            let mut want = vec![0f32; block * n];
+            h.all_gather(&part, &mut want).unwrap();
+            let got = if mine_in_place {
+                let mut whole = vec![0f32; block * n];
+                whole[rank * block..(rank + 1) * block].copy_from_slice(&part);
+                let mut buf = s.clone_htod(&whole).unwrap();
+                d.all_gather_in_place(&mut buf).unwrap();
+                buf
+            } else {
+                let src = s.clone_htod(&part).unwrap();
+                let mut out = s.alloc_zeros::<f32>(block * n).unwrap();
+                d.all_gather(&src, &mut out).unwrap();
+                out
+            };
+            d.synchronize().unwrap();
+            check("all-gather", want, s.clone_dtoh(&got).unwrap());
+            let mut want = part.clone();
+            h.broadcast_in_place(&mut want, 1).unwrap();
+            let got = if mine_in_place {
+                let mut buf = s.clone_htod(&part).unwrap();
+                d.broadcast_in_place(&mut buf, 1).unwrap();
+                buf
+            } else {
+                let src = s.clone_htod(&part).unwrap();
+                let mut out = s.alloc_zeros::<f32>(block).unwrap();
+                d.broadcast(&src, &mut out, 1).unwrap();
+                out
+            };
+            d.synchronize().unwrap();
+            check("broadcast", want, s.clone_dtoh(&got).unwrap());
+            bad
+        });
+        for bad in bad {
+            assert!(bad.is_empty(), "world {world}: {bad:?}");
+        }
+    }
+}
+
+/// Peer-direct ranks read and write each other's buffers by their own
+/// counts, so calls of unequal counts must be refused, not run.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn unequal_peer_direct_calls_are_a_mismatch_not_corruption() {
+    let errors = on_threads(2, |_h, mut d| {
+        let len = if d.rank() == 0 { 100 } else { 1000 };
+        let s = d.stream().clone();
+        let mut x = s.alloc_zeros::<f32>(len).unwrap();
+        d.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap_err()
+    });
+    for e in errors {
+        assert!(
+            matches!(e, Error::Mismatch { .. } | Error::Aborted { .. }),
+            "{e:?}"
+        );
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA device"]
 fn a_rank_that_never_calls_is_a_timeout_not_a_hang() {

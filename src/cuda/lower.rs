@@ -38,7 +38,7 @@
 
 use crate::desc::CollectiveDesc;
 use crate::schedule::{BufId, ChunkLayout, Plan, Span, Step};
-use crate::types::{OpKind, Rank, ReduceOp};
+use crate::types::{DType, OpKind, Rank, ReduceOp};
 
 /// A memory a device operation reads or writes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -80,15 +80,17 @@ pub(crate) enum DevOp {
     /// Wait for the next message from `from`.
     Await { from: Rank },
     /// Peer-direct reduction of this rank's chunk: reads `len` elements at
-    /// `input` of *every* rank's buffer (the same `BufId` and offset on
-    /// each), folds them in the ring's order for the chunk this rank owns
-    /// (`rank+1, rank+2, …, rank`: `acc = x ⊕ acc`), divides by the world
-    /// size when `divide` (`Avg`), and writes the result at `output` of every
-    /// rank's buffer (`to_all`, all-reduce) or of this rank's only
+    /// element offset `input` of *every* rank's input (its send buffer,
+    /// which an in-place call passes as its one buffer: ranks choose in
+    /// place each for themselves), folds them in the ring's order for the
+    /// chunk this rank owns (`rank+1, rank+2, …, rank`: `acc = x ⊕ acc`),
+    /// divides by the world size when `divide` (`Avg`), and writes the
+    /// result at element offset `output` of every rank's output (receive
+    /// buffer; `to_all`, all-reduce) or of this rank's only
     /// (reduce-scatter).
     ReducePeers {
-        input: At,
-        output: At,
+        input: usize,
+        output: usize,
         len: usize,
         to_all: bool,
         divide: bool,
@@ -119,6 +121,21 @@ pub(crate) struct Lowered {
     pub outgoing: Vec<usize>,
     /// Elements of scratch the plan uses.
     pub scratch_len: usize,
+    /// For a peer-direct call, what every rank's matching call must agree
+    /// on: ranks read and write each other's buffers by these counts, so a
+    /// rank checks each peer's (carried by its ready) before touching them.
+    /// `None` for the ring, whose inbox sizes are checked instead.
+    pub peer_direct: Option<PeerDirectCall>,
+}
+
+/// What the ranks of a peer-direct call must agree on (see
+/// [`Lowered::peer_direct`]); the in-place choice may differ per rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct PeerDirectCall {
+    pub op: OpKind,
+    pub dtype: DType,
+    pub count: usize,
+    pub root: Option<Rank>,
 }
 
 fn at(span: Span) -> At {
@@ -136,6 +153,7 @@ pub(crate) fn lower(plan: &Plan, world: usize) -> Lowered {
         receives_from: vec![false; world],
         outgoing: vec![0; world],
         scratch_len: plan.scratch_len,
+        peer_direct: None,
     };
     let mut readied = vec![false; world];
     // Cursors are the running totals themselves. Zero-length messages
@@ -270,11 +288,6 @@ pub(crate) fn lower_peer_direct(desc: &CollectiveDesc) -> Option<Lowered> {
     if !(2..=PEER_DIRECT_MAX_WORLD).contains(&world) {
         return None;
     }
-    let input_buf = if desc.in_place {
-        BufId::Recv
-    } else {
-        BufId::Send
-    };
     let buf = |b: BufId, offset: usize| At {
         mem: Mem::Buf(b),
         offset,
@@ -284,8 +297,8 @@ pub(crate) fn lower_peer_direct(desc: &CollectiveDesc) -> Option<Lowered> {
         OpKind::AllReduce => {
             let (offset, len) = ChunkLayout::new(count, world, 1).chunk(rank);
             DevOp::ReducePeers {
-                input: buf(input_buf, offset),
-                output: buf(BufId::Recv, offset),
+                input: offset,
+                output: offset,
                 len,
                 to_all: true,
                 divide: desc.reduce_op == Some(ReduceOp::Avg),
@@ -294,8 +307,8 @@ pub(crate) fn lower_peer_direct(desc: &CollectiveDesc) -> Option<Lowered> {
         OpKind::ReduceScatter => {
             let offset = rank * count;
             DevOp::ReducePeers {
-                input: buf(input_buf, offset),
-                output: buf(BufId::Recv, if desc.in_place { offset } else { 0 }),
+                input: offset,
+                output: if desc.in_place { offset } else { 0 },
                 len: count,
                 to_all: false,
                 divide: desc.reduce_op == Some(ReduceOp::Avg),
@@ -325,7 +338,17 @@ pub(crate) fn lower_peer_direct(desc: &CollectiveDesc) -> Option<Lowered> {
         receives_from: (0..world).map(|p| p != rank).collect(),
         outgoing: vec![0; world],
         scratch_len: 0,
+        peer_direct: Some(peer_direct_call(desc)),
     })
+}
+
+fn peer_direct_call(desc: &CollectiveDesc) -> PeerDirectCall {
+    PeerDirectCall {
+        op: desc.op,
+        dtype: desc.dtype,
+        count: desc.count(),
+        root: desc.root,
+    }
 }
 
 /// Peer-direct broadcast: the root waits for every peer's ready, copies its
@@ -340,6 +363,7 @@ fn peer_direct_broadcast(desc: &CollectiveDesc) -> Lowered {
         receives_from: vec![false; world],
         outgoing: vec![0; world],
         scratch_len: 0,
+        peer_direct: Some(peer_direct_call(desc)),
     };
     if rank != root {
         out.receives_from[root] = true;
@@ -378,6 +402,7 @@ pub(crate) fn concat(parts: &[Lowered]) -> Lowered {
         receives_from: vec![false; world],
         outgoing: vec![0; world],
         scratch_len: parts.iter().map(|p| p.scratch_len).max().unwrap_or(0),
+        peer_direct: None,
     };
     let mut readied = vec![false; world];
     for (i, part) in parts.iter().enumerate() {
@@ -468,6 +493,16 @@ mod tests {
         pc: usize,
         /// Messages posted to this rank by each peer, not yet awaited.
         posted: Vec<usize>,
+        /// Whether this rank's call is in place: its input is then `recv`
+        /// (the executor passes the one buffer as both).
+        in_place: bool,
+    }
+
+    /// `len` elements at `offset` of rank `p`'s input.
+    fn read_input<T: Element>(ranks: &[Rank_<T>], p: usize, offset: usize, len: usize) -> Vec<T> {
+        let r = &ranks[p];
+        let v = if r.in_place { &r.recv } else { &r.send };
+        v[offset..offset + len].to_vec()
     }
 
     fn read<T: Element>(ranks: &[Rank_<T>], me: usize, a: At, len: usize) -> Vec<T> {
@@ -567,9 +602,9 @@ mod tests {
                             );
                         }
                         // The ring's order for chunk `me`: me+1, …, me.
-                        let mut acc = read(&ranks, (me + 1) % world, input, len);
+                        let mut acc = read_input(&ranks, (me + 1) % world, input, len);
                         for k in 2..=world {
-                            let x = read(&ranks, (me + k) % world, input, len);
+                            let x = read_input(&ranks, (me + k) % world, input, len);
                             let mut out = vec![T::zeroed(); len];
                             T::combine_into(op, &mut out, &x, &acc);
                             acc = out;
@@ -581,6 +616,10 @@ mod tests {
                             (0..world).collect()
                         } else {
                             vec![me]
+                        };
+                        let output = At {
+                            mem: Mem::Buf(BufId::Recv),
+                            offset: output,
                         };
                         for p in targets {
                             write(&mut ranks, p, output, &acc);
@@ -638,12 +677,20 @@ mod tests {
         reduce: Option<ReduceOp>,
         root: Option<usize>,
         in_place: bool,
+        /// Odd ranks take the other placement (NCCL lets each rank choose).
+        mixed: bool,
         count: usize,
     }
 
-    fn lens(case: &Case, world: usize) -> (usize, usize) {
+    /// Whether rank `r` calls in place.
+    fn placed(case: &Case, r: usize) -> bool {
+        case.in_place != (case.mixed && r % 2 == 1)
+    }
+
+    /// (send, recv) lengths of rank `r`'s call.
+    fn lens(case: &Case, r: usize, world: usize) -> (usize, usize) {
         let c = case.count;
-        match (case.op, case.in_place) {
+        match (case.op, placed(case, r)) {
             (OpKind::ReduceScatter, false) => (c * world, c),
             (OpKind::AllGather, false) => (c, c * world),
             (OpKind::ReduceScatter | OpKind::AllGather | OpKind::AllToAll, true) => {
@@ -667,16 +714,16 @@ mod tests {
             .map(|mut comm| {
                 std::thread::spawn(move || {
                     let r = comm.rank();
-                    let (send_len, recv_len) = lens(&case, world);
+                    let (send_len, recv_len) = lens(&case, r, world);
                     let send = input::<T>(r, send_len);
-                    let mut recv = if case.in_place {
+                    let mut recv = if placed(&case, r) {
                         input::<T>(r, recv_len)
                     } else {
                         vec![T::zeroed(); recv_len]
                     };
                     let op = case.reduce.unwrap_or(ReduceOp::Sum);
                     let root = case.root.unwrap_or(0);
-                    match (case.op, case.in_place) {
+                    match (case.op, placed(&case, r)) {
                         (OpKind::AllReduce, false) => comm.all_reduce(&send, &mut recv, op),
                         (OpKind::AllReduce, true) => comm.all_reduce_in_place(&mut recv, op),
                         (OpKind::ReduceScatter, false) => comm.reduce_scatter(&send, &mut recv, op),
@@ -709,7 +756,6 @@ mod tests {
         chunk: usize,
         peer_direct: bool,
     ) -> Vec<Vec<T>> {
-        let (send_len, recv_len) = lens(&case, world);
         let host = |len| BufDesc {
             len,
             memory: MemoryKind::Host,
@@ -717,8 +763,9 @@ mod tests {
         let mut lowered = Vec::new();
         let mut ranks = Vec::new();
         for r in 0..world {
+            let (send_len, recv_len) = lens(&case, r, world);
             let mut desc = CollectiveDesc::new(case.op, T::DTYPE, r, world, MemoryKind::Host);
-            desc = if case.in_place {
+            desc = if placed(&case, r) {
                 desc.with_in_place(host(recv_len))
             } else {
                 desc.with_send(host(send_len)).with_recv(host(recv_len))
@@ -748,7 +795,7 @@ mod tests {
                 direct.unwrap_or_else(|| lower(&plan_with(&desc, chunk, Family::Ring), world));
             ranks.push(Rank_ {
                 send: input::<T>(r, send_len),
-                recv: if case.in_place {
+                recv: if placed(&case, r) {
                     input::<T>(r, recv_len)
                 } else {
                     vec![T::zeroed(); recv_len]
@@ -757,6 +804,7 @@ mod tests {
                 inbox: Vec::new(),
                 pc: 0,
                 posted: vec![0; world],
+                in_place: placed(&case, r),
             });
             lowered.push(low);
         }
@@ -771,13 +819,15 @@ mod tests {
     fn cases(world: usize) -> Vec<Case> {
         let mut out = Vec::new();
         for count in [0, 1, world + 1, 1000] {
-            for in_place in [false, true] {
+            // Odd ranks in place while even ones are not: the third pair.
+            for (in_place, mixed) in [(false, false), (true, false), (false, true)] {
                 for reduce in ReduceOp::ALL {
                     out.push(Case {
                         op: OpKind::AllReduce,
                         reduce: Some(reduce),
                         root: None,
                         in_place,
+                        mixed,
                         count,
                     });
                     out.push(Case {
@@ -785,6 +835,7 @@ mod tests {
                         reduce: Some(reduce),
                         root: None,
                         in_place,
+                        mixed,
                         count,
                     });
                     out.push(Case {
@@ -792,6 +843,7 @@ mod tests {
                         reduce: Some(reduce),
                         root: Some(world - 1),
                         in_place,
+                        mixed,
                         count,
                     });
                 }
@@ -800,6 +852,7 @@ mod tests {
                     reduce: None,
                     root: None,
                     in_place,
+                    mixed,
                     count,
                 });
                 out.push(Case {
@@ -807,6 +860,7 @@ mod tests {
                     reduce: None,
                     root: Some(world / 2),
                     in_place,
+                    mixed,
                     count,
                 });
             }
@@ -815,6 +869,7 @@ mod tests {
                 reduce: None,
                 root: None,
                 in_place: false,
+                mixed: false,
                 count,
             });
         }
@@ -830,7 +885,7 @@ mod tests {
                 // reduce-scatter leaves the other blocks unspecified.
                 let (h, g) = match case.op {
                     OpKind::Reduce if Some(r) != case.root => continue,
-                    OpKind::ReduceScatter if case.in_place => {
+                    OpKind::ReduceScatter if placed(&case, r) => {
                         let c = case.count;
                         (&host[r][r * c..(r + 1) * c], &gpu[r][r * c..(r + 1) * c])
                     }
@@ -884,18 +939,14 @@ mod tests {
         })
         .with_reduce_op(ReduceOp::Avg);
         let low = lower_peer_direct(&desc).unwrap();
-        let buf = |offset| At {
-            mem: Mem::Buf(BufId::Recv),
-            offset,
-        };
         assert_eq!(
             low.ops,
             vec![
                 DevOp::AwaitReady { to: 0 },
                 DevOp::AwaitReady { to: 2 },
                 DevOp::ReducePeers {
-                    input: buf(4),
-                    output: buf(4),
+                    input: 4,
+                    output: 4,
                     len: 3,
                     to_all: true,
                     divide: true,
@@ -908,6 +959,16 @@ mod tests {
         );
         assert_eq!(low.receives_from, vec![true, false, true]);
         assert_eq!((low.incoming, low.outgoing), (vec![0; 3], vec![0; 3]));
+        // What the peers' readies must match before any buffer is touched.
+        assert_eq!(
+            low.peer_direct,
+            Some(PeerDirectCall {
+                op: OpKind::AllReduce,
+                dtype: crate::DType::F32,
+                count: 10,
+                root: None,
+            })
+        );
     }
 
     #[test]

@@ -39,7 +39,7 @@ use cudarc::driver::{
 };
 
 use super::ipc::{Handle, InboxDesc, RemoteLinks, SharedInbox};
-use super::lower::{At, DevOp, Lowered, Mem};
+use super::lower::{At, DevOp, Lowered, Mem, PeerDirectCall};
 use crate::error::{Error, Result};
 use crate::schedule::BufId;
 use crate::types::{DType, OpKind, Rank, ReduceOp};
@@ -108,6 +108,9 @@ struct Ready {
     /// The receiver's buffers of the call, which a peer-direct call
     /// ([`super::lower::lower_peer_direct`]) reads and writes.
     bufs: CallBufs,
+    /// The receiver's peer-direct call, which the sender's must match
+    /// before it touches those buffers.
+    peer_direct: Option<PeerDirectCall>,
 }
 
 /// One ordered pair's mailbox, written under its mutex. Both queues are
@@ -405,6 +408,18 @@ pub(crate) fn check(rank: Rank, what: &str, rc: sys::CUresult) -> Result<()> {
             detail: format!("{rc:?}"),
         })
     }
+}
+
+/// What a peer's ready of the call says ([`RingComm::await_ready`]).
+struct PeerReady {
+    /// Its inbox for this rank, as this rank addresses it.
+    inbox: CUdeviceptr,
+    /// Bytes and messages it expects from this rank.
+    bytes: usize,
+    messages: usize,
+    /// Its call buffers and peer-direct call (threads only).
+    bufs: CallBufs,
+    peer_direct: Option<PeerDirectCall>,
 }
 
 /// An inbox: device memory of the receiver, pinned host memory (threads of
@@ -840,6 +855,18 @@ impl RingComm {
         let lock = || pair.state.lock().unwrap_or_else(|e| e.into_inner());
         let mut state = lock();
         loop {
+            // An aborted group hands nothing out, not even what is queued:
+            // a ready taken after its rank's call failed would let a
+            // peer-direct kernel write buffers that call no longer holds.
+            // (A peer that merely left may still have posted what this
+            // wait needs, so departure is checked after.)
+            if self.aborted() {
+                return Err(Error::Aborted {
+                    op,
+                    seq: self.seq,
+                    rank: self.rank,
+                });
+            }
             if let Some(r) = ready(&mut state) {
                 return Ok(r);
             }
@@ -876,13 +903,9 @@ impl RingComm {
     }
 
     /// Waits for `to`'s ready of this call and orders the stream after it;
-    /// returns `to`'s inbox (as this rank addresses it) and the bytes it
-    /// expects.
-    fn await_ready(
-        &mut self,
-        op: OpKind,
-        to: Rank,
-    ) -> Result<(CUdeviceptr, usize, usize, CallBufs)> {
+    /// returns what the ready says (`to`'s inbox as this rank addresses it,
+    /// what it expects, its buffers and peer-direct call).
+    fn await_ready(&mut self, op: OpKind, to: Rank) -> Result<PeerReady> {
         let (rank, seq) = (self.rank, self.seq);
         match &mut self.links {
             Links::Local(group) => {
@@ -894,7 +917,13 @@ impl RingComm {
                 self.stream
                     .wait(&ready.event)
                     .map_err(cuda_error(rank, "ordering after a peer's ready event"))?;
-                Ok((ready.inbox, ready.bytes, ready.messages, ready.bufs))
+                Ok(PeerReady {
+                    inbox: ready.inbox,
+                    bytes: ready.bytes,
+                    messages: ready.messages,
+                    bufs: ready.bufs,
+                    peer_direct: ready.peer_direct,
+                })
             }
             Links::Remote(links) => {
                 let (stream, timeout) = (&self.stream, self.timeout);
@@ -912,12 +941,13 @@ impl RingComm {
                 let rc = unsafe { sys::cuStreamWaitEvent(stream.cu_stream(), ready.event, 0) };
                 check(rank, "ordering after a peer's ready event", rc)?;
                 // Peers in other processes never run peer-direct.
-                Ok((
-                    ready.inbox,
-                    ready.bytes,
-                    ready.messages,
-                    CallBufs::default(),
-                ))
+                Ok(PeerReady {
+                    inbox: ready.inbox,
+                    bytes: ready.bytes,
+                    messages: ready.messages,
+                    bufs: CallBufs::default(),
+                    peer_direct: None,
+                })
             }
         }
     }
@@ -1054,6 +1084,7 @@ impl RingComm {
                             messages: expected[from],
                             event: ready.clone(),
                             bufs: bufs.first().copied().unwrap_or_default(),
+                            peer_direct: lowered.peer_direct,
                         })
                     });
                 }
@@ -1111,8 +1142,40 @@ impl RingComm {
             };
             match *dev_op {
                 DevOp::AwaitReady { to } => {
-                    let (inbox, bytes, messages, their_bufs) = self.await_ready(op, to)?;
+                    let PeerReady {
+                        inbox,
+                        bytes,
+                        messages,
+                        bufs: their_bufs,
+                        peer_direct,
+                    } = self.await_ready(op, to)?;
                     peer_bufs[to] = their_bufs;
+                    // Peer-direct ranks read and write each other's buffers
+                    // by their own counts: unequal calls would reach past a
+                    // peer's buffers.
+                    if peer_direct != lowered.peer_direct {
+                        let show = |c: Option<PeerDirectCall>| match c {
+                            Some(c) => format!(
+                                "{} of {} {} element(s){}",
+                                c.op,
+                                c.count,
+                                c.dtype.name(),
+                                c.root.map(|r| format!(", root {r}")).unwrap_or_default()
+                            ),
+                            None => "a ring call".to_owned(),
+                        };
+                        return Err(Error::Mismatch {
+                            op,
+                            seq: self.seq,
+                            rank,
+                            peer: to,
+                            detail: format!(
+                                "this call is {}, rank {to}'s matching call is {}",
+                                show(lowered.peer_direct),
+                                show(peer_direct)
+                            ),
+                        });
+                    }
                     // The pairing is per call: a call that sends more than
                     // the receiver's matching call expects (one side groups
                     // point-to-point calls, the other does not) would write
@@ -1175,26 +1238,23 @@ impl RingComm {
                     to_all,
                     divide,
                 } if len > 0 => {
-                    let at = |p: Rank, at: At| -> CUdeviceptr {
-                        let base = match at.mem {
-                            Mem::Buf(BufId::Send) => peer_bufs[p].send,
-                            _ => peer_bufs[p].recv,
-                        };
-                        base + (at.offset * elem) as u64
-                    };
+                    // Inputs are send buffers (an in-place call passes its
+                    // one buffer as both), outputs receive buffers.
+                    let input_of = |p: Rank| peer_bufs[p].send + (input * elem) as u64;
+                    let output_of = |p: Rank| peer_bufs[p].recv + (output * elem) as u64;
                     // The ring's order for the chunk this rank owns.
                     let mut srcs = KernelPtrs::default();
                     for k in 1..=world {
-                        srcs.0[k - 1] = at((rank + k) % world, input);
+                        srcs.0[k - 1] = input_of((rank + k) % world);
                     }
                     let mut dsts = KernelPtrs::default();
                     let ndst = if to_all {
                         for p in 0..world {
-                            dsts.0[p] = at(p, output);
+                            dsts.0[p] = output_of(p);
                         }
                         world
                     } else {
-                        dsts.0[0] = at(rank, output);
+                        dsts.0[0] = output_of(rank);
                         1
                     };
                     let (nsrc, ndst) = (world as u32, ndst as u32);
@@ -1210,10 +1270,11 @@ impl RingComm {
                         .arg(&divide_by);
                     // SAFETY: the kernel's signature is (Ptrs, u32, Ptrs,
                     // u32, u64, u64); every address is a live buffer of the
-                    // call (validated lengths, the same on every rank),
-                    // published with its owner's ready, and the owner's
-                    // stream waits for this rank's done message before
-                    // anything after the call touches it.
+                    // call, published with its owner's ready, whose call was
+                    // checked to match this one (op, type, count, root) at
+                    // that ready; lengths were validated on each rank; and
+                    // the owner's stream waits for this rank's done message
+                    // before anything after the call touches it.
                     unsafe { launch.launch(cfg) }
                         .map_err(cuda_error(rank, "launching a peer-direct reduction"))?;
                 }
