@@ -35,6 +35,13 @@
 //! | `Copy{src, dst}` | copy |
 //! | `ReduceLocal{src, dst}` | `dst = dst ⊕ src` |
 //! | `DivideByWorld{span}` | divide |
+//!
+//! Ranks that can address each other's buffers (threads of one process,
+//! no host-staged pair) skip the inboxes for all-reduce, reduce-scatter,
+//! all-gather and broadcast: [`lower_peer_direct`] emits readies, one
+//! kernel or a few copies straight between the ranks' buffers, and empty
+//! "done" messages, folding in the ring's order so the bits stay the
+//! ring's.
 
 use crate::desc::CollectiveDesc;
 use crate::schedule::{BufId, ChunkLayout, Plan, Span, Step};
