@@ -2246,9 +2246,9 @@ impl Arena {
                     })
             }
             None => {
-                // Out of place from OWN_PART_STREAM_MIN_BYTES, this rank's
-                // own part bypasses the cache (see there).
-                let own_stream = stream || world * bytes >= stream::OWN_PART_STREAM_MIN_BYTES;
+                // Out of place from a size that depends on the CPU, this
+                // rank's own part bypasses the cache (see there).
+                let own_stream = stream || world * bytes >= stream::own_part_stream_min_bytes();
                 // In rank order on every rank: rank p copies its own part
                 // while the ranks after it pull the same lines, which
                 // halves the memory reads for large buffers (pulls first,

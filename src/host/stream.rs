@@ -22,15 +22,54 @@
 /// in the caches, where the caller will read it next.
 pub(crate) const STREAM_MIN_BYTES: usize = 16 << 20;
 
-/// An out-of-place all-gather whose output holds at least this many bytes
-/// copies its own part into it with non-temporal stores. Its footprint is
-/// then about twice the output (output, own input, the peers' inputs
-/// pulled through the cache), past a 2 MiB L2 from 1 MiB on, and the
-/// copy's stores would evict the lines the pulls still need. Measured (2
-/// processes over shared memory, 4 alternating runs of 300 iterations):
-/// 1 MiB 75–86 → 50–69 µs, 2 MiB 209–220 → 189–201 µs, 4 MiB 446–500 →
-/// 430–440 µs; 512 KiB, below it, would lose (10 → 16 µs at 256 KiB).
-pub(crate) const OWN_PART_STREAM_MIN_BYTES: usize = 1 << 20;
+/// From which output size (bytes) an out-of-place all-gather copies its own
+/// part with non-temporal stores, on this CPU. Below [`STREAM_MIN_BYTES`]
+/// the answer depends on the cache hierarchy, so it is a measured table
+/// keyed by the CPU's vendor, as NCCL keys its own tuning:
+///
+/// - Intel (the VM of stop 17: 2 MiB L2 per core): from 1 MiB. The
+///   footprint is then about twice the output (output, own input, the
+///   peers' inputs pulled through the cache), past the L2, and the copy's
+///   ordinary stores evicted the lines the pulls still needed. 2 processes
+///   over shared memory, 4 alternating runs of 300 iterations: 1 MiB 75–86
+///   → 50–69 µs, 2 MiB 209–220 → 189–201 µs, 4 MiB 446–500 → 430–440 µs;
+///   512 KiB would lose (10 → 16 µs at 256 KiB).
+/// - AMD (Zen 4 VM of stop 19: 1 MiB L2 per core, 32 MiB L3 shared by
+///   both vCPUs): only from [`STREAM_MIN_BYTES`]. Under 16 MiB the output
+///   stays in the shared L3, and streaming it to memory cost 15–30 %:
+///   2 processes, 3 alternating runs of 100 iterations, medians of each,
+///   1 MiB 62–71 → 52–53 µs and 4 MiB 243–294 → 205–213 µs, and with the
+///   caller reading its whole output after each call 83–99 → 66–67 µs
+///   and 331–396 → 264–268 µs.
+pub(crate) fn own_part_stream_min_bytes() -> usize {
+    static MIN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MIN.get_or_init(|| {
+        if cpu_vendor_is_amd() {
+            STREAM_MIN_BYTES
+        } else {
+            1 << 20
+        }
+    })
+}
+
+/// Whether the CPU reports an AMD (or Hygon, its Zen licensee) vendor id.
+fn cpu_vendor_is_amd() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: CPUID leaf 0 exists on every x86-64 CPU.
+        #[allow(unused_unsafe)]
+        let id = unsafe { std::arch::x86_64::__cpuid(0) };
+        let mut vendor = [0u8; 12];
+        vendor[..4].copy_from_slice(&id.ebx.to_le_bytes());
+        vendor[4..8].copy_from_slice(&id.edx.to_le_bytes());
+        vendor[8..].copy_from_slice(&id.ecx.to_le_bytes());
+        &vendor == b"AuthenticAMD" || &vendor == b"HygonGenuine"
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
 
 /// Bytes of the cache-resident block that [`fold_streaming`] computes into
 /// before streaming it out: within L1 beside the operands' lines.
