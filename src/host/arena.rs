@@ -17,8 +17,10 @@
 //! 3. When it has read everything of round `g` a rank stores `done = g + 1`
 //!    (progress for whoever inspects the arena). A rank reuses slot
 //!    `g % depth` for round `g + depth` only once every peer has posted
-//!    round `g + 1` (see `begin`): every rank posts every round, and only
-//!    after reading all it needs of the one before.
+//!    round `g + READ_LAG` (see `begin`): every rank posts every round, and
+//!    posts round `r + READ_LAG` only after reading all it needs of round
+//!    `r` (the pipelined two-shot all-reduce reads a round until three
+//!    rounds later; every other collective until the next).
 //!
 //! Every reduction folds the ranks' contributions in rank order
 //! (`((x0 ⊕ x1) ⊕ x2) ⊕ …`) whatever the algorithm, so all_reduce equals
@@ -60,8 +62,15 @@ pub(crate) const DEFAULT_SLOT_BYTES: usize = 512 * 1024 + 4096;
 /// all-gather, broadcast, reduce, all-to-all): it stays in L2 while it is
 /// reduced or copied (reduce-scatter measured slightly slower with 512 KiB).
 const STAGED_PIECE_BYTES: usize = 256 * 1024;
-/// Slots per rank: how many rounds a rank may run ahead of the slowest.
-pub(crate) const DEFAULT_DEPTH: usize = 4;
+/// Slots per rank: a rank may run `DEFAULT_DEPTH - READ_LAG` rounds ahead
+/// of the slowest.
+pub(crate) const DEFAULT_DEPTH: usize = 6;
+/// Every rank has read all it needs of round `r` once it has posted round
+/// `r + READ_LAG`: the pipelined two-shot all-reduce stages piece `t + 1`
+/// and folds piece `t` before it copies piece `t − 1` out, so its reads of
+/// a round end three rounds later (every other collective reads a round
+/// before posting the next). `begin` relies on it to reuse a slot.
+const READ_LAG: u64 = 3;
 
 /// Broadcasts of at most this many bytes go through the root's *mailbox*
 /// (see [`Arena::mailbox_broadcast`]) instead of a slot round. Measured, 2
@@ -691,13 +700,14 @@ impl Arena {
         self.round += 1;
         let depth = self.geometry.depth as u64;
         if g >= depth {
-            // Slot g % depth last held round `prev - 1`. Every rank posts
-            // every round, and posts round r + 1 only after it has read all
-            // it needs of round r, so a peer that has posted `prev` (or a
-            // later round into that slot) no longer reads our old one. This
-            // rank read that header when it awaited round `prev`, so it is
-            // usually still in cache: no cross-core traffic per round.
-            let prev = g + 1 - depth;
+            // Slot g % depth last held round g − depth. Every rank posts
+            // every round, and posts round r + READ_LAG only after it has
+            // read all it needs of round r, so a peer that has posted
+            // `prev` (or a later round into that slot) no longer reads our
+            // old one. This rank read that header when it awaited round
+            // `prev`, so it is usually still in cache: no cross-core
+            // traffic per round.
+            let prev = g - depth + READ_LAG;
             for r in (0..self.world()).filter(|&r| r != self.rank) {
                 let header = self.header(r, prev);
                 self.wait(call, r, true, || {
@@ -978,97 +988,137 @@ impl Arena {
             self.finish(g);
             return Ok(());
         }
-        // Two-shot, pipelined by pieces of one slot: round A posts the parts
-        // the other ranks own; each owner folds its part into its round-B
-        // slot; round B posts the folded parts and everyone copies them out.
+        // Two-shot, pipelined by pieces of one slot: a piece's round A posts
+        // the parts the other ranks own; each owner folds its part into its
+        // round-B slot; round B posts the folded parts and everyone copies
+        // them out. Step s stages piece s, folds piece s − 1 and copies
+        // piece s − 2 out, as the reference's one-staging-copy pipeline
+        // does: a rank that is late in one phase does not hold its peers
+        // at every phase of every piece (lock-step pieces spent a fifth of
+        // a 4 MiB call waiting, `perf`). Rounds begin in the order A0 | A1
+        // B0 | A2 B1 | …, and a piece's A round is read until its B round
+        // is posted, its B round until the second step after: READ_LAG.
         // In place the output's lines were just read (staged, folded) and
         // sit in cache: only out of place does streaming them out pay.
         let stream = !bufs.in_place && streams::<T>(count);
-        let mut offset = 0;
-        while offset < count {
-            let len = capacity.min(count - offset);
-            let a = self.begin(call)?;
-            for q in (0..world).filter(|&q| q != me) {
-                let (o, l) = part(len, world, q);
-                // SAFETY: input range in bounds; slot range within capacity.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        bufs.input.add(offset + o),
-                        self.payload::<T>(me, a).add(o),
-                        l,
-                    );
-                }
-            }
-            self.post(a, sig);
-            self.await_all(call, sig, a)?;
-            let b = self.begin(call)?;
-            let (mine_o, mine_l) = part(len, world, me);
-            // The folded part goes, block by block from L1, both into the
-            // B slot (for the peers) and into this rank's output: one pass,
-            // instead of reading it back out of the slot afterwards.
-            let slot_part = unsafe { self.payload::<T>(me, b).add(mine_o) };
-            let out_part = unsafe { bufs.output.add(offset + mine_o) };
-            stream::in_blocks(
-                mine_l,
-                |block: &mut [T], at| {
-                    let n = block.len();
-                    // SAFETY: round A slots stay valid until every rank
-                    // finished round B's begin (depth ≥ 2). In place, the
-                    // output part is this rank's own input part: each block
-                    // is read here before it is written below.
-                    fold(op, block, world, |p| unsafe {
-                        if p == me {
-                            view(bufs.input, offset + mine_o + at, n)
-                        } else {
-                            view(self.payload::<T>(p, a), mine_o + at, n)
-                        }
-                    });
-                    if op == ReduceOp::Avg {
-                        T::divide_by(block, world);
-                    }
-                },
-                |block, at| unsafe {
-                    // SAFETY: the B slot is ours alone until posted; the
-                    // output part is this rank's to write (no peer reads it).
-                    std::ptr::copy_nonoverlapping(block.as_ptr(), slot_part.add(at), block.len());
-                    if stream {
-                        stream::copy_streaming_unfenced(
-                            block.as_ptr(),
-                            out_part.add(at),
-                            block.len(),
-                        );
-                    } else {
+        let piece = |t: usize| (t * capacity, capacity.min(count - t * capacity));
+        let pieces = count.div_ceil(capacity);
+        // (round, piece) staged and not yet folded; folded, not copied out.
+        let mut staged: Option<(u64, usize)> = None;
+        let mut folded: Option<(u64, usize)> = None;
+        for step in 0..pieces + 2 {
+            let next_staged = if step < pieces {
+                let (offset, len) = piece(step);
+                let a = self.begin(call)?;
+                for q in (0..world).filter(|&q| q != me) {
+                    let (o, l) = part(len, world, q);
+                    // SAFETY: input range in bounds; slot range within
+                    // capacity. In place, piece `step` of the output is
+                    // written only by its fold and copy-out, later.
+                    unsafe {
                         std::ptr::copy_nonoverlapping(
-                            block.as_ptr(),
-                            out_part.add(at),
-                            block.len(),
+                            bufs.input.add(offset + o),
+                            self.payload::<T>(me, a).add(o),
+                            l,
                         );
                     }
-                },
-            );
-            if stream {
-                stream::fence();
-            }
-            self.finish(a);
-            self.post(b, sig);
-            self.await_all(call, sig, b)?;
-            for p in (0..world).filter(|&p| p != me) {
-                let (o, l) = part(len, world, p);
-                // SAFETY: posted B slots; output range in bounds and, for
-                // in-place calls, no longer read (all of round A is folded).
-                unsafe {
-                    copy_out(
-                        stream,
-                        self.payload::<T>(p, b).add(o),
-                        bufs.output.add(offset + o),
-                        l,
-                    );
                 }
+                self.post(a, sig);
+                Some((a, step))
+            } else {
+                None
+            };
+            let next_folded = match staged {
+                Some((a, t)) => {
+                    let (offset, len) = piece(t);
+                    self.await_all(call, sig, a)?;
+                    let b = self.begin(call)?;
+                    self.two_shot_fold(op, &bufs, (a, b), offset, len, stream);
+                    self.finish(a);
+                    self.post(b, sig);
+                    Some((b, t))
+                }
+                None => None,
+            };
+            if let Some((b, t)) = folded {
+                let (offset, len) = piece(t);
+                self.await_all(call, sig, b)?;
+                for p in (0..world).filter(|&p| p != me) {
+                    let (o, l) = part(len, world, p);
+                    // SAFETY: posted B slots; output range in bounds and,
+                    // for in-place calls, no longer read (piece t is
+                    // staged and folded everywhere: its B rounds are
+                    // posted).
+                    unsafe {
+                        copy_out(
+                            stream,
+                            self.payload::<T>(p, b).add(o),
+                            bufs.output.add(offset + o),
+                            l,
+                        );
+                    }
+                }
+                self.finish(b);
             }
-            self.finish(b);
-            offset += len;
+            staged = next_staged;
+            folded = next_folded;
         }
         Ok(())
+    }
+
+    /// The two-shot's fold of one piece (`offset`, `len` elements): this
+    /// rank's part, from its input and the peers' slots of round `a`,
+    /// goes block by block from L1 both into its slot of round `b` (for
+    /// the peers) and into its output: one pass, instead of reading it
+    /// back out of the slot afterwards.
+    fn two_shot_fold<T: Element>(
+        &self,
+        op: ReduceOp,
+        bufs: &Buffers<T>,
+        (a, b): (u64, u64),
+        offset: usize,
+        len: usize,
+        stream: bool,
+    ) {
+        let (world, me) = (self.world(), self.rank);
+        let (mine_o, mine_l) = part(len, world, me);
+        // SAFETY: the B slot is this rank's until posted; the output part
+        // is this rank's to write (no peer reads it).
+        let slot_part = unsafe { self.payload::<T>(me, b).add(mine_o) };
+        let out_part = unsafe { bufs.output.add(offset + mine_o) };
+        stream::in_blocks(
+            mine_l,
+            |block: &mut [T], at| {
+                let n = block.len();
+                // SAFETY: round A slots are posted and stay valid until
+                // every rank has posted round A + READ_LAG, after this
+                // rank posts round B. In place, the output part is this
+                // rank's own input part: each block is read here before
+                // it is written below.
+                fold(op, block, world, |p| unsafe {
+                    if p == me {
+                        view(bufs.input, offset + mine_o + at, n)
+                    } else {
+                        view(self.payload::<T>(p, a), mine_o + at, n)
+                    }
+                });
+                if op == ReduceOp::Avg {
+                    T::divide_by(block, world);
+                }
+            },
+            |block, at| unsafe {
+                // SAFETY: as above.
+                std::ptr::copy_nonoverlapping(block.as_ptr(), slot_part.add(at), block.len());
+                if stream {
+                    stream::copy_streaming_unfenced(block.as_ptr(), out_part.add(at), block.len());
+                } else {
+                    std::ptr::copy_nonoverlapping(block.as_ptr(), out_part.add(at), block.len());
+                }
+            },
+        );
+        if stream {
+            stream::fence();
+        }
     }
 }
 
