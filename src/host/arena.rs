@@ -2146,6 +2146,22 @@ impl Arena {
             let stream = !bufs.in_place && streams::<T>(count);
             let block = (ZERO_COPY_BLOCK_BYTES / std::mem::size_of::<T>()).max(1);
             let mut at = start;
+            if world == 2 && !stream && op != ReduceOp::Avg {
+                // Two ranks: the share's sum goes into both outputs in one
+                // pass (as the ceiling's zero-copy variant (a) does) rather
+                // than folded into one output and copied to the other.
+                // SAFETY: as above; each output is its rank's input (in
+                // place) or a buffer of its own.
+                unsafe {
+                    T::combine_into_both(
+                        op,
+                        (outputs[0].add(start), outputs[1].add(start)),
+                        (inputs[0].add(start), inputs[1].add(start)),
+                        end - start,
+                    );
+                }
+                at = end;
+            }
             while at < end {
                 let n = block.min(end - at);
                 unsafe {
