@@ -126,8 +126,32 @@ unsafe fn zip_assign_avx2<T: Copy>(acc: &mut [T], x: &[T], f: impl Fn(T, T) -> T
     zip_assign_portable(acc, x, f)
 }
 
+/// Bytes to which the vector loops align the buffer they store to.
+const STORE_ALIGN: usize = 32;
+
+/// How many of `n` elements at `ptr` come before the first
+/// [`STORE_ALIGN`]-byte boundary. The loops run those one by one, so their
+/// 32-byte accesses to that buffer (and to any buffer equally misaligned,
+/// as two `malloc`ed ones usually are) never straddle a cache line: on
+/// this machine's Zen 4 a 32 KiB two-output fold from L1/L2 took
+/// 0.80–0.94 µs with every buffer 16 bytes off against 0.58 µs aligned
+/// (C loop).
+#[inline(always)]
+fn unaligned_head<T>(ptr: *const T, n: usize) -> usize {
+    let size = std::mem::size_of::<T>();
+    let misaligned = ptr as usize % STORE_ALIGN;
+    if misaligned == 0 || !misaligned.is_multiple_of(size) {
+        return 0;
+    }
+    ((STORE_ALIGN - misaligned) / size).min(n)
+}
+
 #[inline(always)]
 fn zip_into<T: Copy>(out: &mut [T], a: &[T], b: &[T], f: impl Fn(T, T) -> T) {
+    let h = unaligned_head(out.as_ptr(), out.len());
+    let (out_head, out) = out.split_at_mut(h);
+    let ((a_head, a), (b_head, b)) = (a.split_at(h), b.split_at(h));
+    zip_into_portable(out_head, a_head, b_head, &f);
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
         // SAFETY: AVX2 is present (checked at run time).
@@ -138,6 +162,10 @@ fn zip_into<T: Copy>(out: &mut [T], a: &[T], b: &[T], f: impl Fn(T, T) -> T) {
 
 #[inline(always)]
 fn zip_assign<T: Copy>(acc: &mut [T], x: &[T], f: impl Fn(T, T) -> T) {
+    let h = unaligned_head(acc.as_ptr(), acc.len());
+    let (acc_head, acc) = acc.split_at_mut(h);
+    let (x_head, x) = x.split_at(h);
+    zip_assign_portable(acc_head, x_head, &f);
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
         // SAFETY: AVX2 is present (checked at run time).
@@ -212,6 +240,13 @@ unsafe fn zip_into_both<T: Copy>(
     n: usize,
     f: impl Fn(T, T) -> T,
 ) {
+    let h = unaligned_head(d.0, n);
+    // SAFETY: the caller's contract; the head and the rest split all four
+    // buffers at the same element.
+    let (d, x, n) = unsafe {
+        zip_into_both_portable(d, x, h, &f);
+        ((d.0.add(h), d.1.add(h)), (x.0.add(h), x.1.add(h)), n - h)
+    };
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
         // SAFETY: AVX2 is present (checked at run time); the caller's contract.
@@ -773,34 +808,43 @@ mod tests {
             for op in ReduceOp::ALL {
                 let mut want = x0.clone();
                 T::combine_into(op, &mut want, &x0, &x1);
-                for (in_place0, in_place1) in
-                    [(false, false), (true, false), (false, true), (true, true)]
+                // `skip` elements in: buffers off the vector loop's
+                // alignment by 0, 1 and 3 elements.
+                let placements = [(false, false), (true, false), (false, true), (true, true)];
+                for ((in_place0, in_place1), skip) in placements
+                    .into_iter()
+                    .flat_map(|p| [0usize, 1, 3].map(|skip| (p, skip)))
                 {
-                    let (mut a, mut b) = (x0.clone(), x1.clone());
-                    let (mut d0, mut d1) = (pattern(n), pattern(n));
-                    let dst0 = if in_place0 {
-                        a.as_mut_ptr()
-                    } else {
-                        d0.as_mut_ptr()
-                    };
-                    let dst1 = if in_place1 {
-                        b.as_mut_ptr()
-                    } else {
-                        d1.as_mut_ptr()
-                    };
-                    // SAFETY: four live buffers of n elements; each output
-                    // is its input or apart from everything else.
+                    let shifted = |x: &[T]| [vec![T::zeroed(); skip], x.to_vec()].concat();
+                    let (mut a, mut b) = (shifted(&x0), shifted(&x1));
+                    let (mut d0, mut d1) =
+                        (vec![T::zeroed(); skip + n], vec![T::zeroed(); skip + n]);
+                    let dst0 = if in_place0 { &mut a } else { &mut d0 }.as_mut_ptr();
+                    let dst1 = if in_place1 { &mut b } else { &mut d1 }.as_mut_ptr();
+                    // SAFETY: four live buffers of skip + n elements; each
+                    // output is its input or apart from everything else.
                     unsafe {
-                        T::combine_into_both(op, (dst0, dst1), (a.as_ptr(), b.as_ptr()), n);
+                        T::combine_into_both(
+                            op,
+                            (dst0.add(skip), dst1.add(skip)),
+                            (a.as_ptr().add(skip), b.as_ptr().add(skip)),
+                            n,
+                        );
                     }
                     let got0 = if in_place0 { &a } else { &d0 };
                     let got1 = if in_place1 { &b } else { &d1 };
                     let what = format!(
-                        "{} {op} n={n} in place {in_place0}/{in_place1}",
+                        "{} {op} n={n} skip={skip} in place {in_place0}/{in_place1}",
                         std::any::type_name::<T>()
                     );
-                    assert!(bytes_of(got0) == bytes_of(&want), "output 0: {what}");
-                    assert!(bytes_of(got1) == bytes_of(&want), "output 1: {what}");
+                    assert!(
+                        bytes_of(&got0[skip..]) == bytes_of(&want),
+                        "output 0: {what}"
+                    );
+                    assert!(
+                        bytes_of(&got1[skip..]) == bytes_of(&want),
+                        "output 1: {what}"
+                    );
                 }
             }
         }
