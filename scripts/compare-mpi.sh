@@ -13,7 +13,8 @@
 #   oxccl's main column is the placement of Open MPI's call (out of
 #   place; broadcast in place, as MPI_Bcast), the other placement beside it;
 #   the ceiling's variants run in place, so oxccl's in-place figures are
-#   set against them
+#   set against them; the core-to-core latency before and after each
+#   repetition shows the VM's vCPU placement, which moves all figures
 #
 # Usage: scripts/compare-mpi.sh [options]
 #   --reps N            alternating repetitions (default 3)
@@ -49,7 +50,7 @@ while [ $# -gt 0 ]; do
     --anchors) ANCHORS="$2"; shift 2 ;;
     --out) OUT="$2"; shift 2 ;;
     --budget) BUDGET="$2"; shift 2 ;;
-    -h|--help) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "compare-mpi.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -145,16 +146,26 @@ run_oxccl() {
     fi
 }
 
+# The placement of the two vCPUs: the ceiling's one-way cache-line latency
+# between its two processes (≈ 40–60 ns "near", ≈ 200 ns "far" on the VMs
+# of docs/performance.md, where cross-core copies also run several times
+# slower). It moves while a run goes on; printed before and after every
+# repetition so a reader can tell which figures share a placement.
+placement() {
+    "$OUT/bin/shm_ceiling" 1 0.01 d 8 2>/dev/null | awk '/C2C/ {print $6 " ns"}' || true
+}
+
 echo "# compare-mpi: $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -n), $(nproc) CPUs, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')"
 echo "# ranks $RANKS, transport $TRANSPORT, sizes $SIZES, $REPS alternating repetitions"
 for rep in $(seq 1 "$REPS"); do
+    echo "# repetition $rep: core-to-core latency before: $(placement)"
     # Alternate the order between repetitions, so drift hits everyone alike.
     if [ $((rep % 2)) = 1 ]; then
         run_oxccl "$rep"; run_mpi "$rep"; run_ceiling "$rep"
     else
         run_ceiling "$rep"; run_mpi "$rep"; run_oxccl "$rep"
     fi
-    echo "# repetition $rep done"
+    echo "# repetition $rep done; core-to-core latency after: $(placement)"
 done
 
 python3 - "$OUT" "$COLLS" "$TRANSPORT" <<'PY' | tee "$OUT/table.md"
