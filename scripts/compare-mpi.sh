@@ -102,9 +102,10 @@ oxccl_name() {  # mpi_coll_bench's collective name -> oxccl-perf's
     case "$1" in allreduce) echo all_reduce ;; allgather) echo all_gather ;; *) echo "$1" ;; esac
 }
 
+# run_mpi REP COLLECTIVE
 run_mpi() {
-    COLLS="$COLLS" "${MPIRUN[@]}" "$OUT/bin/mpi_coll_bench" "ompi-$TRANSPORT" "$MAX_BYTES" "$BUDGET" \
-        >"$OUT/raw/mpi-$1.txt" 2>"$OUT/raw/mpi-$1.err"
+    COLLS="$2" "${MPIRUN[@]}" "$OUT/bin/mpi_coll_bench" "ompi-$TRANSPORT" "$MAX_BYTES" "$BUDGET" \
+        >"$OUT/raw/mpi-$1-$2.txt" 2>"$OUT/raw/mpi-$1-$2.err"
 }
 
 run_ceiling() {
@@ -126,18 +127,16 @@ run_perf() {
         -J "$OUT/raw/oxccl-$rep-$label.json" >"$OUT/raw/oxccl-$rep-$label.txt" 2>&1
 }
 
+# run_oxccl REP COLLECTIVE
 run_oxccl() {
-    local c
-    for c in ${COLLS//,/ }; do
-        local name
-        name=$(oxccl_name "$c")
-        run_perf "$1" "$c-small" "$SMALL" "${SMALL_ITERS[@]}" -- --collective "$name"
-        run_perf "$1" "$c-medium" "$MEDIUM" "${MEDIUM_ITERS[@]}" -- --collective "$name"
-        run_perf "$1" "$c-large" "$LARGE" "${LARGE_ITERS[@]}" -- --collective "$name"
-    done
+    local name
+    name=$(oxccl_name "$2")
+    run_perf "$1" "$2-small" "$SMALL" "${SMALL_ITERS[@]}" -- --collective "$name"
+    run_perf "$1" "$2-medium" "$MEDIUM" "${MEDIUM_ITERS[@]}" -- --collective "$name"
+    run_perf "$1" "$2-large" "$LARGE" "${LARGE_ITERS[@]}" -- --collective "$name"
     # All-reduce on buffers from Communicator::alloc_shared (zero copy across
     # processes), the counterpart of the ceiling's variant (a).
-    if [[ ",$COLLS," == *,allreduce,* ]] && [ "$TRANSPORT" = shm ] && [ -n "$SHARED" ]; then
+    if [ "$2" = allreduce ] && [ "$TRANSPORT" = shm ] && [ -n "$SHARED" ]; then
         local mid big
         mid=$(echo "$SHARED" | tr , '\n' | awk '$1 <= 4194304' | paste -sd,)
         big=$(echo "$SHARED" | tr , '\n' | awk '$1 > 4194304' | paste -sd,)
@@ -160,10 +159,14 @@ echo "# ranks $RANKS, transport $TRANSPORT, sizes $SIZES, $REPS alternating repe
 for rep in $(seq 1 "$REPS"); do
     echo "# repetition $rep: core-to-core latency before: $(placement)"
     # Alternate the order between repetitions, so drift hits everyone alike.
+    # Collective by collective, so oxccl and Open MPI run within a minute
+    # or two of each other (the vCPU placement can change between).
     if [ $((rep % 2)) = 1 ]; then
-        run_oxccl "$rep"; run_mpi "$rep"; run_ceiling "$rep"
+        for c in ${COLLS//,/ }; do run_oxccl "$rep" "$c"; run_mpi "$rep" "$c"; done
+        run_ceiling "$rep"
     else
-        run_ceiling "$rep"; run_mpi "$rep"; run_oxccl "$rep"
+        run_ceiling "$rep"
+        for c in ${COLLS//,/ }; do run_mpi "$rep" "$c"; run_oxccl "$rep" "$c"; done
     fi
     echo "# repetition $rep done; core-to-core latency after: $(placement)"
 done
