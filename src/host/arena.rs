@@ -1086,6 +1086,25 @@ impl Arena {
         // is this rank's to write (no peer reads it).
         let slot_part = unsafe { self.payload::<T>(me, b).add(mine_o) };
         let out_part = unsafe { bufs.output.add(offset + mine_o) };
+        if world == 2 && !stream && op != ReduceOp::Avg {
+            // Two ranks: one pass stores the sum into the slot and the
+            // output (as the zero-copy path does), instead of folding into
+            // an L1 block and copying it twice. The output takes the place
+            // of this rank's own term, which it is in place.
+            // SAFETY: round A slots are posted and valid (see below); the
+            // slot part is apart from every other buffer, and the output
+            // part is this rank's own input part (in place) or apart.
+            unsafe {
+                let own = bufs.input.add(offset + mine_o);
+                let theirs = self.payload::<T>(1 - me, a).add(mine_o).cast_const();
+                if me == 0 {
+                    T::combine_into_both(op, (out_part, slot_part), (own, theirs), mine_l);
+                } else {
+                    T::combine_into_both(op, (slot_part, out_part), (theirs, own), mine_l);
+                }
+            }
+            return;
+        }
         stream::in_blocks(
             mine_l,
             |block: &mut [T], at| {
