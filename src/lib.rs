@@ -52,7 +52,7 @@ mod transport;
 pub mod types;
 
 pub use comm::{
-    AbortHandle, Algo, CommBuilder, CommConfig, Communicator, DEFAULT_CHUNK_BYTES,
+    AbortHandle, Algo, CommBuilder, CommConfig, Communicator, ShmStores, DEFAULT_CHUNK_BYTES,
     DEFAULT_SHM_RING_BYTES, DEFAULT_TIMEOUT,
 };
 pub use desc::{BufDesc, Buffer, CollectiveDesc, MemoryKind};

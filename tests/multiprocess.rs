@@ -43,6 +43,7 @@ const LAUNCH_VARS: &[&str] = &[
     "OXCCL_TRANSPORT",
     "OXCCL_SOCKET_IFNAME",
     "OXCCL_TIMEOUT",
+    "OXCCL_SHM_STORES",
 ];
 
 fn clean(cmd: &mut Command) -> &mut Command {
@@ -187,7 +188,17 @@ fn launched(world: usize, transport: &str) {
     launched_with(world, transport, &[]);
 }
 
-fn launched_with(world: usize, transport: &str, extra: &[&str]) {
+fn launched_with(world: usize, transport: &str, extra: &[&str]) -> String {
+    launched_with_env(world, transport, extra, &[])
+}
+
+/// Runs `oxccl-check` in `world` processes and returns its output.
+fn launched_with_env(
+    world: usize,
+    transport: &str,
+    extra: &[&str],
+    vars: &[(&str, &str)],
+) -> String {
     let mut cmd = Command::new(RUN);
     clean(&mut cmd)
         .args(["--nproc-per-node", &world.to_string()])
@@ -195,7 +206,8 @@ fn launched_with(world: usize, transport: &str, extra: &[&str]) {
         .args(["--", CHECK, "--quick"])
         .args(extra)
         .env("OXCCL_TRANSPORT", transport)
-        .env("OXCCL_TIMEOUT", "30s");
+        .env("OXCCL_TIMEOUT", "30s")
+        .envs(vars.iter().copied());
     let deadline = Instant::now() + Duration::from_secs(120);
     let (code, out, err) = Running::spawn(&mut cmd).finish(deadline);
     assert_eq!(
@@ -209,6 +221,7 @@ fn launched_with(world: usize, transport: &str, extra: &[&str]) {
         );
         assert!(out.contains(&line), "missing {line:?}\n{out}\n{err}");
     }
+    out
 }
 
 #[test]
@@ -225,6 +238,57 @@ fn every_collective_across_processes_over_shared_memory() {
 fn large_outputs_across_processes_are_correct() {
     for world in [2, 3] {
         launched_with(world, "shm", &["--counts", "4194311"]);
+    }
+}
+
+/// Each slot-store mode, forced on every rank (the set-up picks one by
+/// measuring, so a run would otherwise test only what this machine's
+/// placement chose): streaming covers the non-temporal staging of the
+/// one-shot (4 KiB and more) and two-shot all-reduce (over 512 KiB),
+/// reduce-scatter, and the staged all-gather and broadcast on both sides
+/// of their CMA ranges.
+#[test]
+fn both_slot_store_modes_across_processes_are_correct() {
+    for (mode, world) in [("streaming", 2), ("streaming", 3), ("cached", 2)] {
+        let out = launched_with_env(
+            world,
+            "shm",
+            &["--counts", "1,1029,20011,70001,300007"],
+            &[("OXCCL_SHM_STORES", mode)],
+        );
+        let told = format!("arena: {mode} slot stores");
+        assert!(
+            out.contains(&told),
+            "{mode}, world {world}: expected {told:?} in\n{out}"
+        );
+    }
+}
+
+/// A lower rank's forced mode wins over a higher rank's, so that every
+/// rank stages the same way whatever each was told.
+#[test]
+fn slot_store_modes_agree_when_ranks_disagree() {
+    let mut cmd = Command::new(RUN);
+    clean(&mut cmd)
+        .args(["--nproc-per-node", "2"])
+        .args(["--master-port", &free_port().to_string()])
+        .args([
+            "--",
+            "sh",
+            "-c",
+            &format!(
+                "if [ \"$RANK\" = 0 ]; then export OXCCL_SHM_STORES=streaming; \
+                 else export OXCCL_SHM_STORES=cached; fi; exec {CHECK} --quick --counts 1,300007"
+            ),
+        ])
+        .env("OXCCL_TRANSPORT", "shm")
+        .env("OXCCL_TIMEOUT", "30s");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let (code, out, err) = Running::spawn(&mut cmd).finish(deadline);
+    assert_eq!(code, Some(0), "{out}\n{err}");
+    for rank in 0..2 {
+        let line = format!("[rank {rank}] oxccl-check: rank {rank}/2: every collective correct over shm; arena: streaming slot stores");
+        assert!(out.contains(&line), "missing {line:?}\n{out}\n{err}");
     }
 }
 
@@ -499,6 +563,14 @@ fn bad_launcher_variables_say_which() {
                 ("OXCCL_TRANSPORT", "pigeon"),
             ],
             &["OXCCL_TRANSPORT", "pigeon"],
+        ),
+        (
+            &[
+                ("RANK", "0"),
+                ("WORLD_SIZE", "2"),
+                ("OXCCL_SHM_STORES", "sideways"),
+            ],
+            &["OXCCL_SHM_STORES", "sideways"],
         ),
     ];
     for (vars, needles) in cases {

@@ -37,6 +37,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
+use crate::comm::ShmStores;
 use crate::error::Result;
 use crate::transport::shm::{process_alive, Segment};
 use crate::transport::TransportError;
@@ -106,6 +107,34 @@ const ZERO_COPY_MIN_BYTES: usize = 2 * 1024;
 /// 1.85–1.92 → 1.38–1.98, 32 KiB 3.4 → 1.8–2.4; at 8 KiB staging is
 /// faster (0.85–1.33 against 1.1–1.7 µs).
 const CMA_MIN_BYTES: usize = 16 * 1024;
+/// With cached slot stores ([`ShmStores::Cached`]) on AMD CPUs, an
+/// all-gather stages below this output size and reads by CMA only from
+/// it: the staged copies run through the cache the cores share (Zen 4 VM,
+/// near placement, 2 processes, alternating): 16 KiB 1.5 against 2.9 µs,
+/// 1 MiB 38 against 53–58, 4 MiB 160–175 against 214–257; from 16 MiB
+/// the pull wins (1.66–1.71 ms against 1.87 streamed, ordinary staging
+/// slower still).
+const CACHED_ALL_GATHER_CMA_MIN_BYTES_AMD: usize = 16 << 20;
+/// With streaming slot stores, all-gathers with outputs in this range read
+/// by CMA, the others stage (Zen 4 VM, far placement, 2 processes,
+/// alternating): staged 16 KiB 2.3 against 3.9 µs, 1 MiB 51–58 against
+/// 58–68, 16 MiB 1.10 against 1.39–1.70 ms, 64 MiB 5.1–5.4 against
+/// 7.3–9.9 ms; but 256 KiB 19–25 against 15–16.5 µs (64 KiB even).
+const STREAMING_ALL_GATHER_CMA_BYTES: std::ops::Range<usize> = 64 * 1024..1 << 20;
+/// With streaming slot stores, broadcasts of at least this many bytes
+/// stage instead of reading by CMA (Zen 4 VM, far placement, 2 processes,
+/// alternating): 1 MiB 65–70 against 80–90 µs, 16 MiB 1.3–1.6 against
+/// 2.1–2.4 ms, 64 MiB 6.6 against 8.3–8.9 ms; below it even or slower.
+const STREAMING_BROADCAST_STAGED_MIN_BYTES: usize = 1 << 20;
+/// With [`ShmStores::Streaming`], staged pieces of at least this many
+/// bytes go into a slot with non-temporal stores; a few lines are not
+/// worth a write-combining flush.
+const STREAMED_STAGE_MIN_BYTES: usize = 4096;
+/// [`ShmStores::Auto`]'s set-up measurement: bytes of one sample, and
+/// samples of each kind of store (the fastest counts).
+const STORES_PROBE_BYTES: usize = 128 * 1024;
+const STORES_PROBE_SAMPLES: usize = 5;
+const _: () = assert!(STORES_PROBE_BYTES <= DEFAULT_SLOT_BYTES - SLOT_HEADER);
 /// An in-place broadcast root pushes part of the others' outputs itself
 /// from this many bytes: below it a second system call, on the root, costs
 /// more than the copy it shares. Measured, 2 processes, in place: 16 KiB
@@ -329,6 +358,13 @@ pub(crate) struct Arena {
     /// Whether this rank may read peers' memory with `process_vm_readv`
     /// (probed at set-up; Linux CMA, which containers or Yama may forbid).
     cma: bool,
+    /// Whether staged pieces go into the slots with non-temporal stores
+    /// ([`ShmStores::Streaming`], decided at set-up; equal on every rank).
+    streaming_slots: bool,
+    /// What the set-up measured for [`ShmStores::Auto`]: the ranks' summed
+    /// best times, in ns, to copy a peer's slot written with cached and
+    /// with streaming stores (`None` when a mode was forced, or threads).
+    stores_probe: Option<(u64, u64)>,
     /// This rank's shared allocations (`alloc_shared`), while they live.
     shared: Vec<Weak<SharedRegion>>,
     /// Whether `alloc_shared` ever ran on this communicator: from then on
@@ -429,6 +465,7 @@ impl Arena {
         rank: Rank,
         aborted: Arc<AtomicBool>,
         timeout: Duration,
+        stores: ShmStores,
     ) -> Result<Arena> {
         let mut arena = Arena::attach(
             Arc::new(Memory::Shm(segment)),
@@ -439,14 +476,12 @@ impl Arena {
             timeout,
         );
         arena.cma = arena.probe_cma()?;
+        arena.probe_stores(stores)?;
         Ok(arena)
     }
 
-    /// Two set-up rounds: each rank publishes the address of a word of
-    /// its slot, tries to read every peer's with `process_vm_readv`, then
-    /// all learn whether every rank could. The same answer on every rank.
-    fn probe_cma(&mut self) -> Result<bool> {
-        const MAGIC: u64 = 0x0cca_0000_0000_0000;
+    /// The call and signature of the set-up rounds.
+    fn setup_call(&self, magic: u64) -> (CallInfo, CallSig) {
         let call = CallInfo {
             op: OpKind::Barrier,
             seq: u64::MAX,
@@ -459,8 +494,127 @@ impl Arena {
         };
         let sig = CallSig {
             seq: u64::MAX,
-            signature: MAGIC,
+            signature: magic,
         };
+        (call, sig)
+    }
+
+    /// Decides [`streaming_slots`](Self::streaming_slots) with every rank.
+    /// For [`ShmStores::Auto`], samples alternate: every rank fills its
+    /// slot with one kind of store and then (all at once, as a staged
+    /// all-gather does) copies its successor's slot out, round after round
+    /// around the slot ring, timing the second pass (a cold ring, whose
+    /// lines no peer holds, is fast either way).
+    /// A last round shares each rank's setting and best times; every rank
+    /// then reaches the same answer: the lowest rank that forced a mode
+    /// decides, else streaming when the summed streaming time is at least
+    /// a fifth below the cached one.
+    fn probe_stores(&mut self, preference: ShmStores) -> Result<()> {
+        const MAGIC: u64 = 0x0cca_5707_0000_0000;
+        let (call, sig) = self.setup_call(MAGIC);
+        let world = self.world();
+        let mut best = [u64::MAX; 2];
+        if preference == ShmStores::Auto && world > 1 {
+            let pattern: Vec<u8> = (0..STORES_PROBE_BYTES).map(|i| i as u8).collect();
+            let mut landing = vec![0u8; STORES_PROBE_BYTES];
+            let successor = (self.rank + 1) % world;
+            let depth = self.geometry.depth;
+            for _ in 0..STORES_PROBE_SAMPLES {
+                for (kind, streaming) in [false, true].into_iter().enumerate() {
+                    // Two passes over the slot ring; the second is timed,
+                    // when every slot's lines were last read by a peer, as
+                    // in a run of staged calls.
+                    let mut start = Instant::now();
+                    for round in 0..2 * depth {
+                        if round == depth {
+                            start = Instant::now();
+                        }
+                        let g = self.begin(&call)?;
+                        // SAFETY: the slot's payload holds more than the
+                        // probe's bytes (asserted at compile time); the
+                        // successor's slot of round g is posted when read.
+                        unsafe {
+                            copy_out(
+                                streaming,
+                                pattern.as_ptr(),
+                                self.payload::<u8>(self.rank, g),
+                                STORES_PROBE_BYTES,
+                            );
+                            self.post(g, &sig);
+                            self.await_all(&call, &sig, g)?;
+                            std::ptr::copy_nonoverlapping(
+                                self.payload::<u8>(successor, g),
+                                landing.as_mut_ptr(),
+                                STORES_PROBE_BYTES,
+                            );
+                        }
+                        self.finish(g);
+                    }
+                    let took = start.elapsed().as_nanos() / depth as u128;
+                    best[kind] = best[kind].min(took.min(u64::MAX as u128) as u64);
+                }
+            }
+            std::hint::black_box(&landing);
+        }
+        let forced = match preference {
+            ShmStores::Cached => 1,
+            ShmStores::Streaming => 2,
+            _ => 0,
+        };
+        let g = self.begin(&call)?;
+        // SAFETY: the payload holds far more than three words.
+        unsafe {
+            let slot = self.payload::<u64>(self.rank, g);
+            slot.write(forced);
+            slot.add(1).write(best[0]);
+            slot.add(2).write(best[1]);
+        }
+        self.post(g, &sig);
+        self.await_all(&call, &sig, g)?;
+        // SAFETY: every slot of round g is posted.
+        let word = |p: Rank, i: usize| unsafe { self.payload::<u64>(p, g).add(i).read() };
+        let forced = (0..world).map(|p| word(p, 0)).find(|&f| f != 0);
+        let summed = |i: usize| (0..world).fold(0u64, |sum, p| sum.saturating_add(word(p, i)));
+        let (cached, streaming) = (summed(1), summed(2));
+        self.finish(g);
+        self.streaming_slots = match forced {
+            Some(mode) => mode == 2,
+            None => world > 1 && streaming.saturating_mul(5) < cached.saturating_mul(4),
+        };
+        self.stores_probe = (forced.is_none() && world > 1).then_some((cached, streaming));
+        Ok(())
+    }
+
+    /// Whether the ranks are processes (not threads of one process).
+    pub fn across_processes(&self) -> bool {
+        self.watch_pids
+    }
+
+    /// How this arena writes staged data, for reports: `cached` or
+    /// `streaming`, and what the set-up measured when it decided.
+    pub fn stores_description(&self) -> String {
+        let mode = if self.streaming_slots {
+            "streaming"
+        } else {
+            "cached"
+        };
+        match self.stores_probe {
+            Some((cached, streaming)) => format!(
+                "{mode} slot stores (set-up: {} KiB through a slot in {:.1} µs cached, {:.1} µs streamed)",
+                STORES_PROBE_BYTES / 1024,
+                cached as f64 / 1e3 / self.world() as f64,
+                streaming as f64 / 1e3 / self.world() as f64,
+            ),
+            None => format!("{mode} slot stores"),
+        }
+    }
+
+    /// Two set-up rounds: each rank publishes the address of a word of
+    /// its slot, tries to read every peer's with `process_vm_readv`, then
+    /// all learn whether every rank could. The same answer on every rank.
+    fn probe_cma(&mut self) -> Result<bool> {
+        const MAGIC: u64 = 0x0cca_0000_0000_0000;
+        let (call, sig) = self.setup_call(MAGIC);
         let g = self.begin(&call)?;
         let slot = self.payload::<u64>(self.rank, g);
         // SAFETY: the payload holds far more than two words.
@@ -510,6 +664,8 @@ impl Arena {
             aborted,
             timeout,
             cma: false,
+            streaming_slots: false,
+            stores_probe: None,
             shared: Vec::new(),
             shared_ever: false,
             next_shared: 0,
@@ -968,7 +1124,12 @@ impl Arena {
             let g = self.begin(call)?;
             // SAFETY: input has count elements; the slot holds capacity ≥ count.
             unsafe {
-                std::ptr::copy_nonoverlapping(bufs.input, self.payload::<T>(me, g), count);
+                copy_out(
+                    self.streams_stage::<T>(count),
+                    bufs.input,
+                    self.payload::<T>(me, g),
+                    count,
+                );
             }
             self.post(g, sig);
             self.await_all(call, sig, g)?;
@@ -1016,7 +1177,8 @@ impl Arena {
                     // capacity. In place, piece `step` of the output is
                     // written only by its fold and copy-out, later.
                     unsafe {
-                        std::ptr::copy_nonoverlapping(
+                        copy_out(
+                            self.streams_stage::<T>(l),
                             bufs.input.add(offset + o),
                             self.payload::<T>(me, a).add(o),
                             l,
@@ -1070,7 +1232,9 @@ impl Arena {
     /// rank's part, from its input and the peers' slots of round `a`,
     /// goes block by block from L1 both into its slot of round `b` (for
     /// the peers) and into its output: one pass, instead of reading it
-    /// back out of the slot afterwards.
+    /// back out of the slot afterwards. With streaming slot stores the
+    /// slot's copy of each block is non-temporal (two ranks then take the
+    /// block path too: its kernel stores into both with ordinary stores).
     fn two_shot_fold<T: Element>(
         &self,
         op: ReduceOp,
@@ -1086,7 +1250,8 @@ impl Arena {
         // is this rank's to write (no peer reads it).
         let slot_part = unsafe { self.payload::<T>(me, b).add(mine_o) };
         let out_part = unsafe { bufs.output.add(offset + mine_o) };
-        if world == 2 && !stream && op != ReduceOp::Avg {
+        let stream_slot = self.streams_stage::<T>(mine_l);
+        if world == 2 && !stream && !stream_slot && op != ReduceOp::Avg {
             // Two ranks: one pass stores the sum into the slot and the
             // output (as the zero-copy path does), instead of folding into
             // an L1 block and copying it twice. The output takes the place
@@ -1127,7 +1292,11 @@ impl Arena {
             },
             |block, at| unsafe {
                 // SAFETY: as above.
-                std::ptr::copy_nonoverlapping(block.as_ptr(), slot_part.add(at), block.len());
+                if stream_slot {
+                    stream::copy_streaming_unfenced(block.as_ptr(), slot_part.add(at), block.len());
+                } else {
+                    std::ptr::copy_nonoverlapping(block.as_ptr(), slot_part.add(at), block.len());
+                }
                 if stream {
                     stream::copy_streaming_unfenced(block.as_ptr(), out_part.add(at), block.len());
                 } else {
@@ -1135,7 +1304,7 @@ impl Arena {
                 }
             },
         );
-        if stream {
+        if stream || stream_slot {
             stream::fence();
         }
     }
@@ -1168,7 +1337,7 @@ impl Arena {
     ///
     /// # Safety
     /// The source range must be valid; `slot_offset + len` ≤ the capacity.
-    unsafe fn stage<T>(
+    unsafe fn stage<T: Copy>(
         &self,
         g: u64,
         slot_offset: usize,
@@ -1176,11 +1345,18 @@ impl Arena {
         src_offset: usize,
         len: usize,
     ) {
-        std::ptr::copy_nonoverlapping(
+        copy_out(
+            self.streams_stage::<T>(len),
             src.add(src_offset),
             self.payload::<T>(self.rank, g).add(slot_offset),
             len,
         );
+    }
+
+    /// Whether a staged piece of `len` elements goes into the slot with
+    /// non-temporal stores (fenced before the post that publishes it).
+    fn streams_stage<T>(&self, len: usize) -> bool {
+        self.streaming_slots && len * std::mem::size_of::<T>() >= STREAMED_STAGE_MIN_BYTES
     }
 
     /// Copies `len` elements out of `peer`'s slot of round `g`.
@@ -1263,7 +1439,8 @@ impl Arena {
         count: usize,
     ) -> Result<()> {
         let full = count * self.world();
-        if let Some(g) = self.enter_direct(call, sig, &bufs, (count, full), full, true)? {
+        let cma_ok = self.all_gather_by_cma(full * std::mem::size_of::<T>());
+        if let Some(g) = self.enter_direct(call, sig, &bufs, (count, full), full, cma_ok)? {
             return self.zero_copy_copies(call, sig, bufs, g, count, None);
         }
         let (world, me) = (self.world(), self.rank);
@@ -1302,7 +1479,8 @@ impl Arena {
         if bytes > 0 && bytes <= MAILBOX_MAX_BYTES && self.world() > 1 {
             return self.mailbox_broadcast(call, sig, bufs, count, root);
         }
-        if let Some(g) = self.enter_direct(call, sig, &bufs, (count, count), count, true)? {
+        let cma_ok = self.broadcast_by_cma(bytes);
+        if let Some(g) = self.enter_direct(call, sig, &bufs, (count, count), count, cma_ok)? {
             return self.zero_copy_copies(call, sig, bufs, g, count, Some(root));
         }
         let me = self.rank;
@@ -1727,6 +1905,7 @@ impl Arena {
             self.timeout,
         );
         child.cma = self.cma;
+        child.streaming_slots = self.streaming_slots;
         Ok(Some(child))
     }
 }
@@ -1757,11 +1936,44 @@ impl Arena {
             OpKind::Broadcast if bytes > 0 && bytes <= MAILBOX_MAX_BYTES && self.world() > 1 => {
                 "mailbox"
             }
-            OpKind::AllGather | OpKind::Broadcast if self.cma && bytes >= CMA_MIN_BYTES => "cma",
+            OpKind::AllGather
+                if self.cma && bytes >= CMA_MIN_BYTES && self.all_gather_by_cma(bytes) =>
+            {
+                "cma"
+            }
+            OpKind::Broadcast
+                if self.cma && bytes >= CMA_MIN_BYTES && self.broadcast_by_cma(bytes) =>
+            {
+                "cma"
+            }
             OpKind::AllReduce if bytes <= capacity => "oneshot",
             OpKind::AllReduce => "twoshot",
             _ => "direct",
         }
+    }
+
+    /// Whether an all-gather whose output is `bytes` long may read the
+    /// peers' inputs by CMA (from [`CMA_MIN_BYTES`] when the probe allowed
+    /// it), by the slot stores in use and the CPU: see
+    /// [`CACHED_ALL_GATHER_CMA_MIN_BYTES_AMD`] and
+    /// [`STREAMING_ALL_GATHER_CMA_BYTES`]. Intel CPUs keep CMA from
+    /// [`CMA_MIN_BYTES`] with cached stores (measured on the Intel VM).
+    fn all_gather_by_cma(&self, bytes: usize) -> bool {
+        if self.streaming_slots {
+            STREAMING_ALL_GATHER_CMA_BYTES.contains(&bytes)
+        } else if stream::cpu_vendor_is_amd() {
+            bytes >= CACHED_ALL_GATHER_CMA_MIN_BYTES_AMD
+        } else {
+            true
+        }
+    }
+
+    /// Whether a broadcast of `bytes` may read the root's buffer by CMA
+    /// (from [`CMA_MIN_BYTES`] when the probe allowed it): always with
+    /// cached slot stores, below [`STREAMING_BROADCAST_STAGED_MIN_BYTES`]
+    /// with streaming ones.
+    fn broadcast_by_cma(&self, bytes: usize) -> bool {
+        !self.streaming_slots || bytes < STREAMING_BROADCAST_STAGED_MIN_BYTES
     }
 
     /// Decides whether a call of `elements` (its largest buffer) reaches

@@ -53,7 +53,13 @@ pub(crate) fn own_part_stream_min_bytes() -> usize {
 }
 
 /// Whether the CPU reports an AMD (or Hygon, its Zen licensee) vendor id.
-fn cpu_vendor_is_amd() -> bool {
+/// Asked once: `cpuid` exits to the hypervisor in a VM.
+pub(crate) fn cpu_vendor_is_amd() -> bool {
+    static AMD: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AMD.get_or_init(read_cpu_vendor_is_amd)
+}
+
+fn read_cpu_vendor_is_amd() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         // SAFETY: CPUID leaf 0 exists on every x86-64 CPU.
