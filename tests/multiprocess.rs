@@ -245,8 +245,8 @@ fn large_outputs_across_processes_are_correct() {
 /// measuring, so a run would otherwise test only what this machine's
 /// placement chose): streaming covers the non-temporal staging of the
 /// one-shot (4 KiB and more) and two-shot all-reduce (over 512 KiB),
-/// reduce-scatter, and the staged all-gather and broadcast on both sides
-/// of their CMA ranges.
+/// reduce-scatter, and all-gather and broadcast, which then always stage;
+/// cached runs their CMA paths.
 #[test]
 fn both_slot_store_modes_across_processes_are_correct() {
     for (mode, world) in [("streaming", 2), ("streaming", 3), ("cached", 2)] {

@@ -115,17 +115,6 @@ const CMA_MIN_BYTES: usize = 16 * 1024;
 /// the pull wins (1.66–1.71 ms against 1.87 streamed, ordinary staging
 /// slower still).
 const CACHED_ALL_GATHER_CMA_MIN_BYTES_AMD: usize = 16 << 20;
-/// With streaming slot stores, all-gathers with outputs in this range read
-/// by CMA, the others stage (Zen 4 VM, far placement, 2 processes,
-/// alternating): staged 16 KiB 2.3 against 3.9 µs, 1 MiB 51–58 against
-/// 58–68, 16 MiB 1.10 against 1.39–1.70 ms, 64 MiB 5.1–5.4 against
-/// 7.3–9.9 ms; but 256 KiB 19–25 against 15–16.5 µs (64 KiB even).
-const STREAMING_ALL_GATHER_CMA_BYTES: std::ops::Range<usize> = 64 * 1024..1 << 20;
-/// With streaming slot stores, broadcasts of at least this many bytes
-/// stage instead of reading by CMA (Zen 4 VM, far placement, 2 processes,
-/// alternating): 1 MiB 65–70 against 80–90 µs, 16 MiB 1.3–1.6 against
-/// 2.1–2.4 ms, 64 MiB 6.6 against 8.3–8.9 ms; below it even or slower.
-const STREAMING_BROADCAST_STAGED_MIN_BYTES: usize = 1 << 20;
 /// With [`ShmStores::Streaming`], staged pieces of at least this many
 /// bytes go into a slot with non-temporal stores; a few lines are not
 /// worth a write-combining flush.
@@ -1439,7 +1428,7 @@ impl Arena {
         count: usize,
     ) -> Result<()> {
         let full = count * self.world();
-        let cma_ok = self.all_gather_by_cma(full * std::mem::size_of::<T>());
+        let cma_ok = self.cma_suits(OpKind::AllGather, full * std::mem::size_of::<T>());
         if let Some(g) = self.enter_direct(call, sig, &bufs, (count, full), full, cma_ok)? {
             return self.zero_copy_copies(call, sig, bufs, g, count, None);
         }
@@ -1479,7 +1468,7 @@ impl Arena {
         if bytes > 0 && bytes <= MAILBOX_MAX_BYTES && self.world() > 1 {
             return self.mailbox_broadcast(call, sig, bufs, count, root);
         }
-        let cma_ok = self.broadcast_by_cma(bytes);
+        let cma_ok = self.cma_suits(OpKind::Broadcast, bytes);
         if let Some(g) = self.enter_direct(call, sig, &bufs, (count, count), count, cma_ok)? {
             return self.zero_copy_copies(call, sig, bufs, g, count, Some(root));
         }
@@ -1936,44 +1925,39 @@ impl Arena {
             OpKind::Broadcast if bytes > 0 && bytes <= MAILBOX_MAX_BYTES && self.world() > 1 => {
                 "mailbox"
             }
-            OpKind::AllGather
-                if self.cma && bytes >= CMA_MIN_BYTES && self.all_gather_by_cma(bytes) =>
-            {
-                "cma"
-            }
-            OpKind::Broadcast
-                if self.cma && bytes >= CMA_MIN_BYTES && self.broadcast_by_cma(bytes) =>
-            {
-                "cma"
-            }
+            OpKind::AllGather | OpKind::Broadcast if self.cma_suits(op, bytes) => "cma",
             OpKind::AllReduce if bytes <= capacity => "oneshot",
             OpKind::AllReduce => "twoshot",
             _ => "direct",
         }
     }
 
-    /// Whether an all-gather whose output is `bytes` long may read the
-    /// peers' inputs by CMA (from [`CMA_MIN_BYTES`] when the probe allowed
-    /// it), by the slot stores in use and the CPU: see
-    /// [`CACHED_ALL_GATHER_CMA_MIN_BYTES_AMD`] and
-    /// [`STREAMING_ALL_GATHER_CMA_BYTES`]. Intel CPUs keep CMA from
-    /// [`CMA_MIN_BYTES`] with cached stores (measured on the Intel VM).
-    fn all_gather_by_cma(&self, bytes: usize) -> bool {
+    /// From which size (the largest buffer) an all-gather or a broadcast
+    /// reads the peers' buffers by CMA instead of staging, when the set-up
+    /// probe allowed CMA; `None`: never. With streaming slot stores never:
+    /// a staged piece then moves through memory, which beat CMA at every
+    /// size measured (Zen 4 VM, far placement, 2 processes, alternating):
+    /// all-gather 16 KiB 1.6 against 3.6 µs, 64 KiB 4.2–4.7 against
+    /// 5.5–5.8, 512 KiB 28–31 against 28–50, 16 MiB 1.10–1.13 against
+    /// 1.42–1.75 ms, 64 MiB 4.9–5.2 against 5.7–7.0 ms; broadcast 16 KiB
+    /// 1.27 against 3.5 µs, 256 KiB 14.7–15.5 against 20.7–23.5, 16 MiB
+    /// 1.25–1.27 against 2.26–2.34 ms. With cached stores from
+    /// [`CMA_MIN_BYTES`], except all-gather on AMD CPUs
+    /// ([`CACHED_ALL_GATHER_CMA_MIN_BYTES_AMD`]).
+    fn cma_min_bytes(&self, op: OpKind) -> Option<usize> {
         if self.streaming_slots {
-            STREAMING_ALL_GATHER_CMA_BYTES.contains(&bytes)
-        } else if stream::cpu_vendor_is_amd() {
-            bytes >= CACHED_ALL_GATHER_CMA_MIN_BYTES_AMD
+            None
+        } else if op == OpKind::AllGather && stream::cpu_vendor_is_amd() {
+            Some(CACHED_ALL_GATHER_CMA_MIN_BYTES_AMD)
         } else {
-            true
+            Some(CMA_MIN_BYTES)
         }
     }
 
-    /// Whether a broadcast of `bytes` may read the root's buffer by CMA
-    /// (from [`CMA_MIN_BYTES`] when the probe allowed it): always with
-    /// cached slot stores, below [`STREAMING_BROADCAST_STAGED_MIN_BYTES`]
-    /// with streaming ones.
-    fn broadcast_by_cma(&self, bytes: usize) -> bool {
-        !self.streaming_slots || bytes < STREAMING_BROADCAST_STAGED_MIN_BYTES
+    /// Whether a call of `op` with `bytes` in its largest buffer may read
+    /// by CMA (see [`cma_min_bytes`](Self::cma_min_bytes)).
+    fn cma_suits(&self, op: OpKind, bytes: usize) -> bool {
+        self.cma && self.cma_min_bytes(op).is_some_and(|min| bytes >= min)
     }
 
     /// Decides whether a call of `elements` (its largest buffer) reaches
@@ -1981,9 +1965,10 @@ impl Arena {
     /// rank's buffers, awaiting everyone's): threads from
     /// [`ZERO_COPY_MIN_BYTES`]; across processes, zero-copy from the same
     /// size when every rank's input and output lie in one shared allocation
-    /// each, else (all-gather, broadcast: `cma_ok`) CMA from
-    /// [`CMA_MIN_BYTES`]. Every rank takes the same decision: it depends
-    /// only on the call, on `shared_ever` and on what every rank posted.
+    /// each, else CMA when the caller says it suits (`cma_ok`: all-gather
+    /// and broadcast, [`cma_suits`](Self::cma_suits)). Every rank takes the
+    /// same decision: it depends only on the call, on `shared_ever`, on the
+    /// slot stores (equal everywhere) and on what every rank posted.
     /// `lens` are the input's and output's lengths in elements.
     fn enter_direct<T>(
         &mut self,
@@ -2019,7 +2004,7 @@ impl Arena {
             };
         }
         let want_mapped = self.shared_ever && bytes >= ZERO_COPY_MIN_BYTES;
-        let want_cma = cma_ok && self.cma && bytes >= CMA_MIN_BYTES;
+        let want_cma = cma_ok;
         if !want_mapped && !want_cma {
             return Ok(None);
         }
