@@ -107,14 +107,23 @@ const ZERO_COPY_MIN_BYTES: usize = 2 * 1024;
 /// 1.85–1.92 → 1.38–1.98, 32 KiB 3.4 → 1.8–2.4; at 8 KiB staging is
 /// faster (0.85–1.33 against 1.1–1.7 µs).
 const CMA_MIN_BYTES: usize = 16 * 1024;
-/// With cached slot stores ([`ShmStores::Cached`]) on AMD CPUs, an
-/// all-gather stages below this output size and reads by CMA only from
-/// it: the staged copies run through the cache the cores share (Zen 4 VM,
-/// near placement, 2 processes, alternating): 16 KiB 1.5 against 2.9 µs,
-/// 1 MiB 38 against 53–58, 4 MiB 160–175 against 214–257; from 16 MiB
-/// the pull wins (1.66–1.71 ms against 1.87 streamed, ordinary staging
-/// slower still).
-const CACHED_ALL_GATHER_CMA_MIN_BYTES_AMD: usize = 16 << 20;
+/// With cached slot stores ([`ShmStores::Cached`]) on AMD CPUs, the
+/// all-gather output sizes that read by CMA; the others stage, through the
+/// cache the cores share. Zen 4 VM, near placement, 2 processes, 3
+/// alternating pairs (staged against CMA): 16 KiB 1.42–1.45 against
+/// 2.8–4.1 µs, 32 KiB 2.8–3.0 against 3.5–4.8, 64 KiB 5.5 against
+/// 5.0–6.3, 128 KiB 10.3–10.4 against 7.9–9.8, 192 KiB 11.7–12.5 against
+/// 10.6–13.7, 256 KiB 11.8–13.8 against 13.6–14.0, 512 KiB 18.4–22.6
+/// against 27.4–27.8, 1 MiB 38 against 53–58, 4 MiB 160–175 against
+/// 214–257; from 16 MiB the pull wins (1.66–1.71 ms against 1.87
+/// streamed, ordinary staging slower still).
+const CACHED_AMD_ALL_GATHER_CMA_BYTES: [std::ops::Range<usize>; 2] =
+    [64 * 1024..256 * 1024, 16 << 20..usize::MAX];
+/// With cached slot stores on AMD CPUs, broadcasts read by CMA from this
+/// size (staged below). Same VM and method: 16 KiB 2.1–2.4 against
+/// 3.2–3.4 µs, 24 KiB 3.3–3.4 against 3.6–3.8, 32 KiB even (4.3–4.5),
+/// 48 KiB 6.5 against 5.2–5.6, 64 KiB 8.5–9.0 against 6.4–6.6.
+const CACHED_AMD_BROADCAST_CMA_MIN_BYTES: usize = 32 * 1024;
 /// With [`ShmStores::Streaming`], staged pieces of at least this many
 /// bytes go into a slot with non-temporal stores; a few lines are not
 /// worth a write-combining flush.
@@ -1932,32 +1941,31 @@ impl Arena {
         }
     }
 
-    /// From which size (the largest buffer) an all-gather or a broadcast
-    /// reads the peers' buffers by CMA instead of staging, when the set-up
-    /// probe allowed CMA; `None`: never. With streaming slot stores never:
-    /// a staged piece then moves through memory, which beat CMA at every
-    /// size measured (Zen 4 VM, far placement, 2 processes, alternating):
+    /// Whether an all-gather or a broadcast with `bytes` in its largest
+    /// buffer reads the peers' buffers by CMA (when the set-up probe allowed
+    /// it) instead of staging. With streaming slot stores never: a staged
+    /// piece then moves through memory, which beat CMA at every size
+    /// measured (Zen 4 VM, far placement, 2 processes, alternating):
     /// all-gather 16 KiB 1.6 against 3.6 µs, 64 KiB 4.2–4.7 against
     /// 5.5–5.8, 512 KiB 28–31 against 28–50, 16 MiB 1.10–1.13 against
     /// 1.42–1.75 ms, 64 MiB 4.9–5.2 against 5.7–7.0 ms; broadcast 16 KiB
     /// 1.27 against 3.5 µs, 256 KiB 14.7–15.5 against 20.7–23.5, 16 MiB
     /// 1.25–1.27 against 2.26–2.34 ms. With cached stores from
-    /// [`CMA_MIN_BYTES`], except all-gather on AMD CPUs
-    /// ([`CACHED_ALL_GATHER_CMA_MIN_BYTES_AMD`]).
-    fn cma_min_bytes(&self, op: OpKind) -> Option<usize> {
-        if self.streaming_slots {
-            None
-        } else if op == OpKind::AllGather && stream::cpu_vendor_is_amd() {
-            Some(CACHED_ALL_GATHER_CMA_MIN_BYTES_AMD)
-        } else {
-            Some(CMA_MIN_BYTES)
-        }
-    }
-
-    /// Whether a call of `op` with `bytes` in its largest buffer may read
-    /// by CMA (see [`cma_min_bytes`](Self::cma_min_bytes)).
+    /// [`CMA_MIN_BYTES`] on Intel CPUs (measured there); on AMD ones by
+    /// [`CACHED_AMD_ALL_GATHER_CMA_BYTES`] and
+    /// [`CACHED_AMD_BROADCAST_CMA_MIN_BYTES`].
     fn cma_suits(&self, op: OpKind, bytes: usize) -> bool {
-        self.cma && self.cma_min_bytes(op).is_some_and(|min| bytes >= min)
+        if !self.cma || self.streaming_slots {
+            return false;
+        }
+        let amd = stream::cpu_vendor_is_amd();
+        match op {
+            OpKind::AllGather if amd => CACHED_AMD_ALL_GATHER_CMA_BYTES
+                .iter()
+                .any(|sizes| sizes.contains(&bytes)),
+            OpKind::Broadcast if amd => bytes >= CACHED_AMD_BROADCAST_CMA_MIN_BYTES,
+            _ => bytes >= CMA_MIN_BYTES,
+        }
     }
 
     /// Decides whether a call of `elements` (its largest buffer) reaches
