@@ -169,6 +169,12 @@ for rep in $(seq 1 "$REPS"); do
         for c in ${COLLS//,/ }; do run_mpi "$rep" "$c"; run_oxccl "$rep" "$c"; done
     fi
     echo "# repetition $rep done; core-to-core latency after: $(placement)"
+    # Which slot stores oxccl's arena chose at each run's set-up (they
+    # follow the placement; oxccl-perf's header has the measurement).
+    stores=$(cat "$OUT"/raw/oxccl-"$rep"-*.txt 2>/dev/null |
+        sed -n 's/.*arena: \([a-z]*\) slot stores.*/\1/p' | sort | uniq -c |
+        awk '{printf "%s%s ×%s", sep, $2, $1; sep=", "}')
+    [ -z "$stores" ] || echo "# repetition $rep: oxccl's slot stores: $stores"
 done
 
 python3 - "$OUT" "$COLLS" "$TRANSPORT" <<'PY' | tee "$OUT/table.md"
