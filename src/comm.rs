@@ -50,7 +50,7 @@ pub struct CommConfig {
 }
 
 /// How staged data goes into the shared arena's slots between processes
-/// (`OXCCL_SHM_STORES`: `auto`, `cached`, `streaming`).
+/// (`OXCCL_SHM_STORES`: `auto`, `auto:SECONDS`, `cached`, `streaming`).
 ///
 /// A slot is written by one core and read by the others. Where the cores
 /// share a cache, ordinary (`Cached`) stores leave the lines there for the
@@ -59,27 +59,55 @@ pub struct CommConfig {
 /// the writer's cache crosses between them one at a time, and writing
 /// around the caches (`Streaming`, non-temporal stores) lets the reader
 /// stream the slot from memory instead: 4–5 times faster there, about
-/// half as fast where the cache is shared. `Auto` measures both at set-up.
+/// half as fast where the cache is shared. `Auto` measures both.
 /// Every rank uses the same mode (the lowest rank that forces one wins).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum ShmStores {
-    /// Measured at set-up: each rank copies a slot that a peer wrote each
-    /// way, and `Streaming` runs when the ranks' copies take at least a
-    /// fifth less time that way.
-    #[default]
-    Auto,
+    /// Measured at set-up, and again every `remeasure` (`None`: only at
+    /// set-up): the ranks push a slot's worth through the slot ring with
+    /// each kind of store, and `Streaming` runs when that took at least a
+    /// fifth less time. A re-measurement takes a few milliseconds inside
+    /// one call; rank 0's interval rules.
+    Auto {
+        /// How often to measure again (`OXCCL_SHM_STORES=auto:SECONDS`;
+        /// `auto:0` measures only at set-up).
+        remeasure: Option<Duration>,
+    },
     /// Ordinary stores.
     Cached,
     /// Non-temporal stores for staged pieces of 4 KiB and more.
     Streaming,
 }
 
+/// How often [`ShmStores::Auto`] measures again by default: virtual CPUs
+/// that a hypervisor moves between cores may change which mode wins every
+/// few minutes (the VM of `docs/performance.md`).
+pub const DEFAULT_SHM_STORES_REMEASURE: Duration = Duration::from_secs(30);
+
+impl Default for ShmStores {
+    fn default() -> Self {
+        ShmStores::Auto {
+            remeasure: Some(DEFAULT_SHM_STORES_REMEASURE),
+        }
+    }
+}
+
 impl ShmStores {
-    /// Parses `auto`, `cached` or `streaming` (case-insensitive).
+    /// Parses `auto`, `auto:SECONDS` (a duration as `OXCCL_TIMEOUT` takes
+    /// it, or `0` for set-up only), `cached` or `streaming`
+    /// (case-insensitive).
     pub fn from_name(name: &str) -> Option<ShmStores> {
-        match name.trim().to_ascii_lowercase().as_str() {
-            "" | "auto" => Some(ShmStores::Auto),
+        let name = name.trim().to_ascii_lowercase();
+        if let Some(every) = name.strip_prefix("auto:") {
+            let remeasure = match every.trim() {
+                "0" => None,
+                every => Some(parse_duration(every)?),
+            };
+            return Some(ShmStores::Auto { remeasure });
+        }
+        match name.as_str() {
+            "" | "auto" => Some(ShmStores::default()),
             "cached" => Some(ShmStores::Cached),
             "streaming" => Some(ShmStores::Streaming),
             _ => None,
@@ -130,7 +158,7 @@ impl Default for CommConfig {
             socket_ifname: None,
             shm_ring_bytes: DEFAULT_SHM_RING_BYTES,
             algo: Algo::Auto,
-            shm_stores: ShmStores::Auto,
+            shm_stores: ShmStores::default(),
         }
     }
 }
@@ -197,7 +225,8 @@ impl CommConfig {
             config.shm_stores = ShmStores::from_name(&value).ok_or_else(|| Error::Config {
                 name: "OXCCL_SHM_STORES".into(),
                 value: value.clone(),
-                reason: "expected auto, cached or streaming".into(),
+                reason: "expected auto, auto:SECONDS (0: at set-up only), cached or streaming"
+                    .into(),
             })?;
         }
         Ok(config)
@@ -521,6 +550,7 @@ fn run_in_arena<T: Element>(
     info: &CallInfo,
     bufs: Bufs<'_, T>,
 ) -> Result<()> {
+    arena.maybe_remeasure_stores(info)?;
     let count = desc.count();
     let root = desc.root.unwrap_or(0);
     let sig = CallSig {
@@ -1245,6 +1275,37 @@ mod tests {
         assert_eq!(parse_duration("2m"), Some(Duration::from_secs(120)));
         assert_eq!(parse_duration("0"), None);
         assert_eq!(parse_duration("soon"), None);
+    }
+
+    #[test]
+    fn slot_store_settings_parse() {
+        let auto = |remeasure| Some(ShmStores::Auto { remeasure });
+        assert_eq!(
+            ShmStores::from_name("auto"),
+            auto(Some(DEFAULT_SHM_STORES_REMEASURE))
+        );
+        assert_eq!(
+            ShmStores::from_name(""),
+            auto(Some(DEFAULT_SHM_STORES_REMEASURE))
+        );
+        assert_eq!(
+            ShmStores::from_name("AUTO:10"),
+            auto(Some(Duration::from_secs(10)))
+        );
+        assert_eq!(
+            ShmStores::from_name("auto:500ms"),
+            auto(Some(Duration::from_millis(500)))
+        );
+        assert_eq!(ShmStores::from_name("auto:0"), auto(None));
+        assert_eq!(ShmStores::from_name(" cached "), Some(ShmStores::Cached));
+        assert_eq!(
+            ShmStores::from_name("streaming"),
+            Some(ShmStores::Streaming)
+        );
+        for bad in ["auto:", "auto:soon", "auto:-1", "sideways", "cached:1"] {
+            assert_eq!(ShmStores::from_name(bad), None, "{bad:?}");
+        }
+        assert_eq!(CommConfig::default().shm_stores, ShmStores::default());
     }
 
     #[test]

@@ -264,6 +264,40 @@ fn both_slot_store_modes_across_processes_are_correct() {
     }
 }
 
+/// `auto:SECONDS` measures the slot stores again while calls run: every
+/// rank joins each measurement at the same call, and every all-reduce of
+/// the checked loop around them stays correct.
+#[test]
+fn slot_stores_are_measured_again_between_calls() {
+    let out = launched_with_env(
+        2,
+        "shm",
+        &["--counts", "1,1029", "--loop-seconds", "1", "--size", "1M"],
+        &[("OXCCL_SHM_STORES", "auto:0.001")],
+    );
+    let times = |rank: usize| -> u32 {
+        let line = out
+            .lines()
+            .find(|l| l.starts_with(&format!("[rank {rank}] oxccl-check: rank {rank}/2: every")))
+            .unwrap_or_else(|| panic!("no result line for rank {rank}\n{out}"));
+        let after = line
+            .split("slot stores (measured ")
+            .nth(1)
+            .unwrap_or_else(|| panic!("no measurement count in {line:?}"));
+        after
+            .split(' ')
+            .next()
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("bad measurement count in {line:?}"))
+    };
+    let (zero, one) = (times(0), times(1));
+    assert_eq!(
+        zero, one,
+        "ranks measured a different number of times\n{out}"
+    );
+    assert!(zero >= 2, "measured only {zero} time(s)\n{out}");
+}
+
 /// A lower rank's forced mode wins over a higher rank's, so that every
 /// rank stages the same way whatever each was told.
 #[test]

@@ -29,7 +29,8 @@ usage: oxccl-check [options]      (one process per rank, under a launcher)
   --shared              also check the collectives on Communicator::alloc_shared buffers
   --counts a,b,c        element counts to check (default: 0, 1, N-1, N+1, 10007)
   --chunk-bytes n       pipeline piece size (default OXCCL_CHUNK_BYTES or 256K)
-  --loop-seconds s      afterwards, all-reduce --size bytes repeatedly for s seconds
+  --loop-seconds s      afterwards, all-reduce --size bytes repeatedly for s seconds,
+                        checking every result
   --size bytes          message size of the loop (default 64M; suffixes K M G)
   -h, --help            this text";
 
@@ -114,7 +115,6 @@ fn run(a: &Args) -> Result<String, String> {
     }
     let mut comm = builder.from_env().map_err(|e| e.to_string())?;
     let (rank, world) = (comm.rank(), comm.world_size());
-    let transport = comm.transport_description();
     let counts = a.counts.clone().unwrap_or_else(|| {
         if a.quick {
             vec![0, 1, world + 1, 4099]
@@ -154,17 +154,40 @@ fn run(a: &Args) -> Result<String, String> {
     comm.barrier().map_err(|e| e.to_string())?;
 
     if a.loop_seconds > 0.0 {
-        let mut buf = vec![1.0f32; a.loop_bytes / 4];
+        // Out of place, each result checked: rank r sends r + 1 (small
+        // integers, so every order of summation gives the same f32).
+        let send = vec![(rank + 1) as f32; a.loop_bytes / 4];
+        let mut recv = vec![0.0f32; send.len()];
+        let expect = (world * (world + 1) / 2) as f32;
         println!("rank {rank}: pid {} looping", std::process::id());
         let until = Instant::now() + Duration::from_secs_f64(a.loop_seconds);
         let mut rounds = 0u64;
-        while Instant::now() < until {
-            comm.all_reduce_in_place(&mut buf, ReduceOp::Max)
+        loop {
+            // Every rank stops after the same call: every 64 calls the
+            // ranks agree (a max over "my time is up") whether to go on.
+            if rounds.is_multiple_of(64) {
+                let mut up = [u8::from(Instant::now() >= until)];
+                comm.all_reduce_in_place(&mut up, ReduceOp::Max)
+                    .map_err(|e| e.to_string())?;
+                if up[0] == 1 {
+                    break;
+                }
+            }
+            recv.fill(0.0);
+            comm.all_reduce(&send, &mut recv, ReduceOp::Sum)
                 .map_err(|e| e.to_string())?;
+            if let Some(i) = recv.iter().position(|&x| x != expect) {
+                return Err(format!(
+                    "loop: all_reduce #{rounds} gave {} at {i}, not {expect}",
+                    recv[i]
+                ));
+            }
             rounds += 1;
         }
         println!("rank {rank}: looped {rounds} all-reduces");
     }
+    // After the checks: it also tells how often the arena measured.
+    let transport = comm.transport_description();
     let note = if world == 1 {
         " (world size 1: no communication was exercised)"
     } else {

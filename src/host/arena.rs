@@ -132,6 +132,12 @@ const STREAMED_STAGE_MIN_BYTES: usize = 4096;
 /// samples of each kind of store (the fastest counts).
 const STORES_PROBE_BYTES: usize = 128 * 1024;
 const STORES_PROBE_SAMPLES: usize = 5;
+/// With [`ShmStores::Auto`], every this many rounds a call starts with one
+/// round in which rank 0 says whether its re-measurement interval has
+/// passed (a round costs about 0.1–0.3 µs: negligible at this spacing,
+/// and rounds, unlike calls, grow with the data, so large calls are
+/// checked every few calls).
+const STORES_CHECK_EVERY_ROUNDS: u64 = 4096;
 const _: () = assert!(STORES_PROBE_BYTES <= DEFAULT_SLOT_BYTES - SLOT_HEADER);
 /// An in-place broadcast root pushes part of the others' outputs itself
 /// from this many bytes: below it a second system call, on the root, costs
@@ -359,10 +365,22 @@ pub(crate) struct Arena {
     /// Whether staged pieces go into the slots with non-temporal stores
     /// ([`ShmStores::Streaming`], decided at set-up; equal on every rank).
     streaming_slots: bool,
-    /// What the set-up measured for [`ShmStores::Auto`]: the ranks' summed
-    /// best times, in ns, to copy a peer's slot written with cached and
-    /// with streaming stores (`None` when a mode was forced, or threads).
+    /// What the last measurement for [`ShmStores::Auto`] found: the ranks'
+    /// summed best times, in ns, to push a slot's worth through the slot
+    /// ring with cached and with streaming stores (`None` when a mode was
+    /// forced, or threads).
     stores_probe: Option<(u64, u64)>,
+    /// Whether calls check, every [`STORES_CHECK_EVERY_ROUNDS`], if the
+    /// slot stores are due to be measured again (equal on every rank: no
+    /// rank forced a mode).
+    stores_checks: bool,
+    /// The round from which the next call checks.
+    next_stores_check: u64,
+    /// This rank's re-measurement interval; rank 0's rules.
+    stores_remeasure: Option<Duration>,
+    /// When the slot stores were last measured, and how many times.
+    stores_measured_at: Instant,
+    stores_measurements: u32,
     /// This rank's shared allocations (`alloc_shared`), while they live.
     shared: Vec<Weak<SharedRegion>>,
     /// Whether `alloc_shared` ever ran on this communicator: from then on
@@ -474,7 +492,7 @@ impl Arena {
             timeout,
         );
         arena.cma = arena.probe_cma()?;
-        arena.probe_stores(stores)?;
+        arena.probe_stores(stores, None)?;
         Ok(arena)
     }
 
@@ -507,12 +525,15 @@ impl Arena {
     /// then reaches the same answer: the lowest rank that forced a mode
     /// decides, else streaming when the summed streaming time is at least
     /// a fifth below the cached one.
-    fn probe_stores(&mut self, preference: ShmStores) -> Result<()> {
+    /// `during`: the user's call it runs in, when it measures again (see
+    /// [`maybe_remeasure_stores`](Self::maybe_remeasure_stores)).
+    fn probe_stores(&mut self, preference: ShmStores, during: Option<&CallInfo>) -> Result<()> {
         const MAGIC: u64 = 0x0cca_5707_0000_0000;
-        let (call, sig) = self.setup_call(MAGIC);
+        let (call, sig) = self.stores_call(during, MAGIC);
         let world = self.world();
         let mut best = [u64::MAX; 2];
-        if preference == ShmStores::Auto && world > 1 {
+        let auto = matches!(preference, ShmStores::Auto { .. });
+        if auto && world > 1 {
             let pattern: Vec<u8> = (0..STORES_PROBE_BYTES).map(|i| i as u8).collect();
             let mut landing = vec![0u8; STORES_PROBE_BYTES];
             let successor = (self.rank + 1) % world;
@@ -579,7 +600,77 @@ impl Arena {
             Some(mode) => mode == 2,
             None => world > 1 && streaming.saturating_mul(5) < cached.saturating_mul(4),
         };
-        self.stores_probe = (forced.is_none() && world > 1).then_some((cached, streaming));
+        let measured = forced.is_none() && world > 1;
+        self.stores_probe = measured.then_some((cached, streaming));
+        self.stores_checks = measured;
+        self.next_stores_check = self.round + STORES_CHECK_EVERY_ROUNDS;
+        self.stores_remeasure = match preference {
+            ShmStores::Auto { remeasure } => remeasure,
+            _ => None,
+        };
+        if measured {
+            self.stores_measured_at = Instant::now();
+            self.stores_measurements += 1;
+        }
+        Ok(())
+    }
+
+    /// The call and signature of rounds that measure the slot stores: the
+    /// set-up's, or, inside a user's call, that call (so that an error
+    /// names it) under the measurement's own signature.
+    fn stores_call(&self, during: Option<&CallInfo>, magic: u64) -> (CallInfo, CallSig) {
+        match during {
+            None => self.setup_call(magic),
+            Some(c) => (
+                CallInfo {
+                    op: c.op,
+                    seq: c.seq,
+                    space: c.space,
+                    ctx: c.ctx,
+                    rank: c.rank,
+                    world: c.world,
+                    reduce_op: c.reduce_op,
+                    timeout: c.timeout,
+                },
+                CallSig {
+                    seq: c.seq,
+                    signature: magic,
+                },
+            ),
+        }
+    }
+
+    /// Called before every call in the arena: every
+    /// [`STORES_CHECK_EVERY_ROUNDS`] rounds (when the slot stores are
+    /// measured, not forced), one round in which rank 0 tells whether its
+    /// re-measurement interval has passed; if so every rank measures again
+    /// ([`probe_stores`](Self::probe_stores)). Every rank reaches the same
+    /// rounds between calls, so all check at the same call.
+    pub fn maybe_remeasure_stores(&mut self, during: &CallInfo) -> Result<()> {
+        if !self.stores_checks || self.round < self.next_stores_check {
+            return Ok(());
+        }
+        const MAGIC: u64 = 0x0cca_5707_c4ec_0000;
+        self.next_stores_check = self.round + STORES_CHECK_EVERY_ROUNDS;
+        let (call, sig) = self.stores_call(Some(during), MAGIC);
+        let due = self.rank == 0
+            && self
+                .stores_remeasure
+                .is_some_and(|every| self.stores_measured_at.elapsed() >= every);
+        let g = self.begin(&call)?;
+        // SAFETY: the payload holds far more than a word.
+        unsafe { self.payload::<u64>(self.rank, g).write(u64::from(due)) };
+        self.post(g, &sig);
+        self.await_all(&call, &sig, g)?;
+        // SAFETY: rank 0's slot of round g is posted.
+        let due = unsafe { self.payload::<u64>(0, g).read() } == 1;
+        self.finish(g);
+        if due {
+            let preference = ShmStores::Auto {
+                remeasure: self.stores_remeasure,
+            };
+            self.probe_stores(preference, Some(during))?;
+        }
         Ok(())
     }
 
@@ -598,7 +689,9 @@ impl Arena {
         };
         match self.stores_probe {
             Some((cached, streaming)) => format!(
-                "{mode} slot stores (set-up: {} KiB through a slot in {:.1} µs cached, {:.1} µs streamed)",
+                "{mode} slot stores (measured {} time{}, last: {} KiB through a slot in {:.1} µs cached, {:.1} µs streamed)",
+                self.stores_measurements,
+                if self.stores_measurements == 1 { "" } else { "s" },
                 STORES_PROBE_BYTES / 1024,
                 cached as f64 / 1e3 / self.world() as f64,
                 streaming as f64 / 1e3 / self.world() as f64,
@@ -664,6 +757,11 @@ impl Arena {
             cma: false,
             streaming_slots: false,
             stores_probe: None,
+            stores_checks: false,
+            next_stores_check: 0,
+            stores_remeasure: None,
+            stores_measured_at: Instant::now(),
+            stores_measurements: 0,
             shared: Vec::new(),
             shared_ever: false,
             next_shared: 0,
