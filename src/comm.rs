@@ -68,7 +68,8 @@ pub enum ShmStores {
     /// set-up): the ranks push a slot's worth through the slot ring with
     /// each kind of store, and `Streaming` runs when that took at least a
     /// fifth less time. A re-measurement takes a few milliseconds inside
-    /// one call; rank 0's interval rules.
+    /// one call; rank 0's interval rules. Communicators made by `split`
+    /// keep their parent's mode at the split and do not measure again.
     Auto {
         /// How often to measure again (`OXCCL_SHM_STORES=auto:SECONDS`;
         /// `auto:0` measures only at set-up).
@@ -731,7 +732,7 @@ impl Communicator {
     /// What carries this communicator's traffic: `in-process`, `shm`,
     /// `tcp (eth0 10.0.0.2)`, `shm+tcp (...)`; with the shared arena between
     /// processes, also how it stores staged data (`arena: cached slot
-    /// stores (set-up: ...)`).
+    /// stores (measured 1 time, last: ...)`).
     pub fn transport_description(&self) -> String {
         let Backend::Host(transport) = &self.backend;
         match &self.arena {

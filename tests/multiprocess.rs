@@ -272,7 +272,7 @@ fn slot_stores_are_measured_again_between_calls() {
     let out = launched_with_env(
         2,
         "shm",
-        &["--counts", "1,1029", "--loop-seconds", "1", "--size", "1M"],
+        &["--counts", "1,1029", "--loop-seconds", "2", "--size", "4K"],
         &[("OXCCL_SHM_STORES", "auto:0.001")],
     );
     let times = |rank: usize| -> u32 {
@@ -298,31 +298,47 @@ fn slot_stores_are_measured_again_between_calls() {
     assert!(zero >= 2, "measured only {zero} time(s)\n{out}");
 }
 
-/// A lower rank's forced mode wins over a higher rank's, so that every
-/// rank stages the same way whatever each was told.
+/// The lowest rank that forces a mode decides for all, whatever the
+/// others were told (another mode, or to measure), so that every rank
+/// stages the same way and no rank measures alone.
 #[test]
 fn slot_store_modes_agree_when_ranks_disagree() {
-    let mut cmd = Command::new(RUN);
-    clean(&mut cmd)
-        .args(["--nproc-per-node", "2"])
-        .args(["--master-port", &free_port().to_string()])
-        .args([
-            "--",
-            "sh",
-            "-c",
-            &format!(
-                "if [ \"$RANK\" = 0 ]; then export OXCCL_SHM_STORES=streaming; \
-                 else export OXCCL_SHM_STORES=cached; fi; exec {CHECK} --quick --counts 1,300007"
-            ),
-        ])
-        .env("OXCCL_TRANSPORT", "shm")
-        .env("OXCCL_TIMEOUT", "30s");
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let (code, out, err) = Running::spawn(&mut cmd).finish(deadline);
-    assert_eq!(code, Some(0), "{out}\n{err}");
-    for rank in 0..2 {
-        let line = format!("[rank {rank}] oxccl-check: rank {rank}/2: every collective correct over shm; arena: streaming slot stores");
-        assert!(out.contains(&line), "missing {line:?}\n{out}\n{err}");
+    // (rank 0's setting, rank 1's, the mode every rank must run)
+    let cases = [
+        ("streaming", "cached", "streaming"),
+        ("auto", "streaming", "streaming"),
+        ("cached", "auto", "cached"),
+    ];
+    for (zero, one, expect) in cases {
+        let mut cmd = Command::new(RUN);
+        clean(&mut cmd)
+            .args(["--nproc-per-node", "2"])
+            .args(["--master-port", &free_port().to_string()])
+            .args([
+                "--",
+                "sh",
+                "-c",
+                &format!(
+                    "if [ \"$RANK\" = 0 ]; then export OXCCL_SHM_STORES={zero}; \
+                     else export OXCCL_SHM_STORES={one}; fi; \
+                     exec {CHECK} --quick --counts 1,300007"
+                ),
+            ])
+            .env("OXCCL_TRANSPORT", "shm")
+            .env("OXCCL_TIMEOUT", "30s");
+        let deadline = Instant::now() + Duration::from_secs(120);
+        let (code, out, err) = Running::spawn(&mut cmd).finish(deadline);
+        assert_eq!(code, Some(0), "{zero}/{one}\n{out}\n{err}");
+        for rank in 0..2 {
+            let line = format!(
+                "[rank {rank}] oxccl-check: rank {rank}/2: every collective correct over shm; \
+                 arena: {expect} slot stores,"
+            );
+            assert!(
+                out.contains(&line),
+                "{zero}/{one}: missing {line:?}\n{out}\n{err}"
+            );
+        }
     }
 }
 

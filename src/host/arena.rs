@@ -363,7 +363,8 @@ pub(crate) struct Arena {
     /// (probed at set-up; Linux CMA, which containers or Yama may forbid).
     cma: bool,
     /// Whether staged pieces go into the slots with non-temporal stores
-    /// ([`ShmStores::Streaming`], decided at set-up; equal on every rank).
+    /// ([`ShmStores::Streaming`], decided at set-up and by each
+    /// re-measurement; equal on every rank).
     streaming_slots: bool,
     /// What the last measurement for [`ShmStores::Auto`] found: the ranks'
     /// summed best times, in ns, to push a slot's worth through the slot
@@ -516,103 +517,120 @@ impl Arena {
     }
 
     /// Decides [`streaming_slots`](Self::streaming_slots) with every rank.
-    /// For [`ShmStores::Auto`], samples alternate: every rank fills its
-    /// slot with one kind of store and then (all at once, as a staged
+    /// A first round shares every rank's setting: the lowest rank that
+    /// forced a mode decides for all. Otherwise every rank measures (for
+    /// [`ShmStores::Auto`]), samples alternating: every rank fills its slot
+    /// with one kind of store and then (all at once, as a staged
     /// all-gather does) copies its successor's slot out, round after round
     /// around the slot ring, timing the second pass (a cold ring, whose
-    /// lines no peer holds, is fast either way).
-    /// A last round shares each rank's setting and best times; every rank
-    /// then reaches the same answer: the lowest rank that forced a mode
-    /// decides, else streaming when the summed streaming time is at least
-    /// a fifth below the cached one.
+    /// lines no peer holds, is fast either way); a last round shares the
+    /// best times, and all pick streaming when the summed streaming time
+    /// is at least a fifth below the cached one.
     /// `during`: the user's call it runs in, when it measures again (see
     /// [`maybe_remeasure_stores`](Self::maybe_remeasure_stores)).
     fn probe_stores(&mut self, preference: ShmStores, during: Option<&CallInfo>) -> Result<()> {
         const MAGIC: u64 = 0x0cca_5707_0000_0000;
         let (call, sig) = self.stores_call(during, MAGIC);
         let world = self.world();
-        let mut best = [u64::MAX; 2];
-        let auto = matches!(preference, ShmStores::Auto { .. });
-        if auto && world > 1 {
-            let pattern: Vec<u8> = (0..STORES_PROBE_BYTES).map(|i| i as u8).collect();
-            let mut landing = vec![0u8; STORES_PROBE_BYTES];
-            let successor = (self.rank + 1) % world;
-            let depth = self.geometry.depth;
-            for _ in 0..STORES_PROBE_SAMPLES {
-                for (kind, streaming) in [false, true].into_iter().enumerate() {
-                    // Two passes over the slot ring; the second is timed,
-                    // when every slot's lines were last read by a peer, as
-                    // in a run of staged calls.
-                    let mut start = Instant::now();
-                    for round in 0..2 * depth {
-                        if round == depth {
-                            start = Instant::now();
-                        }
-                        let g = self.begin(&call)?;
-                        // SAFETY: the slot's payload holds more than the
-                        // probe's bytes (asserted at compile time); the
-                        // successor's slot of round g is posted when read.
-                        unsafe {
-                            copy_out(
-                                streaming,
-                                pattern.as_ptr(),
-                                self.payload::<u8>(self.rank, g),
-                                STORES_PROBE_BYTES,
-                            );
-                            self.post(g, &sig);
-                            self.await_all(&call, &sig, g)?;
-                            std::ptr::copy_nonoverlapping(
-                                self.payload::<u8>(successor, g),
-                                landing.as_mut_ptr(),
-                                STORES_PROBE_BYTES,
-                            );
-                        }
-                        self.finish(g);
-                    }
-                    let took = start.elapsed().as_nanos() / depth as u128;
-                    best[kind] = best[kind].min(took.min(u64::MAX as u128) as u64);
-                }
-            }
-            std::hint::black_box(&landing);
-        }
-        let forced = match preference {
+        let setting = match preference {
             ShmStores::Cached => 1,
             ShmStores::Streaming => 2,
             _ => 0,
         };
-        let g = self.begin(&call)?;
-        // SAFETY: the payload holds far more than three words.
-        unsafe {
-            let slot = self.payload::<u64>(self.rank, g);
-            slot.write(forced);
-            slot.add(1).write(best[0]);
-            slot.add(2).write(best[1]);
-        }
-        self.post(g, &sig);
-        self.await_all(&call, &sig, g)?;
-        // SAFETY: every slot of round g is posted.
-        let word = |p: Rank, i: usize| unsafe { self.payload::<u64>(p, g).add(i).read() };
-        let forced = (0..world).map(|p| word(p, 0)).find(|&f| f != 0);
-        let summed = |i: usize| (0..world).fold(0u64, |sum, p| sum.saturating_add(word(p, i)));
-        let (cached, streaming) = (summed(1), summed(2));
-        self.finish(g);
-        self.streaming_slots = match forced {
-            Some(mode) => mode == 2,
-            None => world > 1 && streaming.saturating_mul(5) < cached.saturating_mul(4),
-        };
-        let measured = forced.is_none() && world > 1;
-        self.stores_probe = measured.then_some((cached, streaming));
-        self.stores_checks = measured;
-        self.next_stores_check = self.round + STORES_CHECK_EVERY_ROUNDS;
+        let settings = self.share_words(&call, &sig, [setting])?;
         self.stores_remeasure = match preference {
             ShmStores::Auto { remeasure } => remeasure,
             _ => None,
         };
-        if measured {
-            self.stores_measured_at = Instant::now();
-            self.stores_measurements += 1;
+        if let Some([forced]) = settings.into_iter().find(|&[s]| s != 0) {
+            self.streaming_slots = forced == 2;
+            self.stores_probe = None;
+            self.stores_checks = false;
+            return Ok(());
         }
+        if world == 1 {
+            self.streaming_slots = false;
+            return Ok(());
+        }
+        let mut best = [u64::MAX; 2];
+        let pattern: Vec<u8> = (0..STORES_PROBE_BYTES).map(|i| i as u8).collect();
+        let mut landing = vec![0u8; STORES_PROBE_BYTES];
+        let successor = (self.rank + 1) % world;
+        let depth = self.geometry.depth;
+        for _ in 0..STORES_PROBE_SAMPLES {
+            for (kind, streaming) in [false, true].into_iter().enumerate() {
+                // Two passes over the slot ring; the second is timed, when
+                // every slot's lines were last read by a peer, as in a run
+                // of staged calls.
+                let mut start = Instant::now();
+                for round in 0..2 * depth {
+                    if round == depth {
+                        start = Instant::now();
+                    }
+                    let g = self.begin(&call)?;
+                    // SAFETY: the slot's payload holds more than the
+                    // probe's bytes (asserted at compile time); the
+                    // successor's slot of round g is posted when read.
+                    unsafe {
+                        copy_out(
+                            streaming,
+                            pattern.as_ptr(),
+                            self.payload::<u8>(self.rank, g),
+                            STORES_PROBE_BYTES,
+                        );
+                        self.post(g, &sig);
+                        self.await_all(&call, &sig, g)?;
+                        std::ptr::copy_nonoverlapping(
+                            self.payload::<u8>(successor, g),
+                            landing.as_mut_ptr(),
+                            STORES_PROBE_BYTES,
+                        );
+                    }
+                    self.finish(g);
+                }
+                let took = start.elapsed().as_nanos() / depth as u128;
+                best[kind] = best[kind].min(took.min(u64::MAX as u128) as u64);
+            }
+        }
+        std::hint::black_box(&landing);
+        let times = self.share_words(&call, &sig, best)?;
+        let summed = |i: usize| times.iter().fold(0u64, |sum, t| sum.saturating_add(t[i]));
+        let (cached, streaming) = (summed(0), summed(1));
+        self.streaming_slots = streaming.saturating_mul(5) < cached.saturating_mul(4);
+        self.stores_probe = Some((cached, streaming));
+        self.stores_checks = true;
+        self.next_stores_check = self.round + STORES_CHECK_EVERY_ROUNDS;
+        self.stores_measured_at = Instant::now();
+        self.stores_measurements += 1;
         Ok(())
+    }
+
+    /// One round in which every rank posts `words` and reads everyone's
+    /// (element `p` is rank `p`'s): how set-up rounds agree.
+    fn share_words<const N: usize>(
+        &mut self,
+        call: &CallInfo,
+        sig: &CallSig,
+        words: [u64; N],
+    ) -> Result<Vec<[u64; N]>> {
+        let g = self.begin(call)?;
+        let slot = self.payload::<u64>(self.rank, g);
+        // SAFETY: the payload holds far more than N words (N is small).
+        unsafe { std::ptr::copy_nonoverlapping(words.as_ptr(), slot, N) };
+        self.post(g, sig);
+        self.await_all(call, sig, g)?;
+        let all = (0..self.world())
+            .map(|p| {
+                let mut theirs = [0u64; N];
+                // SAFETY: every slot of round g is posted.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(self.payload::<u64>(p, g), theirs.as_mut_ptr(), N)
+                };
+                theirs
+            })
+            .collect();
+        self.finish(g);
+        Ok(all)
     }
 
     /// The call and signature of rounds that measure the slot stores: the
@@ -657,14 +675,7 @@ impl Arena {
             && self
                 .stores_remeasure
                 .is_some_and(|every| self.stores_measured_at.elapsed() >= every);
-        let g = self.begin(&call)?;
-        // SAFETY: the payload holds far more than a word.
-        unsafe { self.payload::<u64>(self.rank, g).write(u64::from(due)) };
-        self.post(g, &sig);
-        self.await_all(&call, &sig, g)?;
-        // SAFETY: rank 0's slot of round g is posted.
-        let due = unsafe { self.payload::<u64>(0, g).read() } == 1;
-        self.finish(g);
+        let due = self.share_words(&call, &sig, [u64::from(due)])?[0] == [1];
         if due {
             let preference = ShmStores::Auto {
                 remeasure: self.stores_remeasure,
@@ -680,7 +691,7 @@ impl Arena {
     }
 
     /// How this arena writes staged data, for reports: `cached` or
-    /// `streaming`, and what the set-up measured when it decided.
+    /// `streaming`, and how often it measured and what it found the last time.
     pub fn stores_description(&self) -> String {
         let mode = if self.streaming_slots {
             "streaming"
@@ -724,14 +735,8 @@ impl Arena {
             ok &= read.is_ok() && word == MAGIC + p as u64;
         }
         self.finish(g);
-        let g = self.begin(&call)?;
-        // SAFETY: as above.
-        unsafe { self.payload::<u64>(self.rank, g).write(u64::from(ok)) };
-        self.post(g, &sig);
-        self.await_all(&call, &sig, g)?;
-        let all = (0..self.world()).all(|p| unsafe { self.payload::<u64>(p, g).read() } == 1);
-        self.finish(g);
-        Ok(all)
+        let all = self.share_words(&call, &sig, [u64::from(ok)])?;
+        Ok(all.iter().all(|&[ok]| ok == 1))
     }
 
     fn peer_pid(&self, rank: Rank) -> libc::pid_t {
