@@ -809,6 +809,11 @@ fn run_on_gpus(_: &Args) -> Result<RunResult, String> {
 }
 
 fn main() -> ExitCode {
+    // Like the C tools it stands beside: a reader that goes away (`| head`)
+    // ends the process quietly instead of a panic in `println!`.
+    // SAFETY: setting a signal's disposition to the default is async-safe
+    // and happens before any thread starts.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     let a = match parse_args() {
         Ok(a) => a,
         Err(e) => {
