@@ -86,8 +86,10 @@ while [ "$s" -le "$MAX_BYTES" ]; do SIZES="$SIZES,$s"; s=$((s * 4)); done
 SMALL=$(echo "$SIZES" | tr , '\n' | awk '$1 <= 65536' | paste -sd,)
 MEDIUM=$(echo "$SIZES" | tr , '\n' | awk '$1 > 65536 && $1 <= 4194304' | paste -sd,)
 LARGE=$(echo "$SIZES" | tr , '\n' | awk '$1 > 4194304' | paste -sd,)
-# Iterations (-n) and warm-up (-w) per group.
-SMALL_ITERS=(-n 2000 -w 200)
+# Iterations (-n) and warm-up (-w) per group. 20000 small calls last
+# 2–200 ms (2000 lasted 0.2 ms at 8 B, short enough for one scheduler
+# tick or placement change to move the median).
+SMALL_ITERS=(-n 20000 -w 2000)
 MEDIUM_ITERS=(-n 100 -w 10)
 LARGE_ITERS=(-n 10 -w 3)
 # alloc_shared runs from 64 KiB, where the targets against (a) start.
@@ -181,10 +183,17 @@ python3 - "$OUT" "$COLLS" "$TRANSPORT" <<'PY' | tee "$OUT/table.md"
 import glob, json, os, re, statistics, sys
 out, colls, transport = sys.argv[1], sys.argv[2].split(","), sys.argv[3]
 ox, mpi, ceil = {}, {}, {}
+# Per repetition, for ratios of runs made side by side: (coll, bytes) ->
+# {rep: figures}.
+ox_rep, mpi_rep = {}, {}
 for path in glob.glob(os.path.join(out, "raw", "oxccl-*.json")):
-    coll = re.match(r"oxccl-\d+-(\w+)-(small|medium|large)\.json", os.path.basename(path)).group(1)
+    name = re.match(r"oxccl-(\d+)-(\w+)-(small|medium|large)\.json", os.path.basename(path))
+    rep, coll = int(name.group(1)), name.group(2)
     run = json.load(open(path))
     for row in run["rows"]:
+        ox_rep.setdefault((coll, row["bytes"]), {})[rep] = {
+            "oop": row["busbw"], "ip": row["busbw_ip"],
+            "time_oop": row["time_us"], "time_ip": row["time_us_ip"]}
         # Both placements count as samples; nccl-tests reports both columns.
         key = (coll, row["bytes"])
         ox.setdefault(key, {"busbw": [], "time": [], "algo": row["algo"], "oop": [], "ip": [],
@@ -198,10 +207,12 @@ for path in glob.glob(os.path.join(out, "raw", "oxccl-*.json")):
         if row["wrong"] or row["wrong_ip"]:
             sys.exit(f"oxccl-perf reported wrong values in {path}")
 for path in glob.glob(os.path.join(out, "raw", "mpi-*.txt")):
+    rep = int(re.match(r"mpi-(\d+)-", os.path.basename(path)).group(1))
     for line in open(path):
         if line.startswith("RESULT,"):
             f = line.strip().split(",")
             key = (f[2], int(f[3]))
+            mpi_rep.setdefault(key, {})[rep] = {"busbw": float(f[6]), "time": float(f[4])}
             mpi.setdefault(key, {"busbw": [], "time": []})
             mpi[key]["busbw"].append(float(f[6]))
             mpi[key]["time"].append(float(f[4]))
@@ -238,13 +249,27 @@ def figure(key, placement, small):
 def faster(a, b, small):
     """a over b, above 1 when a is ahead (for times: b takes longer)."""
     return ratio(b, a) if small else ratio(a, b)
+def paired(key, placement, small):
+    """The median over repetitions of oxccl / Open MPI within each one:
+    the two ran within a minute or two of each other there, so a vCPU
+    placement that changed between repetitions does not pair one side's
+    near figure with the other's far one."""
+    o, m = ox_rep.get(key, {}), mpi_rep.get(key, {})
+    values = []
+    for rep in sorted(set(o) & set(m)):
+        a = o[rep][("time_" if small else "") + placement]
+        b = m[rep]["time" if small else "busbw"]
+        if a and b:
+            values.append(b / a if small else a / b)
+    return "—" if not values else f"{statistics.median(values):.2f}×"
 for coll in colls:
     print(f"### {coll}\n")
     like = like_mpi(coll)
     other = "oop" if like == "ip" else "ip"
     names = {"ip": "in place", "oop": "out of place"}
-    head = f"| size | algo | oxccl ({names[like]}) | other ({names[other]}) | Open MPI | oxccl / MPI | other / MPI |"
-    sep = "|---:|---|---:|---:|---:|---:|---:|"
+    head = (f"| size | algo | oxccl ({names[like]}) | other ({names[other]}) | Open MPI"
+            f" | oxccl / MPI | other / MPI | oxccl / MPI per repetition |")
+    sep = "|---:|---|---:|---:|---:|---:|---:|---:|"
     with_ceiling = coll == "allreduce" and ceil
     if with_ceiling:
         head += " (a) zero copy | (b) staging | (d) flag | in place / (a) | in place / (b) |"
@@ -260,7 +285,7 @@ for coll in colls:
         m = med(mpi.get((coll, b), {}).get("time" if small else "busbw", []))
         algo = ox.get((coll, b), {}).get("algo", "—")
         line = (f"| {size(b)} | {algo} | {fmt(o, u)} | {fmt(x, u)} | {fmt(m, u)} |"
-                f" {faster(o, m, small)} | {faster(x, m, small)} |")
+                f" {faster(o, m, small)} | {faster(x, m, small)} | {paired((coll, b), like, small)} |")
         if with_ceiling:
             pick = "time" if small else "busbw"
             ca = med(ceil.get(("a", b), {}).get(pick, []))
@@ -273,6 +298,9 @@ for coll in colls:
         print(line)
     print()
 print("Ratios above 1× mean oxccl is ahead (for times: the other takes longer).")
+print("`oxccl / MPI per repetition` is the median of the ratios taken within each")
+print("repetition, where the two ran a minute or two apart; the columns before it")
+print("divide medians taken over all repetitions.")
 
 # The medians as oxccl-perf JSON, one file per curve, for `--plot`.
 def dump(name, label, rows):
