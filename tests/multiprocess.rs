@@ -318,6 +318,99 @@ fn slot_stores_are_measured_again_between_calls() {
     assert!(zero >= 2, "measured only {zero} time(s)\n{out}");
 }
 
+/// The CPUs this process may run on.
+fn allowed_cpus() -> Vec<usize> {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; sched_getaffinity
+    // fills at most its size.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return Vec::new();
+        }
+        (0..libc::CPU_SETSIZE as usize)
+            .filter(|&c| libc::CPU_ISSET(c, &set))
+            .collect()
+    }
+}
+
+/// Lets process `pid` run on `cpu` only.
+fn pin(pid: u32, cpu: usize) {
+    // SAFETY: as in `allowed_cpus`; `pid` is a child of this test.
+    let rc = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(
+            pid as libc::pid_t,
+            std::mem::size_of::<libc::cpu_set_t>(),
+            &set,
+        )
+    };
+    assert_eq!(
+        rc,
+        0,
+        "pinning {pid} to CPU {cpu}: {}",
+        std::io::Error::last_os_error()
+    );
+}
+
+/// With `auto` (a 30 s interval) the slot stores are measured again as
+/// soon as the ranks' cores move, which the round trip timed at each check
+/// shows: two ranks pinned to two CPUs, then one moved onto the other's
+/// mid-loop. Both join the measurement, and the checked loop stays right.
+#[test]
+fn slot_stores_are_measured_again_when_the_cores_move() {
+    let cpus = allowed_cpus();
+    if cpus.len() < 2 {
+        eprintln!("skipped: needs 2 CPUs, this process may use {cpus:?}");
+        return;
+    }
+    let port = free_port();
+    let ranks: Vec<Running> = (0..2)
+        .map(|r| {
+            let mut cmd = rank_cmd(r, 2, port, "shm");
+            cmd.env("OXCCL_SHM_STORES", "auto").args([
+                "--counts",
+                "1,1029",
+                "--loop-seconds",
+                "4",
+                "--size",
+                "4K",
+            ]);
+            let rank = Running::spawn(&mut cmd);
+            pin(rank.child.id(), cpus[r]);
+            rank
+        })
+        .collect();
+    // Past ROUND_TRIP_MIN_SPACING (1 s) after the set-up's measurement.
+    std::thread::sleep(Duration::from_millis(2000));
+    pin(ranks[1].child.id(), cpus[0]);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut counts = Vec::new();
+    for (r, rank) in ranks.into_iter().enumerate() {
+        let (code, out, err) = rank.finish(deadline);
+        assert_eq!(code, Some(0), "rank {r}\n{out}\n{err}");
+        let line = out
+            .lines()
+            .find(|l| l.starts_with(&format!("oxccl-check: rank {r}/2: every")))
+            .unwrap_or_else(|| panic!("no result line for rank {r}\n{out}\n{err}"));
+        let count = |after: &str| -> u32 {
+            line.split(after)
+                .nth(1)
+                .and_then(|rest| rest.split(' ').next()?.parse().ok())
+                .unwrap_or(0)
+        };
+        counts.push((count("slot stores (measured "), count("times, ")));
+        assert!(
+            line.contains("after the round trip changed"),
+            "rank {r} never measured again after the move:\n{line}"
+        );
+    }
+    assert_eq!(
+        counts[0], counts[1],
+        "ranks measured differently: {counts:?}"
+    );
+}
+
 /// The lowest rank that forces a mode decides for all, whatever the
 /// others were told (another mode, or to measure), so that every rank
 /// stages the same way and no rank measures alone.

@@ -138,6 +138,17 @@ const STORES_PROBE_SAMPLES: usize = 5;
 /// and rounds, unlike calls, grow with the data, so large calls are
 /// checked every few calls).
 const STORES_CHECK_EVERY_ROUNDS: u64 = 4096;
+/// Empty rounds each check times (and each measurement, for the baseline):
+/// the quickest after the first (which absorbs the ranks' arrival skew)
+/// is this rank's round trip, one cache line each way plus the round's
+/// own work: 0.13–0.15 µs with the VM's two vCPUs sharing a cache, 0.3–0.4
+/// on two dies, microseconds on one CPU.
+const ROUND_TRIP_ROUNDS: usize = 5;
+/// A round trip this many times longer or shorter than at the last
+/// measurement says the ranks' cores moved: the slot stores are measured
+/// again at once (at most every [`ROUND_TRIP_MIN_SPACING`]).
+const ROUND_TRIP_CHANGE: f64 = 1.6;
+const ROUND_TRIP_MIN_SPACING: Duration = Duration::from_secs(1);
 const _: () = assert!(STORES_PROBE_BYTES <= DEFAULT_SLOT_BYTES - SLOT_HEADER);
 /// An in-place broadcast root pushes part of the others' outputs itself
 /// from this many bytes: below it a second system call, on the root, costs
@@ -382,6 +393,13 @@ pub(crate) struct Arena {
     /// When the slot stores were last measured, and how many times.
     stores_measured_at: Instant,
     stores_measurements: u32,
+    /// This rank's round trip (ns, see [`ROUND_TRIP_ROUNDS`]) timed right
+    /// after the last measurement; `None` where round trips say nothing
+    /// about placement (more ranks than CPUs: rounds wait for the
+    /// scheduler) or the mode was forced.
+    stores_round_trip: Option<u64>,
+    /// How many of the measurements a changed round trip caused.
+    stores_moves: u32,
     /// This rank's shared allocations (`alloc_shared`), while they live.
     shared: Vec<Weak<SharedRegion>>,
     /// Whether `alloc_shared` ever ran on this communicator: from then on
@@ -599,10 +617,35 @@ impl Arena {
         self.streaming_slots = streaming.saturating_mul(5) < cached.saturating_mul(4);
         self.stores_probe = Some((cached, streaming));
         self.stores_checks = true;
+        // Every rank times (same rounds everywhere); with more local ranks
+        // than the host has CPUs online (not this process's affinity: a
+        // launcher may pin each rank to one) none keeps a baseline or asks.
+        let round_trip = self.time_round_trip(&call, &sig)?;
+        // SAFETY: sysconf has no preconditions.
+        let cpus = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+        self.stores_round_trip = (world as libc::c_long <= cpus).then_some(round_trip);
         self.next_stores_check = self.round + STORES_CHECK_EVERY_ROUNDS;
         self.stores_measured_at = Instant::now();
         self.stores_measurements += 1;
         Ok(())
+    }
+
+    /// [`ROUND_TRIP_ROUNDS`] empty rounds; the quickest after the first,
+    /// in ns.
+    fn time_round_trip(&mut self, call: &CallInfo, sig: &CallSig) -> Result<u64> {
+        let mut quickest = u64::MAX;
+        for i in 0..ROUND_TRIP_ROUNDS {
+            let start = Instant::now();
+            let g = self.begin(call)?;
+            self.post(g, sig);
+            self.await_all(call, sig, g)?;
+            self.finish(g);
+            if i > 0 {
+                let took = start.elapsed().as_nanos().min(u128::from(u64::MAX)) as u64;
+                quickest = quickest.min(took);
+            }
+        }
+        Ok(quickest)
     }
 
     /// One round in which every rank posts `words` and reads everyone's
@@ -660,27 +703,44 @@ impl Arena {
 
     /// Called before every call in the arena: every
     /// [`STORES_CHECK_EVERY_ROUNDS`] rounds (when the slot stores are
-    /// measured, not forced), one round in which rank 0 tells whether its
-    /// re-measurement interval has passed; if so every rank measures again
-    /// ([`probe_stores`](Self::probe_stores)). Every rank reaches the same
-    /// rounds between calls, so all check at the same call.
+    /// measured, not forced), every rank times its round trip
+    /// ([`ROUND_TRIP_ROUNDS`] empty rounds), and one round shares whether
+    /// rank 0's re-measurement interval has passed and whether any rank's
+    /// round trip changed by [`ROUND_TRIP_CHANGE`] since the last
+    /// measurement (its cores moved: which mode wins may have changed, and
+    /// a 30 s interval would run whole benchmarks in the wrong one); if
+    /// either, every rank measures again ([`probe_stores`](Self::probe_stores)).
+    /// Every rank reaches the same rounds between calls, so all check at
+    /// the same call and decide alike from the shared words. A rank with
+    /// `auto:0` never asks.
     pub fn maybe_remeasure_stores(&mut self, during: &CallInfo) -> Result<()> {
         if !self.stores_checks || self.round < self.next_stores_check {
             return Ok(());
         }
         const MAGIC: u64 = 0x0cca_5707_c4ec_0000;
+        const INTERVAL: u64 = 1;
+        const MOVED: u64 = 2;
         self.next_stores_check = self.round + STORES_CHECK_EVERY_ROUNDS;
         let (call, sig) = self.stores_call(Some(during), MAGIC);
-        let due = self.rank == 0
+        let round_trip = self.time_round_trip(&call, &sig)?;
+        let since = self.stores_measured_at.elapsed();
+        let interval = self.rank == 0 && self.stores_remeasure.is_some_and(|every| since >= every);
+        let moved = self.stores_remeasure.is_some()
+            && since >= ROUND_TRIP_MIN_SPACING
             && self
-                .stores_remeasure
-                .is_some_and(|every| self.stores_measured_at.elapsed() >= every);
-        let due = self.share_words(&call, &sig, [u64::from(due)])?[0] == [1];
-        if due {
+                .stores_round_trip
+                .is_some_and(|base| round_trip_moved(base, round_trip));
+        let mine = if interval { INTERVAL } else { 0 } | if moved { MOVED } else { 0 };
+        let words = self.share_words(&call, &sig, [mine])?;
+        let asked = words.iter().fold(0, |all, [w]| all | w);
+        if asked != 0 {
             let preference = ShmStores::Auto {
                 remeasure: self.stores_remeasure,
             };
             self.probe_stores(preference, Some(during))?;
+            if asked & MOVED != 0 {
+                self.stores_moves += 1;
+            }
         }
         Ok(())
     }
@@ -700,9 +760,13 @@ impl Arena {
         };
         match self.stores_probe {
             Some((cached, streaming)) => format!(
-                "{mode} slot stores (measured {} time{}, last: {} KiB through a slot in {:.1} µs cached, {:.1} µs streamed)",
+                "{mode} slot stores (measured {} time{}{}, last: {} KiB through a slot in {:.1} µs cached, {:.1} µs streamed)",
                 self.stores_measurements,
                 if self.stores_measurements == 1 { "" } else { "s" },
+                match self.stores_moves {
+                    0 => String::new(),
+                    moves => format!(", {moves} after the round trip changed"),
+                },
                 STORES_PROBE_BYTES / 1024,
                 cached as f64 / 1e3 / self.world() as f64,
                 streaming as f64 / 1e3 / self.world() as f64,
@@ -767,6 +831,8 @@ impl Arena {
             stores_remeasure: None,
             stores_measured_at: Instant::now(),
             stores_measurements: 0,
+            stores_round_trip: None,
+            stores_moves: 0,
             shared: Vec::new(),
             shared_ever: false,
             next_shared: 0,
@@ -1050,6 +1116,13 @@ impl Drop for Arena {
         me.wake.fetch_add(1, Ordering::SeqCst);
         futex_wake(&me.wake);
     }
+}
+
+/// Whether a round trip of `now` ns against `base` at the last
+/// measurement says the cores moved (by [`ROUND_TRIP_CHANGE`] either way).
+fn round_trip_moved(base: u64, now: u64) -> bool {
+    let (base, now) = (base.max(1) as f64, now.max(1) as f64);
+    now >= base * ROUND_TRIP_CHANGE || base >= now * ROUND_TRIP_CHANGE
 }
 
 /// The error for a peer found running another call than this one
@@ -2833,5 +2906,19 @@ mod tests {
         // path), never a wrong allocation or offset.
         assert_eq!(place_word(1 << 16, 0), 0);
         assert_eq!(place_word(1, PLACE_OFFSET_MASK + 1), 0);
+    }
+
+    #[test]
+    fn a_round_trip_moved_when_it_changed_by_the_factor_either_way() {
+        // The VM's placements: 130–150 ns near, 300–400 ns far.
+        assert!(round_trip_moved(140, 330));
+        assert!(round_trip_moved(330, 140));
+        assert!(!round_trip_moved(140, 150));
+        assert!(!round_trip_moved(330, 300));
+        assert!(round_trip_moved(100, 160));
+        assert!(!round_trip_moved(100, 159));
+        // One CPU for two ranks: microseconds.
+        assert!(round_trip_moved(140, 12_000));
+        assert!(!round_trip_moved(0, 1));
     }
 }
