@@ -163,12 +163,21 @@ for rep in $(seq 1 "$REPS"); do
     # Alternate the order between repetitions, so drift hits everyone alike.
     # Collective by collective, so oxccl and Open MPI run within a minute
     # or two of each other (the vCPU placement can change between).
+    # The placement before, between and after each pair goes to
+    # raw/placement-REP-COLL.txt: the per-repetition ratios leave out
+    # pairs whose placement changed on the way.
     if [ $((rep % 2)) = 1 ]; then
-        for c in ${COLLS//,/ }; do run_oxccl "$rep" "$c"; run_mpi "$rep" "$c"; done
+        for c in ${COLLS//,/ }; do
+            p1=$(placement); run_oxccl "$rep" "$c"; p2=$(placement); run_mpi "$rep" "$c"
+            echo "$p1 $p2 $(placement)" | tr -d 'ns' >"$OUT/raw/placement-$rep-$c.txt"
+        done
         run_ceiling "$rep"
     else
         run_ceiling "$rep"
-        for c in ${COLLS//,/ }; do run_mpi "$rep" "$c"; run_oxccl "$rep" "$c"; done
+        for c in ${COLLS//,/ }; do
+            p1=$(placement); run_mpi "$rep" "$c"; p2=$(placement); run_oxccl "$rep" "$c"
+            echo "$p1 $p2 $(placement)" | tr -d 'ns' >"$OUT/raw/placement-$rep-$c.txt"
+        done
     fi
     echo "# repetition $rep done; core-to-core latency after: $(placement)"
     # Which slot stores oxccl's arena chose at each run's set-up (they
@@ -224,6 +233,18 @@ for path in glob.glob(os.path.join(out, "raw", "ceiling-*.txt")):
             ceil.setdefault(key, {"busbw": [], "time": []})
             ceil[key]["busbw"].append(float(m.group(4)))
             ceil[key]["time"].append(float(m.group(3)))
+# (rep, coll) -> whether the placement held through that pair: the
+# core-to-core latencies before, between and after it within 1.6× of
+# each other ("near" and "far" differ 3-5× on the VMs measured).
+steady = {}
+for path in glob.glob(os.path.join(out, "raw", "placement-*.txt")):
+    m = re.match(r"placement-(\d+)-(\w+)\.txt", os.path.basename(path))
+    try:
+        lat = [float(x) for x in open(path).read().split()]
+    except ValueError:
+        continue
+    if len(lat) == 3 and min(lat) > 0:
+        steady[(int(m.group(1)), m.group(2))] = max(lat) / min(lat) < 1.6
 med = lambda xs: statistics.median(xs) if xs else None
 def size(b):
     for unit, shift in (("MiB", 20), ("KiB", 10)):
@@ -251,17 +272,24 @@ def faster(a, b, small):
     return ratio(b, a) if small else ratio(a, b)
 def paired(key, placement, small):
     """The median over repetitions of oxccl / Open MPI within each one:
-    the two ran within a minute or two of each other there, so a vCPU
-    placement that changed between repetitions does not pair one side's
-    near figure with the other's far one."""
+    the two ran within a minute of each other there, so a vCPU placement
+    that changed between repetitions does not pair one side's near figure
+    with the other's far one. Pairs whose placement changed on the way
+    (see `steady`) are left out while others remain; "(k/n)" says how
+    many of the n pairs counted when some were left out."""
     o, m = ox_rep.get(key, {}), mpi_rep.get(key, {})
-    values = []
+    values, held = [], []
     for rep in sorted(set(o) & set(m)):
         a = o[rep][("time_" if small else "") + placement]
         b = m[rep]["time" if small else "busbw"]
         if a and b:
             values.append(b / a if small else a / b)
-    return "—" if not values else f"{statistics.median(values):.2f}×"
+            held.append(steady.get((rep, key[0]), True))
+    if not values:
+        return "—"
+    kept = [v for v, h in zip(values, held) if h] or values
+    note = f" ({len(kept)}/{len(values)})" if len(kept) < len(values) else ""
+    return f"{statistics.median(kept):.2f}×{note}"
 for coll in colls:
     print(f"### {coll}\n")
     like = like_mpi(coll)
@@ -299,8 +327,10 @@ for coll in colls:
     print()
 print("Ratios above 1× mean oxccl is ahead (for times: the other takes longer).")
 print("`oxccl / MPI per repetition` is the median of the ratios taken within each")
-print("repetition, where the two ran a minute or two apart; the columns before it")
-print("divide medians taken over all repetitions.")
+print("repetition, where the two ran within a minute, over the pairs whose vCPU")
+print("placement held (core-to-core latency before, between and after the pair")
+print("within 1.6×; \"(k/n)\": k of n pairs held); the columns before it divide")
+print("medians taken over all repetitions.")
 
 # The medians as oxccl-perf JSON, one file per curve, for `--plot`.
 def dump(name, label, rows):
