@@ -239,6 +239,64 @@ fn rendezvous_names_the_ranks_that_never_joined() {
     );
 }
 
+/// A rank that finds its number taken in the store (another job on the
+/// same MASTER_PORT, or RANK given twice) is refused before it announces
+/// itself, with the holder named; a rank started for another world size
+/// is refused at rendezvous. The job that got there first is untouched.
+#[test]
+fn a_second_claim_of_a_rank_and_a_foreign_world_size_are_refused() {
+    let store = std::sync::Arc::new(oxccl::bootstrap::MemoryStore::new());
+    let builder = Communicator::builder().timeout(Duration::from_secs(20));
+    let joined: Vec<_> = (0..2)
+        .map(|rank| {
+            let (store, builder) = (store.clone(), builder.clone());
+            std::thread::spawn(move || builder.init(rank, 2, store))
+        })
+        .collect();
+    let mut comms: Vec<Communicator> = joined
+        .into_iter()
+        .map(|h| h.join().unwrap().expect("the first job joins"))
+        .collect();
+
+    let quick = Communicator::builder().timeout(Duration::from_millis(500));
+    let text = match quick.init(1, 2, store.clone()) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("a second rank 1 joined"),
+    };
+    let pid = std::process::id();
+    assert!(
+        text.contains("rank 1 of the job at")
+            && text.contains(&format!("is already taken (by pid {pid} on host "))
+            && text.contains("MASTER_PORT"),
+        "{text}"
+    );
+
+    // Rank 2 is free in that store, but its job has 3 ranks: the entries
+    // of ranks 0 and 1 complete its rendezvous and say world size 2.
+    let text = match quick.init(2, 3, store.clone()) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("a rank of a 3-rank job joined a 2-rank job"),
+    };
+    assert!(
+        text.contains("was started for world size 2, this rank for 3"),
+        "{text}"
+    );
+
+    // The first job still works.
+    let handles: Vec<_> = comms
+        .drain(..)
+        .map(|mut comm| {
+            std::thread::spawn(move || {
+                let mut v = vec![comm.rank() as u32 + 1; 5];
+                comm.all_reduce_in_place(&mut v, ReduceOp::Sum).map(|()| v)
+            })
+        })
+        .collect();
+    for h in handles {
+        assert_eq!(h.join().unwrap().unwrap(), vec![3; 5]);
+    }
+}
+
 #[test]
 fn rendezvous_through_a_file_store() {
     let dir = std::env::temp_dir().join(format!("oxccl-filestore-{}", std::process::id()));

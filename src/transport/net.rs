@@ -1341,6 +1341,46 @@ fn rank_key(r: usize) -> String {
     format!("oxccl/rank/{r}")
 }
 
+/// The value of `name=` in a rank's entry (`host=…`, `pid=…`, `addr=…`,
+/// `world=…`, one per line).
+fn entry_field(entry: &str, name: &str) -> Option<String> {
+    entry
+        .lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix('=')))
+        .map(str::to_string)
+}
+
+/// Claims `rank` in the store before this process announces itself there:
+/// the first claimer of each rank wins, and a second one — a rank of
+/// another job that found this job's store on a shared MASTER_PORT, or a
+/// second process given the same RANK — is refused here, before it could
+/// overwrite the entry the peers read. The error names the holder when
+/// its entry is there.
+fn claim_rank(store: &dyn Store, rank: usize) -> Result<()> {
+    if store.add(&format!("oxccl/claim/{rank}"), 1)? == 1 {
+        return Ok(());
+    }
+    let holder = store
+        .try_get(&rank_key(rank))?
+        .map(|entry| {
+            let entry = String::from_utf8_lossy(&entry);
+            let pid = entry_field(&entry, "pid").unwrap_or_else(|| "?".into());
+            let host = entry_field(&entry, "host").unwrap_or_else(|| "?".into());
+            format!("by pid {pid} on host {host}")
+        })
+        .unwrap_or_else(|| "by a process that has not announced itself yet".into());
+    Err(bootstrap_error(
+        rank,
+        "rendezvous",
+        format!(
+            "rank {rank} of the job at {} is already taken ({holder}): another job \
+             shares this rendezvous address (MASTER_ADDR:MASTER_PORT), or two \
+             processes were given RANK={rank}",
+            store.describe()
+        ),
+    ))
+}
+
 fn random_token() -> Token {
     use std::io::Read;
     let mut token = [0u8; 16];
@@ -1445,9 +1485,14 @@ pub(crate) fn connect(setup: Setup) -> Result<(NetEndpoint, Option<Segment>)> {
         .map(|(_, a)| a.to_string())
         .unwrap_or_else(|| "-".into());
     let host = shm::host_identity();
+    claim_rank(&*store, rank)?;
     store.set(
         &rank_key(rank),
-        format!("host={host}\npid={}\naddr={my_addr}\n", std::process::id()).as_bytes(),
+        format!(
+            "host={host}\npid={}\naddr={my_addr}\nworld={world}\n",
+            std::process::id()
+        )
+        .as_bytes(),
     )?;
 
     // 2. Rendezvous: every rank's key, or the list of those that never came.
@@ -1477,11 +1522,21 @@ pub(crate) fn connect(setup: Setup) -> Result<(NetEndpoint, Option<Segment>)> {
     for r in 0..world {
         let text = store.try_get(&rank_key(r))?.unwrap_or_default();
         let text = String::from_utf8_lossy(&text);
-        let field = |name: &str| {
-            text.lines()
-                .find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix('=')))
-                .map(str::to_string)
-        };
+        let field = |name: &str| entry_field(&text, name);
+        // A rank started for another world size belongs to another job
+        // (or was started wrongly): say so instead of failing later.
+        if let Some(theirs) = field("world").filter(|w| *w != world.to_string()) {
+            return Err(bootstrap_error(
+                rank,
+                "rendezvous",
+                format!(
+                    "rank {r} in the store at {} was started for world size {theirs}, \
+                     this rank for {world}: two jobs share this rendezvous address \
+                     (MASTER_ADDR:MASTER_PORT), or their WORLD_SIZE differs",
+                    store.describe()
+                ),
+            ));
+        }
         let host = field("host");
         let addr = field("addr");
         let (Some(host), Some(addr)) = (host, addr) else {
