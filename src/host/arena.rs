@@ -63,9 +63,11 @@ pub(crate) const DEFAULT_SLOT_BYTES: usize = 512 * 1024 + 4096;
 /// all-gather, broadcast, reduce, all-to-all): it stays in L2 while it is
 /// reduced or copied (reduce-scatter measured slightly slower with 512 KiB).
 const STAGED_PIECE_BYTES: usize = 256 * 1024;
-/// Slots per rank: a rank may run `DEFAULT_DEPTH - READ_LAG` rounds ahead
-/// of the slowest.
-pub(crate) const DEFAULT_DEPTH: usize = 6;
+/// Slots per rank: a rank may run `DEPTH - READ_LAG` rounds ahead of the
+/// slowest. A constant, not a field of [`Geometry`]: `round % DEPTH` is
+/// then a multiplication, not a division, in every slot address (several
+/// per round; a round of an 8-byte all-reduce is about 0.1 µs).
+pub(crate) const DEPTH: usize = 6;
 /// Every rank has read all it needs of round `r` once it has posted round
 /// `r + READ_LAG`: the pipelined two-shot all-reduce stages piece `t + 1`
 /// and folds piece `t` before it copies piece `t − 1` out, so its reads of
@@ -233,7 +235,6 @@ struct SlotHeader {
 pub(crate) struct Geometry {
     pub world: usize,
     pub slot_bytes: usize,
-    pub depth: usize,
 }
 
 impl Geometry {
@@ -241,13 +242,12 @@ impl Geometry {
         Geometry {
             world,
             slot_bytes: DEFAULT_SLOT_BYTES,
-            depth: DEFAULT_DEPTH,
         }
     }
 
     /// Total bytes of the region.
     pub fn bytes(&self) -> usize {
-        self.slots_offset() + self.world * self.depth * self.slot_bytes
+        self.slots_offset() + self.world * DEPTH * self.slot_bytes
     }
 
     /// Where the mailbox read positions start: per reader, one line-aligned
@@ -363,6 +363,8 @@ impl PeerBuffers {
 pub(crate) struct Arena {
     memory: Arc<Memory>,
     geometry: Geometry,
+    /// `geometry.slots_offset()`, kept: every slot address needs it.
+    slots_offset: usize,
     rank: Rank,
     /// The next round (identical on every rank between calls).
     round: u64,
@@ -574,7 +576,7 @@ impl Arena {
         let pattern: Vec<u8> = (0..STORES_PROBE_BYTES).map(|i| i as u8).collect();
         let mut landing = vec![0u8; STORES_PROBE_BYTES];
         let successor = (self.rank + 1) % world;
-        let depth = self.geometry.depth;
+        let depth = DEPTH;
         for _ in 0..STORES_PROBE_SAMPLES {
             for (kind, streaming) in [false, true].into_iter().enumerate() {
                 // Two passes over the slot ring; the second is timed, when
@@ -818,6 +820,7 @@ impl Arena {
         let arena = Arena {
             memory,
             geometry,
+            slots_offset: geometry.slots_offset(),
             rank,
             round: 0,
             watch_pids,
@@ -866,12 +869,12 @@ impl Arena {
 
     fn slot(&self, rank: Rank, round: u64) -> *mut u8 {
         let g = &self.geometry;
-        let index = rank * g.depth + (round % g.depth as u64) as usize;
+        let index = rank * DEPTH + (round % DEPTH as u64) as usize;
         // SAFETY: index < world·depth, so the slot lies in the region.
         unsafe {
             self.memory
                 .base()
-                .add(g.slots_offset() + index * g.slot_bytes)
+                .add(self.slots_offset + index * g.slot_bytes)
         }
     }
 
@@ -1021,7 +1024,7 @@ impl Arena {
     fn begin(&mut self, call: &CallInfo) -> Result<u64> {
         let g = self.round;
         self.round += 1;
-        let depth = self.geometry.depth as u64;
+        let depth = DEPTH as u64;
         if g >= depth {
             // Slot g % depth last held round g − depth. Every rank posts
             // every round, and posts round r + READ_LAG only after it has
