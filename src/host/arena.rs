@@ -1034,11 +1034,16 @@ impl Arena {
             // `prev`, so it is usually still in cache: no cross-core
             // traffic per round.
             let prev = g - depth + READ_LAG;
-            for r in (0..self.world()).filter(|&r| r != self.rank) {
+            for r in 0..self.world() {
+                if r == self.rank {
+                    continue;
+                }
                 let header = self.header(r, prev);
-                self.wait(call, r, true, || {
-                    header.posted.load(Ordering::Acquire) > prev
-                })?;
+                let free = || header.posted.load(Ordering::Acquire) > prev;
+                // Almost always free already: no wait set up then.
+                if !free() {
+                    self.wait(call, r, true, free)?;
+                }
             }
         }
         Ok(g)
@@ -1058,16 +1063,19 @@ impl Arena {
     fn await_peer(&self, call: &CallInfo, sig: &CallSig, peer: Rank, g: u64) -> Result<()> {
         let header = self.header(peer, g);
         // A peer that broadcast this call through its mailbox runs another
-        // call than this staged one: it will not post.
-        let (mailbox_tag, _) = self.mailbox_unit(peer, self.mailbox_next[peer]);
+        // call than this staged one: it will not post. (Looked up only when
+        // needed: most rounds find the post at the first look.)
+        let mailbox_tag = || self.mailbox_unit(peer, self.mailbox_next[peer]).0;
         let mailboxed = || {
-            let tag = mailbox_tag.load(Ordering::Acquire);
+            let tag = mailbox_tag().load(Ordering::Acquire);
             tag != 0 && (tag >> 32) as u32 == sig.seq as u32
         };
         let posted = || header.posted.load(Ordering::Acquire) == g + 1;
-        self.wait_watching(call, peer, false, posted, mailboxed)?;
         if !posted() {
-            let tag = mailbox_tag.load(Ordering::Acquire);
+            self.wait_watching(call, peer, false, posted, mailboxed)?;
+        }
+        if !posted() {
+            let tag = mailbox_tag().load(Ordering::Acquire);
             return Err(mismatch(
                 call,
                 sig,
