@@ -136,8 +136,9 @@ pub fn bind_thread_like_a_rank(local_rank: usize, local_world: usize) -> bool {
     }
 }
 
-/// The CPUs this process may run on, in order.
-fn allowed_cpus() -> Vec<usize> {
+/// The CPUs this process may run on (its affinity), in order; empty if
+/// the system call fails. `oxccl-run` binds ranks to these.
+pub fn allowed_cpus() -> Vec<usize> {
     // SAFETY: a zeroed cpu_set_t is valid; sched_getaffinity fills it.
     unsafe {
         let mut set: libc::cpu_set_t = std::mem::zeroed();

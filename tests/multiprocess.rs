@@ -318,24 +318,10 @@ fn slot_stores_are_measured_again_between_calls() {
     assert!(zero >= 2, "measured only {zero} time(s)\n{out}");
 }
 
-/// The CPUs this process may run on.
-fn allowed_cpus() -> Vec<usize> {
-    // SAFETY: a zeroed cpu_set_t is a valid empty set; sched_getaffinity
-    // fills at most its size.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
-            return Vec::new();
-        }
-        (0..libc::CPU_SETSIZE as usize)
-            .filter(|&c| libc::CPU_ISSET(c, &set))
-            .collect()
-    }
-}
-
 /// Lets process `pid` run on `cpu` only.
 fn pin(pid: u32, cpu: usize) {
-    // SAFETY: as in `allowed_cpus`; `pid` is a child of this test.
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; `pid` is a child of
+    // this test.
     let rc = unsafe {
         let mut set: libc::cpu_set_t = std::mem::zeroed();
         libc::CPU_SET(cpu, &mut set);
@@ -359,7 +345,7 @@ fn pin(pid: u32, cpu: usize) {
 /// mid-loop. Both join the measurement, and the checked loop stays right.
 #[test]
 fn slot_stores_are_measured_again_when_the_cores_move() {
-    let cpus = allowed_cpus();
+    let cpus = oxccl::launch::allowed_cpus();
     if cpus.len() < 2 {
         eprintln!("skipped: needs 2 CPUs, this process may use {cpus:?}");
         return;
