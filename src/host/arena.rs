@@ -143,7 +143,7 @@ const STORES_CHECK_EVERY_ROUNDS: u64 = 4096;
 /// Empty rounds each check times (and each measurement, for the baseline):
 /// the quickest after the first (which absorbs the ranks' arrival skew)
 /// is this rank's round trip, one cache line each way plus the round's
-/// own work: 0.13–0.15 µs with the VM's two vCPUs sharing a cache, 0.3–0.4
+/// own work: 80–150 ns with the VM's two vCPUs sharing a cache, 170–400
 /// on two dies, microseconds on one CPU.
 const ROUND_TRIP_ROUNDS: usize = 5;
 /// A round trip this many times longer or shorter than at the last
