@@ -57,7 +57,8 @@ fn clean(cmd: &mut Command) -> &mut Command {
 /// A port for one test's store: free now, handed to no other test of this
 /// binary, and below the kernel's ephemeral range (`ip_local_port_range`),
 /// which `bind(0)`, outgoing connections and `oxccl-run`'s own pick draw
-/// from. Asking the kernel for port 0 instead let two tests running at once
+/// from (where that range starts above 21000; otherwise below 32768, and
+/// only the bind check keeps kernel-chosen ports away). Asking the kernel for port 0 instead let two tests running at once
 /// get the same port: the rank-0-never-starts drill's rank 1 then joined
 /// another test's job and failed mapping that job's arena.
 fn free_port() -> u16 {
@@ -79,6 +80,17 @@ fn free_port() -> u16 {
         }
     }
     panic!("no free port in {LOWEST}..{ephemeral_low}");
+}
+
+/// Held by the tests whose ranks spin for many seconds (the kill drills)
+/// and by the one that times the cores' round trip: a third busy process
+/// on a 2-CPU machine would stretch that test's rounds to scheduler ticks.
+static BUSY_CPUS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn busy_cpus() -> std::sync::MutexGuard<'static, ()> {
+    BUSY_CPUS
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// A running child whose output lines arrive on a channel.
@@ -350,15 +362,16 @@ fn slot_stores_are_measured_again_when_the_cores_move() {
         eprintln!("skipped: needs 2 CPUs, this process may use {cpus:?}");
         return;
     }
+    let _cpus = busy_cpus();
     let port = free_port();
-    let ranks: Vec<Running> = (0..2)
+    let mut ranks: Vec<Running> = (0..2)
         .map(|r| {
             let mut cmd = rank_cmd(r, 2, port, "shm");
             cmd.env("OXCCL_SHM_STORES", "auto").args([
                 "--counts",
                 "1,1029",
                 "--loop-seconds",
-                "4",
+                "6",
                 "--size",
                 "4K",
             ]);
@@ -367,8 +380,14 @@ fn slot_stores_are_measured_again_when_the_cores_move() {
             rank
         })
         .collect();
-    // Past ROUND_TRIP_MIN_SPACING (1 s) after the set-up's measurement.
-    std::thread::sleep(Duration::from_millis(2000));
+    // Set up (the baseline is timed there) and looping, then past
+    // ROUND_TRIP_MIN_SPACING (1 s) before the move; the loop then has
+    // about 4.5 s left for a check (every 4096 rounds).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for rank in &mut ranks {
+        rank.wait_for("looping", deadline);
+    }
+    std::thread::sleep(Duration::from_millis(1500));
     pin(ranks[1].child.id(), cpus[0]);
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut counts = Vec::new();
@@ -463,6 +482,7 @@ fn every_collective_across_processes_over_tcp() {
 /// survivors must fail fast (well inside the 30 s timeout) naming rank 1.
 #[test]
 fn a_rank_killed_mid_collective_is_named_by_every_survivor() {
+    let _cpus = busy_cpus();
     for transport in ["shm", "tcp"] {
         let port = free_port();
         let mut ranks: Vec<Running> = (0..3)
@@ -517,6 +537,7 @@ fn a_rank_killed_mid_collective_is_named_by_every_survivor() {
 /// and how, and exits non-zero.
 #[test]
 fn the_launcher_names_a_killed_rank_and_stops_the_job() {
+    let _cpus = busy_cpus();
     let mut cmd = Command::new(RUN);
     clean(&mut cmd)
         .args(["--nproc-per-node", "3", "--kill-grace", "2"])
