@@ -395,6 +395,59 @@ pub fn broadcast_burst(comm: &mut Communicator, calls: usize) -> Result<(), Chec
     Ok(())
 }
 
+/// Runs `calls` small all-reduces (the arena's *lanes*, which rewrite
+/// each rank's lane slots every other call without asking the peers)
+/// among calls that let a rank run ahead of the others: small broadcasts
+/// (the root returns at once), a rank that now and then sleeps before a
+/// call, and a larger all-reduce every few calls (another path). Each
+/// all-reduce's terms change from call to call and are checked exactly,
+/// so a slot rewritten before a peer read it shows as a wrong sum. Every
+/// rank must call it with the same arguments.
+///
+/// # Errors
+///
+/// As [`every_collective`].
+pub fn lane_burst(comm: &mut Communicator, calls: usize) -> Result<(), CheckError> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    // Integers: exact sums whatever the order.
+    let term = |call: usize, r: usize, j: usize| ((call * 131 + r * 17 + j) % 1000) as i64;
+    let sum = |call: usize, j: usize| (0..world).map(|r| term(call, r, j)).sum::<i64>();
+    for call in 0..calls {
+        if call % 97 == 0 && rank == call / 97 % world {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        // 1 to 40 elements: from one line to several.
+        let len = 1 + call * 7 % 40;
+        let mut buf: Vec<i64> = (0..len).map(|j| term(call, rank, j)).collect();
+        if call % 2 == 0 {
+            comm.all_reduce_in_place(&mut buf, ReduceOp::Sum)?;
+        } else {
+            let send = buf.clone();
+            comm.all_reduce(&send, &mut buf, ReduceOp::Sum)?;
+        }
+        let wrong = (0..len).filter(|&j| buf[j] != sum(call, j)).count();
+        ensure(wrong, || {
+            format!("all_reduce #{call} of {len} elements, world {world}")
+        })?;
+        // A broadcast from each root in turn: the root does not wait.
+        let root = call % world;
+        let mut word = [if rank == root { call as u64 } else { 0 }];
+        comm.broadcast_in_place(&mut word, root)?;
+        ensure(usize::from(word[0] != call as u64), || {
+            format!("broadcast after all_reduce #{call}, world {world}")
+        })?;
+        if call % 50 == 49 {
+            let mut large = vec![rank as u32 + 1; 40_000];
+            comm.all_reduce_in_place(&mut large, ReduceOp::Sum)?;
+            let want = (world * (world + 1) / 2) as u32;
+            ensure(large.iter().filter(|&&v| v != want).count(), || {
+                format!("large all_reduce after #{call}, world {world}")
+            })?;
+        }
+    }
+    Ok(())
+}
+
 /// [`every_collective`] for every element type.
 ///
 /// # Errors

@@ -89,6 +89,19 @@ fn small_broadcasts_wrap_the_mailboxes() {
     }
 }
 
+/// Small all-reduces in the arena's lanes among calls that let a rank run
+/// ahead (`oxccl::check::lane_burst`).
+#[test]
+fn small_all_reduces_reuse_the_lanes_safely() {
+    for world in [2, 3, 4] {
+        let builder = Communicator::builder().timeout(Duration::from_secs(30));
+        run_ranks_with(world, builder, |comm| {
+            oxccl::check::lane_burst(comm, 2000).map_err(|e| fail(e.to_string()))
+        })
+        .unwrap_or_else(|e| panic!("world {world}: {e}"));
+    }
+}
+
 /// Outputs of 16 MiB and more are written with non-temporal stores (no read
 /// for ownership); an odd count puts part boundaries off the 16-byte grid.
 #[test]

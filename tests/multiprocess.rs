@@ -304,7 +304,9 @@ fn slot_stores_are_measured_again_between_calls() {
     let out = launched_with_env(
         2,
         "shm",
-        &["--counts", "1,1029", "--loop-seconds", "2", "--size", "4K"],
+        // 16 KiB: above the lanes, so every call runs a slot round (the
+        // checks count rounds).
+        &["--counts", "1,1029", "--loop-seconds", "2", "--size", "16K"],
         &[("OXCCL_SHM_STORES", "auto:0.001")],
     );
     let times = |rank: usize| -> u32 {
@@ -372,8 +374,9 @@ fn slot_stores_are_measured_again_when_the_cores_move() {
                 "1,1029",
                 "--loop-seconds",
                 "6",
+                // Above the lanes: every call runs a slot round.
                 "--size",
-                "4K",
+                "16K",
             ]);
             let rank = Running::spawn(&mut cmd);
             pin(rank.child.id(), cpus[r]);

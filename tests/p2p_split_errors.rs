@@ -297,3 +297,52 @@ fn arena_reports_a_count_mismatch() {
         "{err}"
     );
 }
+
+/// A small all-reduce runs in the arena's lanes, outside the slot rounds:
+/// a rank in the lanes whose peer runs a staged call where it runs the
+/// all-reduce, and the peer, each get a mismatch naming the other (not a
+/// timeout), and so does a rank whose peer broadcasts as root instead.
+#[test]
+fn a_lane_all_reduce_against_another_call_is_a_mismatch() {
+    type Call = fn(&mut Communicator) -> oxccl::Result<()>;
+    let lane: Call = |comm| comm.all_reduce_in_place(&mut [1.0f32; 2], ReduceOp::Sum);
+    let staged: Call = |comm| comm.all_reduce_in_place(&mut vec![1.0f32; 20_000], ReduceOp::Sum);
+    let barrier: Call = |comm| comm.barrier();
+    let root_broadcasts: Call = |comm| comm.broadcast_in_place(&mut [1u8; 8], 1);
+    for (what, other, both) in [
+        ("a staged all-reduce", staged, true),
+        ("a barrier", barrier, true),
+        ("a broadcast as root", root_broadcasts, false),
+    ] {
+        let builder = Communicator::builder().timeout(Duration::from_secs(30));
+        let started = std::time::Instant::now();
+        let errors = run_ranks_with(2, builder, move |comm| {
+            // A warm-up lane call, so the mismatch is not the first.
+            lane(comm)?;
+            let result = if comm.rank() == 0 {
+                lane(comm)
+            } else {
+                other(comm)
+            };
+            Ok(result.err().map(|e| e.to_string()))
+        })
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+        let lane_error = errors[0].clone().unwrap_or_default();
+        assert!(
+            lane_error.contains("rank 1 runs a different call"),
+            "{what}: {errors:?}"
+        );
+        if both {
+            let other_error = errors[1].clone().unwrap_or_default();
+            assert!(
+                other_error.contains("rank 0 runs a different call")
+                    && other_error.contains("in the lanes"),
+                "{what}: {errors:?}"
+            );
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{what}: {errors:?}"
+        );
+    }
+}

@@ -20,7 +20,9 @@
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use oxccl::check::{broadcast_burst, edge_counts, every_collective, every_collective_every_dtype};
+use oxccl::check::{
+    broadcast_burst, edge_counts, every_collective, every_collective_every_dtype, lane_burst,
+};
 use oxccl::{Communicator, ReduceOp};
 
 const USAGE: &str = "\
@@ -131,6 +133,7 @@ fn run(a: &Args) -> Result<String, String> {
     };
     checked
         .and_then(|()| broadcast_burst(&mut comm, 2000))
+        .and_then(|()| lane_burst(&mut comm, 2000))
         .map_err(|e| e.to_string())?;
     if a.shared {
         oxccl::check::every_collective_shared::<f32>(&mut comm, &counts)

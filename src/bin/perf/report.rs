@@ -7,7 +7,7 @@
 //! ```json
 //! {"tool": "oxccl-perf", "label": "...", "collective": "all_reduce", "dtype": "float",
 //!  "op": "sum", "ranks": 2, "transport": "shm", "unix_time": 1764763200,
-//!  "rows": [{"bytes": 8, "count": 2, "algo": "oneshot",
+//!  "rows": [{"bytes": 8, "count": 2, "algo": "lane",
 //!            "time_us": 0.27, "algbw": 0.03, "busbw": 0.03, "wrong": 0,
 //!            "time_us_ip": 0.28, "algbw_ip": 0.03, "busbw_ip": 0.03, "wrong_ip": 0}, ...]}
 //! ```
