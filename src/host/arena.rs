@@ -110,6 +110,11 @@ const LANE_SLOT_BYTES: usize = (LANE_HEADER + LANE_MAX_BYTES).next_multiple_of(L
 /// Lane slots per rank: a rank alternates between them call by call.
 const LANES_PER_RANK: usize = 2;
 
+/// Bytes of a rank's private scratch for the direct paths (in-place
+/// prefixes of three ranks or more, streamed blocks): they fold through it
+/// this many bytes at a time.
+const DIRECT_SCRATCH_BYTES: usize = 256 * 1024;
+
 /// In one process, calls of at least this many bytes (the largest buffer)
 /// skip the slots: ranks exchange buffer addresses and read, reduce and
 /// write each other's buffers directly (two synchronisations instead of a
@@ -459,6 +464,9 @@ pub(crate) struct Arena {
     next_shared: u64,
     /// The peers' buffer addresses of the current zero-copy call.
     peer_buffers: PeerBuffers,
+    /// This rank's scratch for the direct paths (see [`Arena::scratch`]);
+    /// empty until a call needs it.
+    direct_scratch: Vec<u64>,
     /// How the current direct call reaches the peers' buffers.
     direct: Direct,
     /// How the last call that could go direct went (`None`: staged).
@@ -898,6 +906,7 @@ impl Arena {
             shared_ever: false,
             next_shared: 0,
             peer_buffers: PeerBuffers::default(),
+            direct_scratch: Vec::new(),
             direct: Direct::Local,
             last_direct: None,
             mailbox_next: RankWords::new(geometry.world),
@@ -1616,20 +1625,13 @@ impl Arena {
     ) -> Result<()> {
         debug_assert!(self.lane_fits(count * std::mem::size_of::<T>()));
         self.last_direct = None;
-        let k = self.lane_calls;
-        self.lane_calls += 1;
         let (me, world) = (self.rank, self.world());
         // SAFETY: the input holds count elements and the payload room for
-        // LANE_MAX_BYTES; no peer reads this slot until it is posted.
-        unsafe { std::ptr::copy_nonoverlapping(bufs.input, self.lane_payload::<T>(me, k), count) };
-        let header = self.lane_header(me, k);
-        header.seq.store(sig.seq, Ordering::Relaxed);
-        header.signature.store(sig.signature, Ordering::Relaxed);
-        header.posted.store(k + 1, Ordering::Release);
-        self.notify();
-        for p in (0..world).filter(|&p| p != me) {
-            self.lane_await(call, sig, p, k)?;
-        }
+        // LANE_MAX_BYTES.
+        let k = self.lane_post(sig, |payload| unsafe {
+            std::ptr::copy_nonoverlapping(bufs.input, payload.cast::<T>(), count)
+        });
+        self.lane_await_all(call, sig, k)?;
         // SAFETY: every lane slot of call k is posted and not rewritten
         // before this rank posts its next lane call; the output is ours
         // alone; out of place the input is apart from it.
@@ -1646,6 +1648,31 @@ impl Arena {
 
     /// Waits for `peer`'s post of lane call `k` and checks that it is this
     /// call.
+    /// Starts this rank's next lane call: `fill` writes the payload (up to
+    /// [`LANE_MAX_BYTES`]; no peer reads it before the post), then the
+    /// header is posted. Returns the lane call's number.
+    #[inline]
+    fn lane_post(&mut self, sig: &CallSig, fill: impl FnOnce(*mut u8)) -> u64 {
+        let k = self.lane_calls;
+        self.lane_calls += 1;
+        fill(self.lane_payload::<u8>(self.rank, k));
+        let header = self.lane_header(self.rank, k);
+        header.seq.store(sig.seq, Ordering::Relaxed);
+        header.signature.store(sig.signature, Ordering::Relaxed);
+        header.posted.store(k + 1, Ordering::Release);
+        self.notify();
+        k
+    }
+
+    /// Waits for every peer's post of lane call `k`.
+    #[inline]
+    fn lane_await_all(&self, call: &CallInfo, sig: &CallSig, k: u64) -> Result<()> {
+        for p in (0..self.world()).filter(|&p| p != self.rank) {
+            self.lane_await(call, sig, p, k)?;
+        }
+        Ok(())
+    }
+
     #[inline]
     fn lane_await(&self, call: &CallInfo, sig: &CallSig, peer: Rank, k: u64) -> Result<()> {
         let header = self.lane_header(peer, k);
@@ -2436,15 +2463,16 @@ impl Arena {
         if !want_mapped && !want_cma {
             return Ok(None);
         }
-        let g = self.enter(call, sig, bufs, lens)?;
-        if want_mapped && self.all_in_one_allocation(g) {
+        let k = self.enter(call, sig, bufs, lens)?;
+        if want_mapped && self.all_in_one_allocation(k) {
             self.direct = Direct::Mapped;
-            Ok(Some(g))
+            Ok(Some(k))
         } else if want_cma {
             self.direct = Direct::Cma;
-            Ok(Some(g))
+            Ok(Some(k))
         } else {
-            self.finish(g);
+            // Every rank decided alike from the same posted words; the
+            // lane call is complete, and the staged path follows.
             Ok(None)
         }
     }
@@ -2465,13 +2493,13 @@ impl Arena {
             .unwrap_or(0)
     }
 
-    /// Whether every rank posted, in round `g`, its input in one and the
+    /// Whether every rank posted, in lane call `k`, its input in one and the
     /// same allocation and its output in one and the same allocation. Then
     /// this rank's own buffers are in them too, so it holds both alive.
-    fn all_in_one_allocation(&self, g: u64) -> bool {
+    fn all_in_one_allocation(&self, k: u64) -> bool {
         let tags = |p: Rank| {
-            let slot = self.payload::<u64>(p, g);
-            // SAFETY: posted in round g (awaited by `enter`).
+            let slot = self.lane_payload::<u64>(p, k);
+            // SAFETY: posted in lane call k (awaited by `enter`).
             let (input, output) = unsafe { (slot.add(2).read(), slot.add(3).read()) };
             (input >> PLACE_OFFSET_BITS, output >> PLACE_OFFSET_BITS)
         };
@@ -2480,7 +2508,10 @@ impl Arena {
     }
 
     /// Posts this rank's buffer addresses (and where they lie in shared
-    /// allocations) and waits for everyone's.
+    /// allocations) and waits for everyone's, in a lane call (no round:
+    /// a direct call's two synchronisations cost what a small all-reduce
+    /// costs). Returns the lane call, which names the posted words until
+    /// [`leave`](Self::leave).
     fn enter<T>(
         &mut self,
         call: &CallInfo,
@@ -2489,41 +2520,31 @@ impl Arena {
         (in_len, out_len): (usize, usize),
     ) -> Result<u64> {
         let elem = std::mem::size_of::<T>();
-        let in_place_word = self.locate(bufs.input.cast(), in_len * elem);
-        let out_place_word = self.locate(bufs.output.cast_const().cast(), out_len * elem);
-        let g = self.begin(call)?;
-        let slot = self.payload::<u64>(self.rank, g);
-        // Four words, in the slot header's cache line (the header is 32
-        // bytes of a 4096-aligned slot): a peer that sees `posted` reads
-        // them without another line transfer.
-        // SAFETY: the slot holds far more than four words.
-        unsafe {
-            for (i, word) in [
-                bufs.input as usize as u64,
-                bufs.output as usize as u64,
-                in_place_word,
-                out_place_word,
-            ]
-            .into_iter()
-            .enumerate()
-            {
-                slot.add(i).write(word);
-            }
-        }
-        self.post(g, sig);
-        self.await_all(call, sig, g)?;
-        Ok(g)
+        let words = [
+            bufs.input as usize as u64,
+            bufs.output as usize as u64,
+            self.locate(bufs.input.cast(), in_len * elem),
+            self.locate(bufs.output.cast_const().cast(), out_len * elem),
+        ];
+        // Four words, in the lane header's cache line: a peer that sees the
+        // post reads them without another line transfer.
+        // SAFETY: the lane payload holds far more than four words.
+        let k = self.lane_post(sig, |payload| unsafe {
+            std::ptr::copy_nonoverlapping(words.as_ptr(), payload.cast::<u64>(), words.len())
+        });
+        self.lane_await_all(call, sig, k)?;
+        Ok(k)
     }
 
-    /// Rank `p`'s `(input, output)` addresses, posted in round `g`, as
+    /// Rank `p`'s `(input, output)` addresses, posted in lane call `k`, as
     /// this process reaches them: as posted between threads and for CMA,
     /// translated into this process's mapping of `p`'s allocation when the
     /// call runs [`Direct::Mapped`].
-    fn buffers_of<T>(&self, p: Rank, g: u64) -> (*const T, *mut T) {
-        let slot = self.payload::<u64>(p, g);
+    fn buffers_of<T>(&self, p: Rank, k: u64) -> (*const T, *mut T) {
+        let slot = self.lane_payload::<u64>(p, k);
         // Only the words this path needs: a peer's are in another core's
         // cache.
-        // SAFETY: posted in round g (awaited by `enter`).
+        // SAFETY: posted in lane call k (awaited by `enter`).
         let word = |i: usize| unsafe { slot.add(i).read() };
         if self.direct != Direct::Mapped || p == self.rank {
             return (word(0) as usize as *const T, word(1) as usize as *mut T);
@@ -2547,12 +2568,12 @@ impl Arena {
     /// Takes the reusable address lists, filled with every rank's buffers
     /// of round `g`, the inputs moved by `input_offset` elements; give them
     /// back with `self.peer_buffers = …` when the call is done with them.
-    fn take_peer_buffers<T>(&mut self, g: u64, input_offset: usize) -> PeerBuffers {
+    fn take_peer_buffers<T>(&mut self, k: u64, input_offset: usize) -> PeerBuffers {
         let mut lists = std::mem::take(&mut self.peer_buffers);
         lists.inputs.clear();
         lists.outputs.clear();
         for p in 0..self.world() {
-            let (input, output) = self.buffers_of::<T>(p, g);
+            let (input, output) = self.buffers_of::<T>(p, k);
             lists.inputs.push(input.wrapping_add(input_offset).cast());
             lists.outputs.push(output.cast());
         }
@@ -2677,13 +2698,11 @@ impl Arena {
 
     /// Says this rank is done with everyone's buffers and waits until
     /// everyone is done with its own.
-    fn leave(&mut self, call: &CallInfo, sig: &CallSig, entered: u64) -> Result<()> {
-        self.finish(entered);
-        let g = self.begin(call)?;
-        self.post(g, sig);
-        self.await_all(call, sig, g)?;
-        self.finish(g);
-        Ok(())
+    /// (Another lane call, with nothing in it: the lane call of `enter`
+    /// stays unread from then on.)
+    fn leave(&mut self, call: &CallInfo, sig: &CallSig) -> Result<()> {
+        let k = self.lane_post(sig, |_| {});
+        self.lane_await_all(call, sig, k)
     }
 
     /// This rank's share `[start, end)` of `count` elements, cut on cache
@@ -2694,18 +2713,17 @@ impl Arena {
         ((first * align).min(count), ((first + n) * align).min(count))
     }
 
-    /// Scratch: this rank's slot of round `g` past the posted addresses,
-    /// as `(start, elements)` — in-place folds' prefixes, and the block a
-    /// streamed zero-copy all-reduce folds before copying it out.
-    fn scratch<T>(&self, g: u64) -> (*mut T, usize) {
-        let skip = CACHE_LINE;
-        // SAFETY: the payload is far longer than one cache line, and peers
-        // read only the posted words at its start (under 64 bytes) during
-        // the call.
-        let start = unsafe { self.payload::<u8>(self.rank, g).add(skip) as *mut T };
+    /// This rank's private scratch for the direct paths, as `(start,
+    /// elements)`: in-place folds' prefixes, and the block a streamed
+    /// zero-copy all-reduce folds before copying it out. Allocated at the
+    /// first call that needs it, kept from then on.
+    fn scratch<T>(&mut self) -> (*mut T, usize) {
+        if self.direct_scratch.is_empty() {
+            self.direct_scratch = vec![0; DIRECT_SCRATCH_BYTES / 8];
+        }
         (
-            start,
-            (self.geometry.payload_bytes() - skip) / std::mem::size_of::<T>(),
+            self.direct_scratch.as_mut_ptr().cast::<T>(),
+            DIRECT_SCRATCH_BYTES / std::mem::size_of::<T>(),
         )
     }
 
@@ -2771,14 +2789,15 @@ impl Arena {
         call: &CallInfo,
         sig: &CallSig,
         bufs: Buffers<T>,
-        g: u64,
+        k: u64,
         count: usize,
         op: ReduceOp,
     ) -> Result<()> {
         let world = self.world();
         let (start, end) = self.share::<T>(count);
         if end > start {
-            let lists = self.take_peer_buffers::<T>(g, 0);
+            let scratch = self.scratch::<T>();
+            let lists = self.take_peer_buffers::<T>(k, 0);
             let (inputs, outputs) = (lists.inputs::<T>(), lists.outputs::<T>());
             // SAFETY: every rank stays in this call until `leave`; this rank
             // alone touches [start, end) of every buffer.
@@ -2811,11 +2830,11 @@ impl Arena {
                 let n = block.min(end - at);
                 unsafe {
                     let out = if stream {
-                        view_mut(self.scratch::<T>(g).0, 0, n)
+                        view_mut(scratch.0, 0, n)
                     } else {
                         view_mut(outputs[self.rank], at, n)
                     };
-                    self.fold_inputs(op, inputs, at, out, bufs.in_place, self.scratch(g));
+                    self.fold_inputs(op, inputs, at, out, bufs.in_place, scratch);
                     if op == ReduceOp::Avg {
                         T::divide_by(out, world);
                     }
@@ -2834,7 +2853,7 @@ impl Arena {
             }
             self.peer_buffers = lists;
         }
-        self.leave(call, sig, g)
+        self.leave(call, sig)
     }
 
     fn zero_copy_reduce_scatter<T: Element>(
@@ -2842,26 +2861,27 @@ impl Arena {
         call: &CallInfo,
         sig: &CallSig,
         bufs: Buffers<T>,
-        g: u64,
+        k: u64,
         count: usize,
         op: ReduceOp,
     ) -> Result<()> {
         let (world, me) = (self.world(), self.rank);
         if count > 0 {
             // Part `me` of every input.
-            let lists = self.take_peer_buffers::<T>(g, me * count);
+            let scratch = self.scratch::<T>();
+            let lists = self.take_peer_buffers::<T>(k, me * count);
             let shifted = lists.inputs::<T>();
             // Part `me` of every input folds into this rank's output (in
             // place: part `me` of its own input).
             // SAFETY: inputs live until `leave`; this rank writes only its
-            // output and its own slot.
+            // output and its scratch.
             unsafe {
                 let out = view_mut(bufs.output, 0, count);
                 // Out of place, a large output is streamed (never read);
                 // in place it is this rank's input, read by the fold.
                 let stream = !bufs.in_place && streams::<T>(world * count);
                 write_out(stream, out, |block, at| {
-                    self.fold_inputs(op, shifted, at, block, bufs.in_place, self.scratch(g));
+                    self.fold_inputs(op, shifted, at, block, bufs.in_place, scratch);
                     if op == ReduceOp::Avg {
                         T::divide_by(block, world);
                     }
@@ -2869,7 +2889,7 @@ impl Arena {
             }
             self.peer_buffers = lists;
         }
-        self.leave(call, sig, g)
+        self.leave(call, sig)
     }
 
     /// All-gather (`root` None) or broadcast (`root` Some): each rank copies
@@ -2880,7 +2900,7 @@ impl Arena {
         call: &CallInfo,
         sig: &CallSig,
         bufs: Buffers<T>,
-        g: u64,
+        k: u64,
         count: usize,
         root: Option<Rank>,
     ) -> Result<()> {
@@ -2889,7 +2909,7 @@ impl Arena {
         // Outputs are only written here: large ones bypass the cache.
         let stream = streams::<T>(if root.is_some() { count } else { world * count });
         let pull = |p: Rank, dst: *mut T| -> Result<()> {
-            let (input, _) = self.buffers_of::<T>(p, g);
+            let (input, _) = self.buffers_of::<T>(p, k);
             if (self.direct == Direct::Cma) && p != me {
                 cma_read(self.peer_pid(p), input.cast(), dst.cast(), bytes)
                     .map_err(|e| cma_error(call, p, "reading", e))
@@ -2908,7 +2928,7 @@ impl Arena {
         // only when in place (its posted input and output coincide), and
         // only from BROADCAST_PUSH_MIN_BYTES.
         let root_in_place = root.is_some_and(|r| {
-            let (input, output) = self.buffers_of::<T>(r, g);
+            let (input, output) = self.buffers_of::<T>(r, k);
             input == output.cast_const()
         });
         let pushes = root_in_place && count * std::mem::size_of::<T>() >= BROADCAST_PUSH_MIN_BYTES;
@@ -2917,7 +2937,7 @@ impl Arena {
         let elem = std::mem::size_of::<T>();
         let result = match root {
             Some(root) if root != me => {
-                let (input, _) = self.buffers_of::<T>(root, g);
+                let (input, _) = self.buffers_of::<T>(root, k);
                 if self.direct == Direct::Cma {
                     cma_read(
                         self.peer_pid(root),
@@ -2942,7 +2962,7 @@ impl Arena {
                 (0..world)
                     .filter(|&p| p != me && pushed > 0)
                     .try_for_each(|p| {
-                        let (_, output) = self.buffers_of::<T>(p, g);
+                        let (_, output) = self.buffers_of::<T>(p, k);
                         // SAFETY: in range of both buffers; rank p does not touch
                         // [kept, count) of its output during the call.
                         let (src, dst) = unsafe { (bufs.input.add(kept), output.add(kept)) };
@@ -2981,7 +3001,7 @@ impl Arena {
             }
         };
         result?;
-        self.leave(call, sig, g)
+        self.leave(call, sig)
     }
 
     fn zero_copy_reduce<T: Element>(
@@ -2989,21 +3009,22 @@ impl Arena {
         call: &CallInfo,
         sig: &CallSig,
         bufs: Buffers<T>,
-        g: u64,
+        k: u64,
         count: usize,
         (op, root): (ReduceOp, Rank),
     ) -> Result<()> {
         let world = self.world();
         if self.rank == root && count > 0 {
-            let lists = self.take_peer_buffers::<T>(g, 0);
+            let scratch = self.scratch::<T>();
+            let lists = self.take_peer_buffers::<T>(k, 0);
             let inputs = lists.inputs::<T>();
             // SAFETY: inputs live until `leave`; the root writes only its
-            // output and its own slot.
+            // output and its scratch.
             unsafe {
                 let out = view_mut(bufs.output, 0, count);
                 let stream = !bufs.in_place && streams::<T>(count);
                 write_out(stream, out, |block, at| {
-                    self.fold_inputs(op, inputs, at, block, bufs.in_place, self.scratch(g));
+                    self.fold_inputs(op, inputs, at, block, bufs.in_place, scratch);
                     if op == ReduceOp::Avg {
                         T::divide_by(block, world);
                     }
@@ -3011,7 +3032,7 @@ impl Arena {
             }
             self.peer_buffers = lists;
         }
-        self.leave(call, sig, g)
+        self.leave(call, sig)
     }
 }
 
