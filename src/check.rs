@@ -395,9 +395,10 @@ pub fn broadcast_burst(comm: &mut Communicator, calls: usize) -> Result<(), Chec
     Ok(())
 }
 
-/// Runs `calls` small all-reduces (the arena's *lanes*, which rewrite
-/// each rank's lane slots every other call without asking the peers)
-/// among calls that let a rank run ahead of the others: small broadcasts
+/// Runs `calls` small all-reduces, reduces and all-gathers (the arena's
+/// *lanes*, which rewrite each rank's lane slots every other lane call
+/// without asking the peers) among calls that let a rank run ahead of
+/// the others: small broadcasts
 /// (the root returns at once), a rank that now and then sleeps before a
 /// call, and a larger all-reduce every few calls (another path). Each
 /// all-reduce's terms change from call to call and are checked exactly,
@@ -429,8 +430,29 @@ pub fn lane_burst(comm: &mut Communicator, calls: usize) -> Result<(), CheckErro
         ensure(wrong, || {
             format!("all_reduce #{call} of {len} elements, world {world}")
         })?;
-        // A broadcast from each root in turn: the root does not wait.
+        // A reduce to each root in turn, and an all-gather: other lane
+        // calls between the all-reduces.
         let root = call % world;
+        let mut reduced = [0i64; 3];
+        let own: Vec<i64> = (0..3).map(|j| term(call, rank, j)).collect();
+        comm.reduce(&own, &mut reduced, ReduceOp::Sum, root)?;
+        if rank == root {
+            ensure(
+                (0..3).filter(|&j| reduced[j] != sum(call, j)).count(),
+                || format!("reduce #{call} to root {root}, world {world}"),
+            )?;
+        }
+        if call % 3 == 0 {
+            let mut gathered = vec![0i64; world];
+            comm.all_gather(&own[..1], &mut gathered)?;
+            ensure(
+                (0..world)
+                    .filter(|&r| gathered[r] != term(call, r, 0))
+                    .count(),
+                || format!("all_gather #{call}, world {world}"),
+            )?;
+        }
+        // A broadcast from each root in turn: the root does not wait.
         let mut word = [if rank == root { call as u64 } else { 0 }];
         comm.broadcast_in_place(&mut word, root)?;
         ensure(usize::from(word[0] != call as u64), || {

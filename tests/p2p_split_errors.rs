@@ -299,31 +299,32 @@ fn arena_reports_a_count_mismatch() {
 }
 
 /// A small all-reduce runs in the arena's lanes, outside the slot rounds:
-/// a rank in the lanes whose peer runs a staged call (slot rounds) where
-/// it runs the all-reduce, and the peer, each get a mismatch naming the
-/// other (not a timeout); so do two ranks whose other call is also a lane
-/// call (a zero-copy all-reduce posts its buffers in one), and a rank
-/// whose peer broadcasts as root instead.
+/// a rank in the lanes whose peer awaits a staged broadcast (slot rounds)
+/// where it runs the all-reduce, and the peer, each get a mismatch naming
+/// the other (not a timeout); so do two ranks whose other call is also a
+/// lane call (a barrier, a small reduce-scatter, a zero-copy all-reduce,
+/// which posts its buffers in one), and a rank whose peer broadcasts
+/// through its mailbox as root instead.
 #[test]
 fn a_lane_all_reduce_against_another_call_is_a_mismatch() {
     type Call = fn(&mut Communicator) -> oxccl::Result<()>;
     let lane: Call = |comm| comm.all_reduce_in_place(&mut [1.0f32; 2], ReduceOp::Sum);
     let zero_copy: Call = |comm| comm.all_reduce_in_place(&mut vec![1.0f32; 20_000], ReduceOp::Sum);
-    let staged: Call = |comm| {
+    let small_reduce_scatter: Call = |comm| {
         let send = [1.0f32; 4];
         comm.reduce_scatter(&send, &mut [0.0f32; 2], ReduceOp::Sum)
     };
     let barrier: Call = |comm| comm.barrier();
+    // 100 bytes: past the mailbox, staged through a slot round.
+    let staged_broadcast: Call = |comm| comm.broadcast_in_place(&mut [1u8; 100], 0);
     let root_broadcasts: Call = |comm| comm.broadcast_in_place(&mut [1u8; 8], 1);
+    let lane_call = Some("call #1 with signature");
     // (what, rank 1's call, what rank 1 must report: None if it returns)
     for (what, other, reported) in [
-        (
-            "a zero-copy all-reduce",
-            zero_copy,
-            Some("call #1 with signature"),
-        ),
-        ("a staged reduce-scatter", staged, Some("in the lanes")),
-        ("a barrier", barrier, Some("in the lanes")),
+        ("a zero-copy all-reduce", zero_copy, lane_call),
+        ("a small reduce-scatter", small_reduce_scatter, lane_call),
+        ("a barrier", barrier, lane_call),
+        ("a staged broadcast", staged_broadcast, Some("in the lanes")),
         ("a broadcast as root", root_broadcasts, None),
     ] {
         let builder = Communicator::builder().timeout(Duration::from_secs(30));

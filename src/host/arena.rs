@@ -1624,14 +1624,8 @@ impl Arena {
         op: ReduceOp,
     ) -> Result<()> {
         debug_assert!(self.lane_fits(count * std::mem::size_of::<T>()));
-        self.last_direct = None;
         let (me, world) = (self.rank, self.world());
-        // SAFETY: the input holds count elements and the payload room for
-        // LANE_MAX_BYTES.
-        let k = self.lane_post(sig, |payload| unsafe {
-            std::ptr::copy_nonoverlapping(bufs.input, payload.cast::<T>(), count)
-        });
-        self.lane_await_all(call, sig, k)?;
+        let k = self.lane_exchange(call, sig, bufs.input, count)?;
         // SAFETY: every lane slot of call k is posted and not rewritten
         // before this rank posts its next lane call; the output is ours
         // alone; out of place the input is apart from it.
@@ -1648,6 +1642,107 @@ impl Arena {
 
     /// Waits for `peer`'s post of lane call `k` and checks that it is this
     /// call.
+    /// One lane call of a collective: posts `count` elements from `input`
+    /// (they fit: [`lane_fits`](Self::lane_fits)) and waits for every
+    /// peer's post. Returns the lane call's number.
+    fn lane_exchange<T>(
+        &mut self,
+        call: &CallInfo,
+        sig: &CallSig,
+        input: *const T,
+        count: usize,
+    ) -> Result<u64> {
+        self.last_direct = None;
+        // SAFETY: the input holds count elements, and the payload room for
+        // them (the caller checked `lane_fits`).
+        let k = self.lane_post(sig, |payload| unsafe {
+            std::ptr::copy_nonoverlapping(input, payload.cast::<T>(), count)
+        });
+        self.lane_await_all(call, sig, k)?;
+        Ok(k)
+    }
+
+    /// All-gather of `count` elements per rank in the lanes
+    /// (`lane_fits(count · size)`): each rank posts its part and copies the
+    /// others' out of their lane slots.
+    fn lane_all_gather<T: Element>(
+        &mut self,
+        call: &CallInfo,
+        sig: &CallSig,
+        bufs: Buffers<T>,
+        count: usize,
+    ) -> Result<()> {
+        let k = self.lane_exchange(call, sig, bufs.input, count)?;
+        for p in 0..self.world() {
+            // SAFETY: the output holds world·count elements; posted lane
+            // slots of call k hold count each; in place this rank's part is
+            // its input, already in place.
+            unsafe {
+                let to = bufs.output.add(p * count);
+                if p != self.rank {
+                    std::ptr::copy_nonoverlapping(self.lane_payload::<T>(p, k), to, count);
+                } else if !bufs.in_place {
+                    std::ptr::copy_nonoverlapping(bufs.input, to, count);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Reduce-scatter of `count` elements per rank in the lanes
+    /// (`lane_fits(world · count · size)`): each rank posts its whole input
+    /// and folds part `rank` of every rank's, in rank order.
+    fn lane_reduce_scatter<T: Element>(
+        &mut self,
+        call: &CallInfo,
+        sig: &CallSig,
+        bufs: Buffers<T>,
+        count: usize,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let (me, world) = (self.rank, self.world());
+        let k = self.lane_exchange(call, sig, bufs.input, world * count)?;
+        // SAFETY: as in `lane_all_reduce`; in place the output is part `me`
+        // of the input, which holds this rank's own term already.
+        let out = unsafe { view_mut(bufs.output, 0, count) };
+        let own = (!bufs.in_place).then(|| unsafe { view(bufs.input, me * count, count) });
+        fold_with_own(op, out, (me, world), own, |p| unsafe {
+            view(self.lane_payload::<T>(p, k), me * count, count)
+        });
+        if op == ReduceOp::Avg {
+            T::divide_by(out, world);
+        }
+        Ok(())
+    }
+
+    /// Reduce of `count` elements to `root` in the lanes: every rank posts
+    /// and waits for every post (a lane slot is rewritten two lane calls
+    /// later only because every lane call waits for every peer), the root
+    /// folds.
+    fn lane_reduce<T: Element>(
+        &mut self,
+        call: &CallInfo,
+        sig: &CallSig,
+        bufs: Buffers<T>,
+        count: usize,
+        (op, root): (ReduceOp, Rank),
+    ) -> Result<()> {
+        let (me, world) = (self.rank, self.world());
+        let k = self.lane_exchange(call, sig, bufs.input, count)?;
+        if me == root {
+            // SAFETY: as in `lane_all_reduce`.
+            let out = unsafe { view_mut(bufs.output, 0, count) };
+            let own = (!bufs.in_place).then(|| unsafe { view(bufs.input, 0, count) });
+            fold_with_own(op, out, (me, world), own, |p| unsafe {
+                view(self.lane_payload::<T>(p, k), 0, count)
+            });
+            if op == ReduceOp::Avg {
+                T::divide_by(out, world);
+            }
+        }
+        Ok(())
+    }
+
     /// Starts this rank's next lane call: `fill` writes the payload (up to
     /// [`LANE_MAX_BYTES`]; no peer reads it before the post), then the
     /// header is posted. Returns the lane call's number.
@@ -1828,6 +1923,9 @@ impl Arena {
         op: ReduceOp,
     ) -> Result<()> {
         let full = count * self.world();
+        if self.lane_fits(full * std::mem::size_of::<T>()) {
+            return self.lane_reduce_scatter(call, sig, bufs, count, op);
+        }
         if let Some(g) = self.enter_direct(call, sig, &bufs, (full, count), full, false)? {
             return self.zero_copy_reduce_scatter(call, sig, bufs, g, count, op);
         }
@@ -1873,6 +1971,9 @@ impl Arena {
         bufs: Buffers<T>,
         count: usize,
     ) -> Result<()> {
+        if self.lane_fits(count * std::mem::size_of::<T>()) {
+            return self.lane_all_gather(call, sig, bufs, count);
+        }
         let full = count * self.world();
         let cma_ok = self.cma_suits(OpKind::AllGather, full * std::mem::size_of::<T>());
         if let Some(g) = self.enter_direct(call, sig, &bufs, (count, full), full, cma_ok)? {
@@ -1953,6 +2054,9 @@ impl Arena {
         op: ReduceOp,
         root: Rank,
     ) -> Result<()> {
+        if self.lane_fits(count * std::mem::size_of::<T>()) {
+            return self.lane_reduce(call, sig, bufs, count, (op, root));
+        }
         if let Some(g) = self.enter_direct(call, sig, &bufs, (count, count), count, false)? {
             return self.zero_copy_reduce(call, sig, bufs, g, count, (op, root));
         }
@@ -2024,13 +2128,11 @@ impl Arena {
         })
     }
 
-    /// Barrier: one round with nothing in it.
+    /// Barrier: one lane call with nothing in it.
     pub fn barrier(&mut self, call: &CallInfo, sig: &CallSig) -> Result<()> {
-        let g = self.begin(call)?;
-        self.post(g, sig);
-        self.await_all(call, sig, g)?;
-        self.finish(g);
-        Ok(())
+        self.last_direct = None;
+        let k = self.lane_post(sig, |_| {});
+        self.lane_await_all(call, sig, k)
     }
 }
 
@@ -2375,13 +2477,19 @@ impl Arena {
                 | OpKind::Reduce
         );
         let capacity = self.geometry.payload_bytes() / elem.max(1) * elem.max(1);
+        // In the order the collectives decide: the lanes first (on what
+        // each rank posts: an all-gather's part, the others' whole input).
         match op {
+            OpKind::AllReduce | OpKind::ReduceScatter | OpKind::Reduce if self.lane_fits(bytes) => {
+                "lane"
+            }
+            OpKind::AllGather if self.lane_fits(bytes / self.world()) => "lane",
+            OpKind::Barrier => "lane",
             _ if zero_copy_op && !self.watch_pids && bytes >= ZERO_COPY_MIN_BYTES => "zerocopy",
             OpKind::Broadcast if bytes > 0 && bytes <= MAILBOX_MAX_BYTES && self.world() > 1 => {
                 "mailbox"
             }
             OpKind::AllGather | OpKind::Broadcast if self.cma_suits(op, bytes) => "cma",
-            OpKind::AllReduce if self.lane_fits(bytes) => "lane",
             OpKind::AllReduce if bytes <= capacity => "oneshot",
             OpKind::AllReduce => "twoshot",
             _ => "direct",
