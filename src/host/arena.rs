@@ -1156,19 +1156,7 @@ impl Arena {
             };
             return Err(mismatch(call, sig, peer, &theirs));
         }
-        let (seq, signature) = (
-            header.seq.load(Ordering::Relaxed),
-            header.signature.load(Ordering::Relaxed),
-        );
-        if seq != sig.seq || signature != sig.signature {
-            return Err(mismatch(
-                call,
-                sig,
-                peer,
-                &format!("call #{seq} with signature {signature:#x}"),
-            ));
-        }
-        Ok(())
+        same_call(call, sig, peer, (&header.seq, &header.signature))
     }
 
     /// Waits for every peer's slot of round `g`.
@@ -1211,6 +1199,29 @@ fn round_trip_moved(base: u64, now: u64) -> bool {
 
 /// The error for a peer found running another call than this one
 /// (`theirs` describes what it runs).
+/// Checks that a post `peer` made (its sequence number and signature
+/// words, slot or lane header) belongs to this call.
+fn same_call(
+    call: &CallInfo,
+    sig: &CallSig,
+    peer: Rank,
+    (seq, signature): (&AtomicU64, &AtomicU64),
+) -> Result<()> {
+    let (seq, signature) = (
+        seq.load(Ordering::Relaxed),
+        signature.load(Ordering::Relaxed),
+    );
+    if seq != sig.seq || signature != sig.signature {
+        return Err(mismatch(
+            call,
+            sig,
+            peer,
+            &format!("call #{seq} with signature {signature:#x}"),
+        ));
+    }
+    Ok(())
+}
+
 fn mismatch(call: &CallInfo, sig: &CallSig, peer: Rank, theirs: &str) -> crate::error::Error {
     call.error(
         peer,
@@ -1796,19 +1807,7 @@ impl Arena {
             let theirs = self.posted_outside_lanes(peer, sig).unwrap_or_default();
             return Err(mismatch(call, sig, peer, &theirs));
         }
-        let (seq, signature) = (
-            header.seq.load(Ordering::Relaxed),
-            header.signature.load(Ordering::Relaxed),
-        );
-        if seq != sig.seq || signature != sig.signature {
-            return Err(mismatch(
-                call,
-                sig,
-                peer,
-                &format!("call #{seq} with signature {signature:#x}"),
-            ));
-        }
-        Ok(())
+        same_call(call, sig, peer, (&header.seq, &header.signature))
     }
 
     /// What `peer` posted outside the lanes where this rank awaits its lane
