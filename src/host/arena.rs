@@ -1635,24 +1635,38 @@ impl Arena {
         op: ReduceOp,
     ) -> Result<()> {
         debug_assert!(self.lane_fits(count * std::mem::size_of::<T>()));
-        let (me, world) = (self.rank, self.world());
         let k = self.lane_exchange(call, sig, bufs.input, count)?;
-        // SAFETY: every lane slot of call k is posted and not rewritten
-        // before this rank posts its next lane call; the output is ours
-        // alone; out of place the input is apart from it.
+        self.lane_fold(op, &bufs, k, 0, count);
+        Ok(())
+    }
+
+    /// Folds elements `offset..offset + count` of every rank's posts of
+    /// lane call `k`, in rank order, into the output (`count` elements),
+    /// dividing for `Avg`. This rank's own term comes from its input at
+    /// `offset` out of place, and is the output already in place.
+    fn lane_fold<T: Element>(
+        &self,
+        op: ReduceOp,
+        bufs: &Buffers<T>,
+        k: u64,
+        offset: usize,
+        count: usize,
+    ) {
+        let (me, world) = (self.rank, self.world());
+        // SAFETY: every lane slot of call k is posted (awaited) and not
+        // rewritten before this rank posts its next lane call, and holds
+        // offset + count elements; the output is ours alone; out of place
+        // the input is apart from it.
         let out = unsafe { view_mut(bufs.output, 0, count) };
-        let own = (!bufs.in_place).then(|| unsafe { view(bufs.input, 0, count) });
+        let own = (!bufs.in_place).then(|| unsafe { view(bufs.input, offset, count) });
         fold_with_own(op, out, (me, world), own, |p| unsafe {
-            view(self.lane_payload::<T>(p, k), 0, count)
+            view(self.lane_payload::<T>(p, k), offset, count)
         });
         if op == ReduceOp::Avg {
             T::divide_by(out, world);
         }
-        Ok(())
     }
 
-    /// Waits for `peer`'s post of lane call `k` and checks that it is this
-    /// call.
     /// One lane call of a collective: posts `count` elements from `input`
     /// (they fit: [`lane_fits`](Self::lane_fits)) and waits for every
     /// peer's post. Returns the lane call's number.
@@ -1711,18 +1725,9 @@ impl Arena {
         count: usize,
         op: ReduceOp,
     ) -> Result<()> {
-        let (me, world) = (self.rank, self.world());
-        let k = self.lane_exchange(call, sig, bufs.input, world * count)?;
-        // SAFETY: as in `lane_all_reduce`; in place the output is part `me`
-        // of the input, which holds this rank's own term already.
-        let out = unsafe { view_mut(bufs.output, 0, count) };
-        let own = (!bufs.in_place).then(|| unsafe { view(bufs.input, me * count, count) });
-        fold_with_own(op, out, (me, world), own, |p| unsafe {
-            view(self.lane_payload::<T>(p, k), me * count, count)
-        });
-        if op == ReduceOp::Avg {
-            T::divide_by(out, world);
-        }
+        let k = self.lane_exchange(call, sig, bufs.input, self.world() * count)?;
+        // In place the output is part `rank` of the input: its own term.
+        self.lane_fold(op, &bufs, k, self.rank * count, count);
         Ok(())
     }
 
@@ -1738,18 +1743,9 @@ impl Arena {
         count: usize,
         (op, root): (ReduceOp, Rank),
     ) -> Result<()> {
-        let (me, world) = (self.rank, self.world());
         let k = self.lane_exchange(call, sig, bufs.input, count)?;
-        if me == root {
-            // SAFETY: as in `lane_all_reduce`.
-            let out = unsafe { view_mut(bufs.output, 0, count) };
-            let own = (!bufs.in_place).then(|| unsafe { view(bufs.input, 0, count) });
-            fold_with_own(op, out, (me, world), own, |p| unsafe {
-                view(self.lane_payload::<T>(p, k), 0, count)
-            });
-            if op == ReduceOp::Avg {
-                T::divide_by(out, world);
-            }
+        if self.rank == root {
+            self.lane_fold(op, &bufs, k, 0, count);
         }
         Ok(())
     }
@@ -1779,6 +1775,8 @@ impl Arena {
         Ok(())
     }
 
+    /// Waits for `peer`'s post of lane call `k` and checks that it is this
+    /// call.
     #[inline]
     fn lane_await(&self, call: &CallInfo, sig: &CallSig, peer: Rank, k: u64) -> Result<()> {
         let header = self.lane_header(peer, k);
