@@ -954,9 +954,13 @@ impl Communicator {
     ///
     /// The communication errors, as [`all_reduce`](Self::all_reduce).
     pub fn all_reduce_in_place<T: Element>(&mut self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        // Both pointers come from one `as_mut_ptr`: a second reborrow of
+        // `buf` would invalidate the first pointer, and the staged two-shot
+        // reads the input after writing parts of the output.
+        let base = buf.as_mut_ptr();
         let bufs = Buffers {
-            input: buf.as_ptr(),
-            output: buf.as_mut_ptr(),
+            input: base.cast_const(),
+            output: base,
             in_place: true,
         };
         if let Some(result) = self.arena_all_reduce(bufs, buf.len(), op) {

@@ -1382,6 +1382,12 @@ impl Arena {
         count: usize,
         op: ReduceOp,
     ) -> Result<()> {
+        // `Communicator::arena_all_reduce` sends small calls to the lanes
+        // itself; this keeps every other caller on the same choice, which
+        // must agree across ranks.
+        if self.lane_fits(count * std::mem::size_of::<T>()) {
+            return self.lane_all_reduce(call, sig, bufs, count, op);
+        }
         if let Some(g) = self.enter_direct(call, sig, &bufs, (count, count), count, false)? {
             return self.zero_copy_all_reduce(call, sig, bufs, g, count, op);
         }
@@ -1802,7 +1808,11 @@ impl Arena {
             self.posted_outside_lanes(peer, sig).is_some()
         })?;
         if !posted() {
-            let theirs = self.posted_outside_lanes(peer, sig).unwrap_or_default();
+            // The watch saw a post outside the lanes; it may be gone by now
+            // (the peer failed and left), so say so rather than print nothing.
+            let theirs = self
+                .posted_outside_lanes(peer, sig)
+                .unwrap_or_else(|| "a call outside the lanes".to_string());
             return Err(mismatch(call, sig, peer, &theirs));
         }
         same_call(call, sig, peer, (&header.seq, &header.signature))
