@@ -384,6 +384,50 @@ struct PeerBuffers {
 // them, on the thread that runs it.
 unsafe impl Send for PeerBuffers {}
 
+/// One of this rank's shared allocations as the zero-copy path reads it:
+/// its number and addresses, copied when it was allocated, so that a call
+/// locates and translates buffers without touching the region's reference
+/// counts (an upgrade of a `Weak` and its drop are two atomic
+/// read-modify-writes; a two-rank call made four pairs, 5 % of a 64 KiB
+/// call across processes).
+///
+/// Reading the copies is sound while the region lives, and a call only
+/// relies on a region that holds one of its own buffers: the caller
+/// borrows that buffer, hence the region, for the whole call. A dead
+/// region's address range may be reused by other memory, so `locate`
+/// skips entries whose region died ([`alive`](Self::alive), a plain load):
+/// the drop happened before the memory was reused, and the reuse before
+/// the caller made its slice.
+struct SharedEntry {
+    region: Weak<SharedRegion>,
+    id: u64,
+    own: usize,
+    bytes: usize,
+    maps: Vec<*mut u8>,
+}
+
+impl SharedEntry {
+    fn of(region: &Arc<SharedRegion>) -> SharedEntry {
+        SharedEntry {
+            region: Arc::downgrade(region),
+            id: region.id,
+            own: region.own as usize,
+            bytes: region.bytes,
+            maps: region.maps.clone(),
+        }
+    }
+
+    fn alive(&self) -> bool {
+        self.region.strong_count() > 0
+    }
+
+    /// Whether `[ptr, ptr + len)` lies in this rank's block; its offset if so.
+    fn offset_of(&self, ptr: *const u8, len: usize) -> Option<usize> {
+        let at = ptr as usize;
+        (at >= self.own && at + len <= self.own + self.bytes).then(|| at - self.own)
+    }
+}
+
 impl PeerBuffers {
     /// The inputs as `T` pointers.
     fn inputs<T>(&self) -> &[*const T] {
@@ -454,7 +498,7 @@ pub(crate) struct Arena {
     /// How many of the measurements a changed round trip caused.
     stores_moves: u32,
     /// This rank's shared allocations (`alloc_shared`), while they live.
-    shared: Vec<Weak<SharedRegion>>,
+    shared: Vec<SharedEntry>,
     /// Whether `alloc_shared` ever ran on this communicator: from then on
     /// large calls across processes first exchange where their buffers
     /// are, to run zero-copy when every rank's are in one allocation.
@@ -2599,11 +2643,10 @@ impl Arena {
     fn locate(&self, ptr: *const u8, len: usize) -> u64 {
         self.shared
             .iter()
-            .filter_map(Weak::upgrade)
-            .find_map(|r| {
-                r.offset_of(ptr, len)
-                    .filter(|_| !r.maps.is_empty())
-                    .map(|at| place_word(r.id + 1, at as u64))
+            .filter(|e| !e.maps.is_empty() && e.alive())
+            .find_map(|e| {
+                e.offset_of(ptr, len)
+                    .map(|at| place_word(e.id + 1, at as u64))
             })
             .unwrap_or(0)
     }
@@ -2668,13 +2711,12 @@ impl Arena {
             let (tag, at) = (place >> PLACE_OFFSET_BITS, place & PLACE_OFFSET_MASK);
             self.shared
                 .iter()
-                .filter_map(Weak::upgrade)
-                .find(|r| r.id + 1 == tag)
+                .find(|e| e.id + 1 == tag)
                 // SAFETY: `all_in_one_allocation` checked that this rank's
                 // own buffer is in allocation `tag`, so the region is alive
-                // (the caller holds it) and maps rank p's block; p's buffer
-                // lies inside that block.
-                .map(|r| unsafe { r.maps[p].add(at as usize) as *mut T })
+                // (the caller borrows it for the call) and maps rank p's
+                // block; p's buffer lies inside that block.
+                .map(|e| unsafe { e.maps[p].add(at as usize) as *mut T })
                 .unwrap_or(std::ptr::null_mut())
         };
         (translate(word(2)).cast_const(), translate(word(3)))
@@ -2770,8 +2812,8 @@ impl Arena {
                 })?;
             Arc::new(SharedRegion::mapped(id, bytes, self.rank, segments))
         };
-        self.shared.retain(|w| w.strong_count() > 0);
-        self.shared.push(Arc::downgrade(&region));
+        self.shared.retain(SharedEntry::alive);
+        self.shared.push(SharedEntry::of(&region));
         self.shared_ever = true;
         self.lane_max_bytes = self.lane_max_bytes.min(ZERO_COPY_MIN_BYTES - 1);
         Ok(region)

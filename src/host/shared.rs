@@ -76,13 +76,6 @@ impl SharedRegion {
             backing: Backing::Shm(segments),
         }
     }
-
-    /// Whether `[ptr, ptr + len)` lies in this rank's block; its offset if so.
-    pub fn offset_of(&self, ptr: *const u8, len: usize) -> Option<usize> {
-        let start = self.own as usize;
-        let at = ptr as usize;
-        (at >= start && at + len <= start + self.bytes).then(|| at - start)
-    }
 }
 
 impl Drop for SharedRegion {
