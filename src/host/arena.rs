@@ -509,6 +509,8 @@ pub(crate) struct Arena {
     next_shared: u64,
     /// The peers' buffer addresses of the current zero-copy call.
     peer_buffers: PeerBuffers,
+    /// Whether the CPU has PREFETCHW (see `claim_next_lane`).
+    prefetch_for_write: bool,
     /// This rank's scratch for the direct paths (see [`Arena::scratch`]);
     /// empty until a call needs it.
     direct_scratch: Vec<u64>,
@@ -951,6 +953,10 @@ impl Arena {
             shared_ever: false,
             next_shared: 0,
             peer_buffers: PeerBuffers::default(),
+            #[cfg(target_arch = "x86_64")]
+            prefetch_for_write: has_prefetch_for_write(),
+            #[cfg(not(target_arch = "x86_64"))]
+            prefetch_for_write: false,
             direct_scratch: Vec::new(),
             direct: Direct::Local,
             last_direct: None,
@@ -1409,6 +1415,31 @@ fn fold_with_own<'a, T: Element + 'a>(
     }
 }
 
+/// PREFETCHW: asks for `line` in exclusive state, invalidating other
+/// cores' copies, without waiting for it.
+///
+/// # Safety
+/// The CPU must support PREFETCHW ([`has_prefetch_for_write`]).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn prefetch_for_write(line: *mut u8) {
+    // `_mm_prefetch::<_MM_HINT_ET0>` compiles to PREFETCHT0 unless the
+    // (unstable) `prfchw` target feature is on, hence the instruction.
+    // SAFETY: a prefetch never faults and changes no memory.
+    unsafe {
+        std::arch::asm!("prefetchw [{0}]", in(reg) line, options(nostack, preserves_flags, readonly));
+    }
+}
+
+/// Whether the CPU has PREFETCHW (CPUID 8000_0001h, ECX bit 8: AMD since
+/// the K6, Intel since Broadwell).
+#[cfg(target_arch = "x86_64")]
+fn has_prefetch_for_write() -> bool {
+    // Leaf 8000_0000h gives the highest extended leaf.
+    use std::arch::x86_64::__cpuid;
+    __cpuid(0x8000_0000).eax >= 0x8000_0001 && __cpuid(0x8000_0001).ecx & (1 << 8) != 0
+}
+
 /// Near-equal split of `total` into `parts` (the first `total % parts`
 /// parts one longer), as in the schedules.
 fn part(total: usize, parts: usize, i: usize) -> (usize, usize) {
@@ -1761,6 +1792,7 @@ impl Arena {
             std::ptr::copy_nonoverlapping(input, payload.cast::<T>(), count)
         });
         self.lane_await_all(call, sig, k)?;
+        self.claim_next_lane(k);
         Ok(k)
     }
 
@@ -1849,12 +1881,34 @@ impl Arena {
         if self.world() == 2 {
             // The common tensor-parallel pair: no peer loop between the
             // post and the first look (see `lane_fold`).
-            return self.lane_await(call, sig, 1 - self.rank, k);
-        }
-        for p in (0..self.world()).filter(|&p| p != self.rank) {
-            self.lane_await(call, sig, p, k)?;
+            self.lane_await(call, sig, 1 - self.rank, k)?;
+        } else {
+            for p in (0..self.world()).filter(|&p| p != self.rank) {
+                self.lane_await(call, sig, p, k)?;
+            }
         }
         Ok(())
+    }
+
+    /// Asks for this rank's lane slot of lane call `k + 1` in exclusive
+    /// state, once every peer has posted lane call `k` (so every peer is
+    /// done reading the slot, which lane call `k - 1` used): the peers'
+    /// copies are invalidated while this rank folds and returns, rather
+    /// than when its next post's stores wait for them. 8-byte all-reduce,
+    /// 2 processes, eight alternating pairs each: far 0.267 → 0.207 µs
+    /// ((d) 0.19–0.20), near 0.068 → 0.061. Only the lane collectives and
+    /// the barrier claim: zero copy's `enter`/`leave` calls ran 2 KiB
+    /// between threads 6–9 % slower with it (near), so they do not.
+    #[inline]
+    fn claim_next_lane(&self, k: u64) {
+        #[cfg(target_arch = "x86_64")]
+        if self.prefetch_for_write {
+            // SAFETY: PREFETCHW is present (checked); a prefetch of an
+            // address inside the arena changes no memory.
+            unsafe { prefetch_for_write(self.lane_slot(self.rank, k + 1)) };
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = k;
     }
 
     /// Waits for `peer`'s post of lane call `k` and checks that it is this
@@ -2215,7 +2269,9 @@ impl Arena {
     pub fn barrier(&mut self, call: &CallInfo, sig: &CallSig) -> Result<()> {
         self.last_direct = None;
         let k = self.lane_post(sig, |_| {});
-        self.lane_await_all(call, sig, k)
+        self.lane_await_all(call, sig, k)?;
+        self.claim_next_lane(k);
+        Ok(())
     }
 }
 
