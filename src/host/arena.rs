@@ -510,6 +510,7 @@ pub(crate) struct Arena {
     /// The peers' buffer addresses of the current zero-copy call.
     peer_buffers: PeerBuffers,
     /// Whether the CPU has PREFETCHW (see `claim_next_lane`).
+    #[cfg(target_arch = "x86_64")]
     prefetch_for_write: bool,
     /// This rank's scratch for the direct paths (see [`Arena::scratch`]);
     /// empty until a call needs it.
@@ -955,8 +956,6 @@ impl Arena {
             peer_buffers: PeerBuffers::default(),
             #[cfg(target_arch = "x86_64")]
             prefetch_for_write: has_prefetch_for_write(),
-            #[cfg(not(target_arch = "x86_64"))]
-            prefetch_for_write: false,
             direct_scratch: Vec::new(),
             direct: Direct::Local,
             last_direct: None,
