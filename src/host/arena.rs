@@ -110,6 +110,9 @@ const LANE_HEADER: usize = 24;
 const LANE_SLOT_BYTES: usize = (LANE_HEADER + LANE_MAX_BYTES).next_multiple_of(LINE);
 /// Lane slots per rank: a rank alternates between them call by call.
 const LANES_PER_RANK: usize = 2;
+// Lane call k + 1 reuses the slot of lane call k - 1 (`claim_next_lane`,
+// and why no slot-free check is needed: `Arena::lane_all_reduce`).
+const _: () = assert!(LANES_PER_RANK == 2);
 
 /// Bytes of a rank's private scratch for the direct paths (in-place
 /// prefixes of three ranks or more, streamed blocks): they fold through it
@@ -392,13 +395,15 @@ unsafe impl Send for PeerBuffers {}
 /// read-modify-writes; a two-rank call made four pairs, 5 % of a 64 KiB
 /// call across processes).
 ///
-/// Reading the copies is sound while the region lives, and a call only
-/// relies on a region that holds one of its own buffers: the caller
-/// borrows that buffer, hence the region, for the whole call. A dead
-/// region's address range may be reused by other memory, so `locate`
-/// skips entries whose region died ([`alive`](Self::alive), a plain load):
-/// the drop happened before the memory was reused, and the reuse before
-/// the caller made its slice.
+/// The copies are plain numbers; using them as addresses needs the region
+/// alive, and a call uses only a region that holds one of its own
+/// buffers: the caller borrows that buffer, hence the region, for the
+/// whole call. A dead region's address range may be reused by other
+/// memory, so `locate` skips entries whose region died
+/// ([`alive`](Self::alive), a relaxed load of the strong count, which
+/// never rises from 0): the count reached 0 before the region was
+/// unmapped, the unmapping (a system call) came before any reuse, and the
+/// reuse before the caller made its slice.
 struct SharedEntry {
     region: Weak<SharedRegion>,
     id: u64,
@@ -529,7 +534,10 @@ pub(crate) struct Arena {
 }
 
 // SAFETY: `base` points into `memory`, which the arena keeps alive and
-// which may be used from any thread (see `Memory`); the rest is owned data.
+// which may be used from any thread (see `Memory`); `shared` holds
+// addresses of mappings that `SharedRegion`s own (Send and Sync) and that
+// are used only while a caller's buffer keeps them alive (`SharedEntry`);
+// the rest is owned data.
 unsafe impl Send for Arena {}
 
 /// One word per rank, in cache lines of their own: ranks that are threads
@@ -955,7 +963,7 @@ impl Arena {
             next_shared: 0,
             peer_buffers: PeerBuffers::default(),
             #[cfg(target_arch = "x86_64")]
-            prefetch_for_write: has_prefetch_for_write(),
+            prefetch_for_write: stream::cpu_has_prefetchw(),
             direct_scratch: Vec::new(),
             direct: Direct::Local,
             last_direct: None,
@@ -1418,7 +1426,7 @@ fn fold_with_own<'a, T: Element + 'a>(
 /// cores' copies, without waiting for it.
 ///
 /// # Safety
-/// The CPU must support PREFETCHW ([`has_prefetch_for_write`]).
+/// The CPU must support PREFETCHW ([`stream::cpu_has_prefetchw`]).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn prefetch_for_write(line: *mut u8) {
@@ -1428,15 +1436,6 @@ unsafe fn prefetch_for_write(line: *mut u8) {
     unsafe {
         std::arch::asm!("prefetchw [{0}]", in(reg) line, options(nostack, preserves_flags, readonly));
     }
-}
-
-/// Whether the CPU has PREFETCHW (CPUID 8000_0001h, ECX bit 8: AMD since
-/// the K6, Intel since Broadwell).
-#[cfg(target_arch = "x86_64")]
-fn has_prefetch_for_write() -> bool {
-    // Leaf 8000_0000h gives the highest extended leaf.
-    use std::arch::x86_64::__cpuid;
-    __cpuid(0x8000_0000).eax >= 0x8000_0001 && __cpuid(0x8000_0001).ecx & (1 << 8) != 0
 }
 
 /// Near-equal split of `total` into `parts` (the first `total % parts`
@@ -1746,10 +1745,11 @@ impl Arena {
         count: usize,
     ) {
         let (me, world) = (self.rank, self.world());
-        // SAFETY: every lane slot of call k is posted (awaited) and not
-        // rewritten before this rank posts its next lane call, and holds
-        // offset + count elements; the output is ours alone; out of place
-        // the input is apart from it.
+        // SAFETY (this and the two views below): every lane slot of call k
+        // is posted (awaited) and not rewritten before this rank posts its
+        // next lane call, and holds offset + count elements; the output is
+        // ours alone; out of place the input holds offset + count elements
+        // apart from it.
         let out = unsafe { view_mut(bufs.output, 0, count) };
         let own = (!bufs.in_place).then(|| unsafe { view(bufs.input, offset, count) });
         let staged = |p| unsafe { view(self.lane_payload::<T>(p, k), offset, count) };
@@ -1757,8 +1757,8 @@ impl Arena {
             // Two ranks, the same rank-order fold as `fold_with_own` written
             // out: what runs between seeing the peer's post and posting the
             // next lane call sets the lane's period (8-byte all-reduce,
-            // near placement: 0.083–0.089 → 0.072–0.074 µs together with
-            // `lane_await_all`'s two-rank case).
+            // near placement, medians of eight pairs: 0.0887 → 0.0756 µs
+            // together with `lane_await_all`'s two-rank case).
             let theirs = staged(1 - me);
             match (own, me) {
                 (Some(mine), 0) => T::combine_into(op, out, mine, theirs),
@@ -1890,14 +1890,19 @@ impl Arena {
     }
 
     /// Asks for this rank's lane slot of lane call `k + 1` in exclusive
-    /// state, once every peer has posted lane call `k` (so every peer is
-    /// done reading the slot, which lane call `k - 1` used): the peers'
-    /// copies are invalidated while this rank folds and returns, rather
-    /// than when its next post's stores wait for them. 8-byte all-reduce,
-    /// 2 processes, eight alternating pairs each: far 0.267 → 0.207 µs
-    /// ((d) 0.19–0.20), near 0.068 → 0.061. Only the lane collectives and
-    /// the barrier claim: zero copy's `enter`/`leave` calls ran 2 KiB
-    /// between threads 6–9 % slower with it (near), so they do not.
+    /// state, once every peer has posted lane call `k`: every peer is then
+    /// done with the contents lane call `k - 1` left in that slot (two
+    /// slots per rank), so the peers' copies are invalidated while this
+    /// rank folds and returns, rather than when its next post's stores
+    /// wait for them. A peer may already be polling the line (waiting for
+    /// `k + 1`, or watching the lanes from a staged round or a mailbox);
+    /// the prefetch then costs it one more transfer, never a wrong value:
+    /// it changes no data. 8-byte all-reduce, 2 processes, eight
+    /// alternating pairs each: far 0.267 → 0.207 µs ((d) 0.19–0.20), near
+    /// 0.068 → 0.061 and 0.074 → 0.058. Only the lane collectives and the
+    /// barrier claim: with it, zero copy's `enter`/`leave` calls ran 2 KiB
+    /// between threads 5–9 % slower (near, two sets of pairs), so they do
+    /// not.
     #[inline]
     fn claim_next_lane(&self, k: u64) {
         #[cfg(target_arch = "x86_64")]

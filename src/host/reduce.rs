@@ -720,6 +720,62 @@ mod tests {
     use super::*;
     use half::{bf16, f16};
 
+    /// `Walk::Up` visits the elements from the first to the last and
+    /// `Walk::Down` from the last to the first (step by step; a step's
+    /// elements go up inside it), head and tail included: the
+    /// order, not only the result, is what keeps two ranks' prefetchers
+    /// out of each other's share.
+    #[test]
+    fn walks_visit_in_their_order() {
+        for n in [5usize, 32, 33, 100, 300] {
+            // `skip` 1 puts `d0` off the 32-byte alignment: a head.
+            for skip in [0usize, 1] {
+                for walk in [Walk::Up, Walk::Down] {
+                    let x0: Vec<u32> = (0..(skip + n) as u32).collect();
+                    let x1 = vec![0u32; skip + n];
+                    let (mut d0, mut d1) = (vec![0u32; skip + n], vec![0u32; skip + n]);
+                    let order = std::cell::RefCell::new(Vec::new());
+                    // SAFETY: four distinct live buffers of skip + n elements.
+                    unsafe {
+                        zip_into_both(
+                            (d0.as_mut_ptr().add(skip), d1.as_mut_ptr().add(skip)),
+                            (x0.as_ptr().add(skip), x1.as_ptr().add(skip)),
+                            n,
+                            walk,
+                            |a: u32, b: u32| {
+                                order.borrow_mut().push(a);
+                                a + b
+                            },
+                        );
+                    }
+                    let order = order.into_inner();
+                    let what = format!("n={n} skip={skip} {walk:?}");
+                    assert_eq!(&d0[skip..], &x0[skip..], "{what}");
+                    assert_eq!(&d1[skip..], &x0[skip..], "{what}");
+                    let mut each = order.clone();
+                    each.sort_unstable();
+                    assert_eq!(&each[..], &x0[skip..], "every element once: {what}");
+                    // A step's elements go up inside it, so compare each
+                    // visit with the one a step earlier: one step further
+                    // along the walk, or (head, tail) beyond it.
+                    let apart = order.iter().zip(&order[BOTH_STEP.min(order.len())..]);
+                    let in_order = match walk {
+                        Walk::Up => apart.clone().all(|(early, late)| late > early),
+                        Walk::Down => apart.clone().all(|(early, late)| late < early),
+                    };
+                    assert!(in_order, "visit order {order:?}: {what}");
+                    // The first visit lies in the first step's span at
+                    // the walk's starting end.
+                    let first = order[0] as usize - skip;
+                    match walk {
+                        Walk::Up => assert!(first < BOTH_STEP, "starts at the bottom: {what}"),
+                        Walk::Down => assert!(first + BOTH_STEP >= n, "starts at the top: {what}"),
+                    }
+                }
+            }
+        }
+    }
+
     /// f32 bit patterns that probe every rounding case of both 16-bit
     /// formats: each 16-bit prefix with low halves at and around the
     /// half-way points, plus a sweep of the whole space.

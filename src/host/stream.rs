@@ -77,6 +77,31 @@ fn read_cpu_vendor_is_amd() -> bool {
     }
 }
 
+/// Whether the CPU has PREFETCHW (CPUID 8000_0001h, ECX bit 8: AMD since
+/// the K6, Intel since Broadwell). Asked once, as the vendor is.
+pub(crate) fn cpu_has_prefetchw() -> bool {
+    static PREFETCHW: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *PREFETCHW.get_or_init(read_cpu_has_prefetchw)
+}
+
+fn read_cpu_has_prefetchw() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::__cpuid;
+        // SAFETY: CPUID exists on every x86-64 CPU; leaf 8000_0000h gives
+        // the highest extended leaf, so 8000_0001h is only asked where it
+        // exists. (`__cpuid` is a safe function from Rust 1.94 on.)
+        #[allow(unused_unsafe)]
+        unsafe {
+            __cpuid(0x8000_0000).eax >= 0x8000_0001 && __cpuid(0x8000_0001).ecx & (1 << 8) != 0
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 /// Bytes of the cache-resident block that [`fold_streaming`] computes into
 /// before streaming it out: within L1 beside the operands' lines.
 const BOUNCE_BYTES: usize = 8192;
