@@ -1791,7 +1791,9 @@ impl Arena {
             std::ptr::copy_nonoverlapping(input, payload.cast::<T>(), count)
         });
         self.lane_await_all(call, sig, k)?;
-        self.claim_next_lane(k);
+        if count * std::mem::size_of::<T>() <= LINE - LANE_HEADER {
+            self.claim_next_lane(k);
+        }
         Ok(k)
     }
 
@@ -1899,10 +1901,14 @@ impl Arena {
     /// the prefetch then costs it one more transfer, never a wrong value:
     /// it changes no data. 8-byte all-reduce, 2 processes, eight
     /// alternating pairs each: far 0.267 → 0.207 µs ((d) 0.19–0.20), near
-    /// 0.068 → 0.061 and 0.074 → 0.058. Only the lane collectives and the
-    /// barrier claim: with it, zero copy's `enter`/`leave` calls ran 2 KiB
-    /// between threads 5–9 % slower (near, two sets of pairs), so they do
-    /// not.
+    /// 0.068 → 0.061 and 0.074 → 0.058. Only lane calls whose payload
+    /// shares the header's line claim (the lane collectives up to 40 bytes,
+    /// the barrier): a 1 KiB lane all-reduce ran 0.15 → 0.19 µs near and
+    /// 0.55 → 0.60 far with the claim (the post writes the header's line
+    /// twice, around the rest of the payload, and the peer's polls take it
+    /// in between), and claiming every line of the payload made it 0.85;
+    /// zero copy's `enter`/`leave` ran 2 KiB between threads 5–9 % slower
+    /// with it (near, two sets of pairs).
     #[inline]
     fn claim_next_lane(&self, k: u64) {
         #[cfg(target_arch = "x86_64")]
