@@ -481,6 +481,17 @@ fn every_collective_across_processes_over_tcp() {
     }
 }
 
+/// Counts the TCP links run as rings pipelined in 256 KiB pieces, several
+/// per chunk (150 001 f32 per rank): the in-place all-gather and
+/// reduce-scatter send straight from the caller's buffer while receives
+/// land in other parts of it.
+#[test]
+fn ring_collectives_across_processes_over_tcp() {
+    for world in [2, 3] {
+        launched_with(world, "tcp", &["--counts", "1,150001"]);
+    }
+}
+
 /// SIGKILL one rank while all three all-reduce 16 MiB in a loop: both
 /// survivors must fail fast (well inside the 30 s timeout) naming rank 1.
 #[test]

@@ -18,21 +18,96 @@ pub(crate) enum Bufs<'a, T> {
     OutOfPlace { send: &'a [T], recv: &'a mut [T] },
 }
 
-impl<T: Element> Bufs<'_, T> {
-    /// `span` of the send or receive buffer (scratch is the executor's).
-    fn read(&self, span: Span) -> &[T] {
-        match (self, span.buf) {
-            (Bufs::OutOfPlace { send, .. }, BufId::Send) => &send[span.range()],
-            (Bufs::OutOfPlace { recv, .. }, _) => &recv[span.range()],
-            (Bufs::InPlace(buf), _) => &buf[span.range()],
+/// The call's buffers as raw parts, taken once from [`Bufs`]: each step
+/// makes short-lived slices of exactly the spans it touches. A pointer the
+/// transport keeps into one span (a lent send, a receive posted ahead)
+/// then stays valid while steps write other spans, which a fresh `&mut`
+/// of the whole buffer per step would not allow.
+struct RawBufs<'a, T> {
+    send: *const T,
+    send_len: usize,
+    /// The written buffer: the output, in place the one buffer.
+    recv: *mut T,
+    recv_len: usize,
+    in_place: bool,
+    _borrow: std::marker::PhantomData<&'a mut [T]>,
+}
+
+impl<'a, T: Element> RawBufs<'a, T> {
+    fn new(bufs: Bufs<'a, T>) -> Self {
+        match bufs {
+            Bufs::InPlace(buf) => {
+                let (recv, recv_len) = (buf.as_mut_ptr(), buf.len());
+                RawBufs {
+                    send: recv.cast_const(),
+                    send_len: recv_len,
+                    recv,
+                    recv_len,
+                    in_place: true,
+                    _borrow: std::marker::PhantomData,
+                }
+            }
+            Bufs::OutOfPlace { send, recv } => RawBufs {
+                send: send.as_ptr(),
+                send_len: send.len(),
+                recv: recv.as_mut_ptr(),
+                recv_len: recv.len(),
+                in_place: false,
+                _borrow: std::marker::PhantomData,
+            },
         }
     }
 
-    fn recv_mut(&mut self) -> &mut [T] {
-        match self {
-            Bufs::OutOfPlace { recv, .. } => recv,
-            Bufs::InPlace(buf) => buf,
-        }
+    /// `span` of the send buffer (out of place) or of the written buffer
+    /// (scratch is the executor's). Panics out of bounds, as slicing would.
+    fn read(&self, span: Span) -> &[T] {
+        let (base, len) = match span.buf {
+            BufId::Send if !self.in_place => (self.send, self.send_len),
+            _ => (self.recv.cast_const(), self.recv_len),
+        };
+        assert!(span.offset + span.len <= len, "span outside its buffer");
+        // SAFETY: in bounds of a buffer borrowed for 'a; no `&mut` to these
+        // elements lives while the returned slice does (steps write only
+        // through `write`, whose slices end with the step).
+        unsafe { std::slice::from_raw_parts(base.add(span.offset), span.len) }
+    }
+
+    /// `span`'s range of the written buffer, whatever its `BufId` (every
+    /// destination of a plan lies there). Panics out of bounds.
+    #[allow(clippy::mut_from_ref)]
+    fn write(&self, span: Span) -> &mut [T] {
+        assert!(
+            span.offset + span.len <= self.recv_len,
+            "span outside the output"
+        );
+        // SAFETY: in bounds of the written buffer, borrowed mutably for
+        // 'a; the plan never has a step write a span that a slice still
+        // alive (the step's own reads, a lent send, a receive posted ahead)
+        // covers ([`Lending::lends`], `receives_to_post_ahead`).
+        unsafe { std::slice::from_raw_parts_mut(self.recv.add(span.offset), span.len) }
+    }
+
+    /// Where `span` of the written buffer starts, for a receive posted
+    /// ahead: derived from the buffer's base pointer, not from a slice, so
+    /// that the slices later steps make of other spans leave it valid.
+    /// Panics out of bounds.
+    fn write_ptr(&self, span: Span) -> *mut T {
+        assert!(
+            span.offset + span.len <= self.recv_len,
+            "span outside the output"
+        );
+        // SAFETY: in bounds (or one past the end for an empty span).
+        unsafe { self.recv.add(span.offset) }
+    }
+
+    /// Moves `len` elements within the written buffer (ranges may overlap).
+    fn move_within(&self, from: usize, to: usize, len: usize) {
+        assert!(
+            from.max(to) + len <= self.recv_len,
+            "span outside the output"
+        );
+        // SAFETY: both ranges in bounds; `copy` allows overlap.
+        unsafe { std::ptr::copy(self.recv.add(from), self.recv.add(to), len) }
     }
 }
 
@@ -98,16 +173,72 @@ fn header<T: Element>(info: &CallInfo, step: u32, len: usize) -> FrameHeader {
     }
 }
 
-/// Whether a step may write the receive buffer (or the one in-place
-/// buffer). Conservative: every step with a destination writes the receive
-/// buffer in `execute` whatever the destination's `BufId`, except a copy
-/// into scratch.
-fn writes_recv(step: &Step) -> bool {
-    match *step {
-        Step::Send { .. } | Step::RecvReduceSend { .. } => false,
-        Step::Copy { dst, .. } => dst.buf != BufId::Scratch,
-        _ => true,
+/// Which sends read the caller's buffer in place (no copy into a frame):
+/// when the transport writes frames out before the call returns
+/// (`allowed`) and no step of the call writes those elements — the input
+/// of an out-of-place call, or in place a part no step writes (a
+/// broadcast's root, an all-gather's or reduce-scatter's own part; not an
+/// all-reduce's, whose all-gather phase overwrites every chunk).
+struct Lending {
+    allowed: bool,
+    in_place: bool,
+    /// [`written_ranges`], found by the first send that needs them.
+    written: Option<Vec<(usize, usize)>>,
+}
+
+impl Lending {
+    fn lends(&mut self, plan: &Plan, src: Span) -> bool {
+        self.allowed
+            && match src.buf {
+                BufId::Send if !self.in_place => true,
+                BufId::Scratch => false,
+                // In place, "send" names the one buffer the plan may write.
+                _ => unwritten(
+                    self.written.get_or_insert_with(|| written_ranges(plan)),
+                    src,
+                ),
+            }
     }
+}
+
+/// The ranges of the written buffer (the output; in place the one buffer)
+/// that some step of `plan` writes, sorted and merged: every destination
+/// lies there in `execute`, whatever its `BufId`, except a copy into
+/// scratch.
+fn written_ranges(plan: &Plan) -> Vec<(usize, usize)> {
+    let mut ranges: Vec<(usize, usize)> = plan
+        .steps
+        .iter()
+        .filter_map(|step| match *step {
+            Step::Send { .. } | Step::RecvReduceSend { .. } => None,
+            Step::Copy { dst, .. } if dst.buf == BufId::Scratch => None,
+            Step::Recv { dst, .. }
+            | Step::RecvCopySend { dst, .. }
+            | Step::RecvReduce { dst, .. }
+            | Step::Copy { dst, .. }
+            | Step::ReduceLocal { dst, .. }
+            | Step::DivideByWorld { span: dst } => Some(dst),
+        })
+        .filter(|span| span.len > 0)
+        .map(|span| (span.offset, span.offset + span.len))
+        .collect();
+    ranges.sort_unstable();
+    let mut merged: Vec<(usize, usize)> = Vec::with_capacity(ranges.len());
+    for (start, end) in ranges {
+        match merged.last_mut() {
+            Some(last) if start <= last.1 => last.1 = last.1.max(end),
+            _ => merged.push((start, end)),
+        }
+    }
+    merged
+}
+
+/// Whether `span` of the written buffer is clear of every range in
+/// `written` (sorted, disjoint).
+fn unwritten(written: &[(usize, usize)], span: Span) -> bool {
+    let end = span.offset + span.len;
+    let before = written.partition_point(|&(start, _)| start < end);
+    before == 0 || written[before - 1].1 <= span.offset
 }
 
 /// Withdraws the caller's buffers from the transport's queues when a call
@@ -238,28 +369,18 @@ pub(crate) fn execute<T: Element>(
     transport: &Transport,
     info: &CallInfo,
     plan: &Plan,
-    mut bufs: Bufs<'_, T>,
+    bufs: Bufs<'_, T>,
 ) -> Result<()> {
     let mut counters = Counters {
         sent: vec![0; info.world],
         received: vec![0; info.world],
     };
     let op = info.reduce_op;
-    // Sends read the caller's buffer in place (no copy into a frame) when
-    // the transport writes frames out before the call returns and nothing
-    // in the call writes that buffer meanwhile: the input of an
-    // out-of-place call, or a buffer the plan never writes (a broadcast's
-    // root in place).
-    let recv_is_read_only = !plan.steps.iter().any(writes_recv);
-    let out_of_place = matches!(bufs, Bufs::OutOfPlace { .. });
-    let lend = |src: Span| {
-        transport.takes_borrowed()
-            && match src.buf {
-                // In place, "send" names the one buffer the plan may write.
-                BufId::Send => out_of_place || recv_is_read_only,
-                BufId::Recv => recv_is_read_only,
-                BufId::Scratch => false,
-            }
+    let bufs = RawBufs::new(bufs);
+    let mut lending = Lending {
+        allowed: transport.takes_borrowed(),
+        in_place: bufs.in_place,
+        written: None,
     };
     let mut guard = BorrowGuard {
         transport,
@@ -271,11 +392,8 @@ pub(crate) fn execute<T: Element>(
     };
     if transport.receives_ahead() {
         let elem = std::mem::size_of::<T>();
-        let out = bufs.recv_mut().as_mut_ptr();
-        for (peer, frame, dst) in receives_to_post_ahead(plan, info.world, elem, !out_of_place) {
-            // SAFETY: dst lies in the written buffer (the plan's spans are
-            // validated against the buffers' lengths).
-            let at = unsafe { out.add(dst.offset) }.cast::<u8>();
+        for (peer, frame, dst) in receives_to_post_ahead(plan, info.world, elem, bufs.in_place) {
+            let at = bufs.write_ptr(dst).cast::<u8>();
             posted_ahead
                 .recvs
                 .push((peer, header::<T>(info, frame, dst.len), at));
@@ -288,12 +406,6 @@ pub(crate) fn execute<T: Element>(
     }
     // Only direct plans use scratch, and only for small messages.
     let mut scratch = vec![T::zeroed(); plan.scratch_len];
-    let read = |bufs: &Bufs<'_, T>, scratch: &[T], span: Span| -> Vec<T> {
-        match span.buf {
-            BufId::Scratch => scratch[span.range()].to_vec(),
-            _ => bufs.read(span).to_vec(),
-        }
-    };
     let send = |counters: &mut Counters, peer: Rank, payload: Payload, len: usize| -> Result<()> {
         let step = counters.sent[peer];
         counters.sent[peer] += 1;
@@ -316,12 +428,12 @@ pub(crate) fn execute<T: Element>(
                     _ => bufs.read(src),
                 };
                 let bytes: &[u8] = bytemuck::cast_slice(data);
-                let payload = if lend(src) {
+                let payload = if lending.lends(plan, src) {
                     guard.lent = true;
-                    // SAFETY: `lend` holds: nothing writes these bytes during
-                    // the call, and `guard` copies whatever is still queued
-                    // before the call returns (the flush below leaves
-                    // nothing queued on success).
+                    // SAFETY: `lends` holds: no step writes these bytes
+                    // during the call, and `guard` copies whatever is still
+                    // queued before the call returns (the flush below
+                    // leaves nothing queued on success).
                     unsafe { Payload::borrowed(bytes) }
                 } else {
                     Payload::from_bytes(bytes)
@@ -331,7 +443,7 @@ pub(crate) fn execute<T: Element>(
             Step::Recv { peer, dst } => {
                 let step = counters.received[peer];
                 counters.received[peer] += 1;
-                let out = bytemuck::cast_slice_mut(&mut bufs.recv_mut()[dst.range()]);
+                let out = bytemuck::cast_slice_mut(bufs.write(dst));
                 transport
                     .recv_into(peer, &header::<T>(info, step, dst.len), info.timeout, out)
                     .map_err(|e| info.error(peer, e))?;
@@ -339,17 +451,13 @@ pub(crate) fn execute<T: Element>(
             Step::RecvReduce { peer, local, dst } => {
                 let payload = recv(&mut counters, peer, dst.len)?;
                 let incoming: &[T] = bytemuck::cast_slice(payload.as_bytes());
-                match &mut bufs {
-                    Bufs::OutOfPlace { send, recv } if local.buf == BufId::Send => {
-                        T::combine_into(op, &mut recv[dst.range()], &send[local.range()], incoming);
+                if local.buf == BufId::Send && !bufs.in_place {
+                    T::combine_into(op, bufs.write(dst), bufs.read(local), incoming);
+                } else {
+                    if local.offset != dst.offset {
+                        bufs.move_within(local.offset, dst.offset, local.len);
                     }
-                    bufs => {
-                        let out = bufs.recv_mut();
-                        if local.offset != dst.offset {
-                            out.copy_within(local.range(), dst.offset);
-                        }
-                        T::combine_assign(op, &mut out[dst.range()], incoming);
-                    }
+                    T::combine_assign(op, bufs.write(dst), incoming);
                 }
             }
             Step::RecvReduceSend { from, to, local } => {
@@ -360,39 +468,31 @@ pub(crate) fn execute<T: Element>(
             }
             Step::RecvCopySend { from, to, dst } => {
                 let payload = recv(&mut counters, from, dst.len)?;
-                bufs.recv_mut()[dst.range()]
+                bufs.write(dst)
                     .copy_from_slice(bytemuck::cast_slice(payload.as_bytes()));
                 send(&mut counters, to, payload, dst.len)?;
             }
-            Step::Copy { src, dst } => match (&mut bufs, src.buf, dst.buf) {
-                (bufs, _, BufId::Scratch) => {
-                    let data = bufs.read(src);
-                    scratch[dst.range()].copy_from_slice(data);
+            Step::Copy { src, dst } => match (src.buf, dst.buf) {
+                (_, BufId::Scratch) => scratch[dst.range()].copy_from_slice(bufs.read(src)),
+                (BufId::Scratch, _) => bufs.write(dst).copy_from_slice(&scratch[src.range()]),
+                (BufId::Send, _) if !bufs.in_place => {
+                    bufs.write(dst).copy_from_slice(bufs.read(src))
                 }
-                (bufs, BufId::Scratch, _) => {
-                    bufs.recv_mut()[dst.range()].copy_from_slice(&scratch[src.range()]);
-                }
-                (Bufs::OutOfPlace { send, recv }, BufId::Send, _) => {
-                    recv[dst.range()].copy_from_slice(&send[src.range()]);
-                }
-                (bufs, _, _) => bufs.recv_mut().copy_within(src.range(), dst.offset),
+                _ => bufs.move_within(src.offset, dst.offset, src.len),
             },
-            Step::ReduceLocal { src, dst } => match (&mut bufs, src.buf) {
-                (bufs, BufId::Scratch) => {
-                    T::combine_assign(op, &mut bufs.recv_mut()[dst.range()], &scratch[src.range()]);
+            Step::ReduceLocal { src, dst } => match src.buf {
+                BufId::Scratch => T::combine_assign(op, bufs.write(dst), &scratch[src.range()]),
+                BufId::Send if !bufs.in_place => {
+                    T::combine_assign(op, bufs.write(dst), bufs.read(src))
                 }
-                (Bufs::OutOfPlace { send, recv }, BufId::Send) => {
-                    T::combine_assign(op, &mut recv[dst.range()], &send[src.range()]);
-                }
-                (bufs, _) => {
-                    // Both in the receive buffer: the plans keep them apart.
-                    let data = read(bufs, &scratch, src);
-                    T::combine_assign(op, &mut bufs.recv_mut()[dst.range()], &data);
+                _ => {
+                    // Both in the written buffer: the plans keep them apart,
+                    // but the source is copied out rather than relied on.
+                    let data = bufs.read(src).to_vec();
+                    T::combine_assign(op, bufs.write(dst), &data);
                 }
             },
-            Step::DivideByWorld { span } => {
-                T::divide_by(&mut bufs.recv_mut()[span.range()], info.world)
-            }
+            Step::DivideByWorld { span } => T::divide_by(bufs.write(span), info.world),
         }
     }
     let flushed = transport
@@ -406,6 +506,89 @@ pub(crate) fn execute<T: Element>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Which in-place ring sends may lend the caller's buffer: those of
+    /// parts no step writes. An all-gather's or reduce-scatter's sends all
+    /// read parts the call never writes; an all-reduce's read chunks its
+    /// all-gather phase overwrites (a queued frame would change).
+    #[test]
+    fn in_place_sends_lend_only_what_no_step_writes() {
+        use crate::schedule::ring;
+        let lent = |steps: Vec<Step>| {
+            let plan = Plan {
+                steps,
+                scratch_len: 0,
+            };
+            let mut lending = Lending {
+                allowed: true,
+                in_place: true,
+                written: None,
+            };
+            let sends: Vec<bool> = plan
+                .steps
+                .iter()
+                .filter_map(|s| match *s {
+                    Step::Send { src, .. } => Some(lending.lends(&plan, src)),
+                    _ => None,
+                })
+                .collect();
+            assert!(!sends.is_empty());
+            sends
+        };
+        for (rank, world) in [(0, 2), (1, 2), (2, 3), (1, 4)] {
+            let mut steps = Vec::new();
+            ring::all_gather(rank, world, 1000, 64, true, &mut steps);
+            assert!(lent(steps).iter().all(|&l| l), "all-gather {rank}/{world}");
+            let mut steps = Vec::new();
+            ring::reduce_scatter(rank, world, 1000, 64, true, false, &mut steps);
+            assert!(
+                lent(steps).iter().all(|&l| l),
+                "reduce-scatter {rank}/{world}"
+            );
+            let mut steps = Vec::new();
+            ring::all_reduce(rank, world, 4000, 64, true, false, &mut steps);
+            assert!(lent(steps).iter().all(|&l| !l), "all-reduce {rank}/{world}");
+        }
+    }
+
+    #[test]
+    fn written_ranges_merge_and_bound_what_steps_write() {
+        let out = |offset, len| Span::new(BufId::Recv, offset, len);
+        let plan = Plan {
+            steps: vec![
+                Step::Recv {
+                    peer: 1,
+                    dst: out(10, 5),
+                },
+                Step::Copy {
+                    src: out(0, 4),
+                    dst: Span::new(BufId::Scratch, 0, 4),
+                },
+                Step::DivideByWorld { span: out(15, 5) },
+                Step::Send {
+                    peer: 1,
+                    src: out(40, 8),
+                },
+                Step::Copy {
+                    src: Span::new(BufId::Send, 0, 3),
+                    dst: out(30, 3),
+                },
+                Step::Recv {
+                    peer: 1,
+                    dst: out(50, 0),
+                },
+            ],
+            scratch_len: 4,
+        };
+        let written = written_ranges(&plan);
+        assert_eq!(written, vec![(10, 20), (30, 33)]);
+        assert!(unwritten(&written, out(0, 10)));
+        assert!(!unwritten(&written, out(0, 11)));
+        assert!(!unwritten(&written, out(19, 1)));
+        assert!(unwritten(&written, out(20, 10)));
+        assert!(!unwritten(&written, out(25, 6)));
+        assert!(unwritten(&written, out(33, 100)));
+    }
 
     /// Only plain receives of the written buffer that nothing earlier
     /// touches are posted ahead, numbered by their frame from that peer.
