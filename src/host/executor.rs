@@ -33,6 +33,12 @@ struct RawBufs<'a, T> {
     _borrow: std::marker::PhantomData<&'a mut [T]>,
 }
 
+/// Whether `len` elements at `offset` lie within a buffer of `buf_len`
+/// (no overflow, unlike `offset + len <= buf_len`).
+fn within(offset: usize, len: usize, buf_len: usize) -> bool {
+    len <= buf_len && offset <= buf_len - len
+}
+
 impl<'a, T: Element> RawBufs<'a, T> {
     fn new(bufs: Bufs<'a, T>) -> Self {
         match bufs {
@@ -65,7 +71,10 @@ impl<'a, T: Element> RawBufs<'a, T> {
             BufId::Send if !self.in_place => (self.send, self.send_len),
             _ => (self.recv.cast_const(), self.recv_len),
         };
-        assert!(span.offset + span.len <= len, "span outside its buffer");
+        assert!(
+            within(span.offset, span.len, len),
+            "span outside its buffer"
+        );
         // SAFETY: in bounds of a buffer borrowed for 'a; no `&mut` to these
         // elements lives while the returned slice does (steps write only
         // through `write`, whose slices end with the step).
@@ -77,13 +86,15 @@ impl<'a, T: Element> RawBufs<'a, T> {
     #[allow(clippy::mut_from_ref)]
     fn write(&self, span: Span) -> &mut [T] {
         assert!(
-            span.offset + span.len <= self.recv_len,
+            within(span.offset, span.len, self.recv_len),
             "span outside the output"
         );
         // SAFETY: in bounds of the written buffer, borrowed mutably for
-        // 'a; the plan never has a step write a span that a slice still
-        // alive (the step's own reads, a lent send, a receive posted ahead)
-        // covers ([`Lending::lends`], `receives_to_post_ahead`).
+        // 'a. No other step's live slice or lent send covers the span
+        // ([`Lending::lends`]); a receive posted ahead into it
+        // (`receives_to_post_ahead`) is written only by that receive's own
+        // step, whose `recv_into` replaces the posted pointer with this
+        // slice under the transport's lock before reading into it.
         unsafe { std::slice::from_raw_parts_mut(self.recv.add(span.offset), span.len) }
     }
 
@@ -93,7 +104,7 @@ impl<'a, T: Element> RawBufs<'a, T> {
     /// Panics out of bounds.
     fn write_ptr(&self, span: Span) -> *mut T {
         assert!(
-            span.offset + span.len <= self.recv_len,
+            within(span.offset, span.len, self.recv_len),
             "span outside the output"
         );
         // SAFETY: in bounds (or one past the end for an empty span).
@@ -103,7 +114,7 @@ impl<'a, T: Element> RawBufs<'a, T> {
     /// Moves `len` elements within the written buffer (ranges may overlap).
     fn move_within(&self, from: usize, to: usize, len: usize) {
         assert!(
-            from.max(to) + len <= self.recv_len,
+            within(from, len, self.recv_len) && within(to, len, self.recv_len),
             "span outside the output"
         );
         // SAFETY: both ranges in bounds; `copy` allows overlap.
@@ -176,9 +187,12 @@ fn header<T: Element>(info: &CallInfo, step: u32, len: usize) -> FrameHeader {
 /// Which sends read the caller's buffer in place (no copy into a frame):
 /// when the transport writes frames out before the call returns
 /// (`allowed`) and no step of the call writes those elements — the input
-/// of an out-of-place call, or in place a part no step writes (a
-/// broadcast's root, an all-gather's or reduce-scatter's own part; not an
-/// all-reduce's, whose all-gather phase overwrites every chunk).
+/// of an out-of-place call, and elsewhere (in place, or the output out of
+/// place) a span no step writes: a broadcast root's buffer, an
+/// all-gather's own part, the other ranks' parts a reduce-scatter sends;
+/// not an all-reduce's, whose all-gather phase overwrites every chunk.
+/// Empty sends (a barrier's) are copied: there is nothing to save, and a
+/// lent frame makes the call walk the queues when it ends.
 struct Lending {
     allowed: bool,
     in_place: bool,
@@ -189,6 +203,7 @@ struct Lending {
 impl Lending {
     fn lends(&mut self, plan: &Plan, src: Span) -> bool {
         self.allowed
+            && src.len > 0
             && match src.buf {
                 BufId::Send if !self.in_place => true,
                 BufId::Scratch => false,
@@ -582,6 +597,17 @@ mod tests {
         };
         let written = written_ranges(&plan);
         assert_eq!(written, vec![(10, 20), (30, 33)]);
+        // Spans are checked without overflow; empty sends are copied.
+        assert!(within(0, 64, 64) && within(64, 0, 64) && !within(1, 64, 64));
+        assert!(!within(usize::MAX, 2, 64) && !within(2, usize::MAX, 64));
+        let mut lending = Lending {
+            allowed: true,
+            in_place: true,
+            written: None,
+        };
+        assert!(lending.lends(&plan, out(40, 8)));
+        assert!(!lending.lends(&plan, out(40, 0)));
+        assert!(!lending.lends(&plan, out(12, 2)));
         assert!(unwritten(&written, out(0, 10)));
         assert!(!unwritten(&written, out(0, 11)));
         assert!(!unwritten(&written, out(19, 1)));
