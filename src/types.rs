@@ -68,9 +68,24 @@ impl OpKind {
         OpKind::AllocShared,
     ];
 
-    /// The operation's code in frame headers.
+    /// The operation's code in frame headers: its index in [`Self::ALL`]
+    /// (a test checks the two agree). A match, not a search: every lane
+    /// call computes it for its signature.
+    #[inline]
     pub(crate) fn code(self) -> u8 {
-        Self::ALL.iter().position(|&op| op == self).unwrap_or(0) as u8
+        match self {
+            OpKind::AllReduce => 0,
+            OpKind::ReduceScatter => 1,
+            OpKind::AllGather => 2,
+            OpKind::Broadcast => 3,
+            OpKind::Reduce => 4,
+            OpKind::Send => 5,
+            OpKind::Recv => 6,
+            OpKind::AllToAll => 7,
+            OpKind::Barrier => 8,
+            OpKind::Split => 9,
+            OpKind::AllocShared => 10,
+        }
     }
 
     /// The operation with wire code `code`.
@@ -346,6 +361,16 @@ impl Element for half::bf16 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Frame headers carry `code`; receivers decode with `from_code`, which
+    /// indexes `ALL`: the two must agree for every operation.
+    #[test]
+    fn op_codes_are_their_index_in_all() {
+        for (i, op) in OpKind::ALL.iter().enumerate() {
+            assert_eq!(usize::from(op.code()), i, "{op:?}");
+            assert_eq!(OpKind::from_code(op.code()), Some(*op));
+        }
+    }
 
     #[test]
     fn names_round_trip() {
