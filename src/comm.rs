@@ -548,6 +548,15 @@ fn child_ctx(parent: u64, seq: u64, color: u32) -> u64 {
     z ^ (z >> 31)
 }
 
+/// What [`Communicator::fail`] does, for callers that hold other fields
+/// of the communicator borrowed.
+fn record_failure(failed: &mut Option<String>, arena: Option<&Arena>, error: &Error) {
+    *failed = Some(error.to_string());
+    if let Some(arena) = arena {
+        arena.mark_failed();
+    }
+}
+
 /// Runs one validated collective through the arena.
 fn run_in_arena<T: Element>(
     arena: &mut Arena,
@@ -818,9 +827,16 @@ impl Communicator {
             }
         };
         if let Err(e) = &result {
-            self.failed = Some(e.to_string());
+            self.fail(e);
         }
         result
+    }
+
+    /// Makes `error` this communicator's first failure: every later call
+    /// returns [`Error::Failed`] naming it, and the ranks waiting in the
+    /// shared arena learn that this rank takes part in no further call.
+    fn fail(&mut self, error: &Error) {
+        record_failure(&mut self.failed, self.arena.as_ref(), error);
     }
 
     /// An all-reduce in the shared arena, straight from the typed entry
@@ -870,7 +886,7 @@ impl Communicator {
                 .and_then(|()| arena.all_reduce(&info, &sig, bufs, count, op))
         };
         if let Err(e) = &result {
-            self.failed = Some(e.to_string());
+            self.fail(e);
         }
         Some(result)
     }
@@ -1236,7 +1252,7 @@ impl Communicator {
                 // a broken round (timeout, lost peer) breaks the communicator.
                 if let Err(e) = &region {
                     if !matches!(e, Error::Bootstrap { .. }) {
-                        self.failed = Some(e.to_string());
+                        self.fail(e);
                     }
                 }
                 region?
@@ -1325,7 +1341,8 @@ impl Communicator {
                 };
                 let made = arena.make_child(&info, seq, members.as_deref(), ctx);
                 if let Err(e) = &made {
-                    self.failed = Some(e.to_string());
+                    // `fail`, with the transport still borrowed.
+                    record_failure(&mut self.failed, Some(arena), e);
                 }
                 made?
             }

@@ -210,7 +210,15 @@ fn place_word(tag: u64, at: u64) -> u64 {
 const CACHE_LINE: usize = 64;
 
 const STATE_ALIVE: u64 = 1;
+/// Dropped after its calls completed: a rank that will touch the arena no
+/// more, and whose part of every call it returned from is in place. Not a
+/// failure unless someone still waits on it.
 const STATE_DEPARTED: u64 = 2;
+/// Its communicator failed (or it was dropped while its thread panicked):
+/// it will not take part in any further call. Every rank waiting in the
+/// arena reports it (`lost_member`), so one failure stops the whole group
+/// with the rank that caused it named, not only its direct peers.
+const STATE_FAILED: u64 = 3;
 
 /// A waiter spins for `SPIN`, then keeps spinning but yields the core
 /// every `YIELD_EVERY` (so a peer that shares the core, with more ranks
@@ -233,7 +241,8 @@ struct Control {
     done: AtomicU64,
     /// Its process id (liveness checks across processes).
     pid: AtomicU64,
-    /// [`STATE_ALIVE`] once attached, [`STATE_DEPARTED`] once dropped.
+    /// [`STATE_ALIVE`] once attached, [`STATE_DEPARTED`] once dropped,
+    /// [`STATE_FAILED`] once failed.
     state: AtomicU64,
     /// Bumped (and futex-woken) after a post or `done` store when
     /// `sleepers > 0`; waiters on this rank sleep on it.
@@ -1126,34 +1135,57 @@ impl Arena {
             control.sleepers.fetch_add(1, Ordering::SeqCst);
             std::sync::atomic::fence(Ordering::SeqCst);
             let seen = control.wake.load(Ordering::SeqCst);
-            if !ready() {
+            // Leaving or failing bumps the wake word after the state store:
+            // if that bump came before `seen`, the state shows it here, and
+            // the loop reports it now rather than after a whole sleep.
+            if !ready() && self.state(peer) == STATE_ALIVE {
                 futex_wait(&control.wake, seen, SLEEP.min(deadline - now));
             }
             control.sleepers.fetch_sub(1, Ordering::SeqCst);
         }
     }
 
-    fn departed(&self, rank: Rank) -> bool {
-        self.control(rank).state.load(Ordering::Acquire) == STATE_DEPARTED
+    fn state(&self, rank: Rank) -> u64 {
+        self.control(rank).state.load(Ordering::Acquire)
     }
 
-    /// A member that left or died, looking at `first` before the others
-    /// (a crash elsewhere is usually why `first` went quiet).
+    /// Whether `rank` left cleanly (see [`STATE_DEPARTED`]).
+    fn departed(&self, rank: Rank) -> bool {
+        self.state(rank) == STATE_DEPARTED
+    }
+
+    /// A member that will never do what a wait on `first` needs: `first`
+    /// itself if it left or failed, or any member whose process ended
+    /// without leaving (a crash) or whose communicator failed (a crash
+    /// or failure elsewhere is usually why `first` went quiet, and naming
+    /// it saves every rank a timeout). A member that left cleanly is not
+    /// lost to a wait on another: it returned from its last call with its
+    /// part in place (a reduce's non-root leaves while the root still
+    /// waits for a late rank).
     fn lost_member(&self, first: Rank, check_pids: bool) -> Option<Rank> {
-        let dead = |r: Rank| {
-            check_pids && self.watch_pids && {
+        let crashed = |r: Rank| {
+            check_pids && self.watch_pids && !self.departed(r) && {
                 let pid = self.control(r).pid.load(Ordering::Relaxed) as u32;
                 pid != 0 && !process_alive(pid)
             }
         };
         let others = (0..self.world()).filter(|&r| r != self.rank);
-        if let Some(r) = others.clone().find(|&r| dead(r)) {
+        if let Some(r) = others.clone().find(|&r| crashed(r)) {
             return Some(r);
         }
-        if self.departed(first) {
+        if matches!(self.state(first), STATE_DEPARTED | STATE_FAILED) {
             return Some(first);
         }
-        others.into_iter().find(|&r| self.departed(r))
+        others.into_iter().find(|&r| self.state(r) == STATE_FAILED)
+    }
+
+    /// Tells the other ranks that this rank's communicator failed and
+    /// that it takes part in no further call (see [`STATE_FAILED`]).
+    pub fn mark_failed(&self) {
+        self.control(self.rank)
+            .state
+            .store(STATE_FAILED, Ordering::Release);
+        self.notify();
     }
 
     /// Starts the next round: waits until this rank's slot for it is free
@@ -1254,9 +1286,13 @@ impl Arena {
 
 impl Drop for Arena {
     fn drop(&mut self) {
-        self.control(self.rank)
-            .state
-            .store(STATE_DEPARTED, Ordering::Release);
+        // A failed rank stays failed; one whose thread panics mid-call
+        // leaves as failed too (its calls may not be complete).
+        let failed = self.state(self.rank) == STATE_FAILED || std::thread::panicking();
+        self.control(self.rank).state.store(
+            if failed { STATE_FAILED } else { STATE_DEPARTED },
+            Ordering::Release,
+        );
         self.notify();
         let me = self.control(self.rank);
         me.wake.fetch_add(1, Ordering::SeqCst);
