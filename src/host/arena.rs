@@ -1234,10 +1234,11 @@ impl Arena {
         // A peer that broadcast this call through its mailbox runs another
         // call than this staged one: it will not post. (Looked up only when
         // needed: most rounds find the post at the first look.)
-        let mailbox_tag = || self.mailbox_unit(peer, self.mailbox_next[peer]).0;
+        let next = self.mailbox_next[peer];
+        let mailbox_tag = || self.mailbox_unit(peer, next).0;
         let mailboxed = || {
             let tag = mailbox_tag().load(Ordering::Acquire);
-            tag != 0 && (tag >> 32) as u32 == sig.seq as u32
+            mailbox_tag_current(tag, next) && (tag >> 32) as u32 == sig.seq as u32
         };
         let posted = || header.posted.load(Ordering::Acquire) == g + 1;
         if !posted() {
@@ -2023,11 +2024,9 @@ impl Arena {
                 "call #{seq} with signature {signature:#x}, outside the lanes"
             ));
         }
-        let tag = self
-            .mailbox_unit(peer, self.mailbox_next[peer])
-            .0
-            .load(Ordering::Acquire);
-        mailbox_tag_foreign(tag, sig)
+        let next = self.mailbox_next[peer];
+        let tag = self.mailbox_unit(peer, next).0.load(Ordering::Acquire);
+        mailbox_tag_foreign(tag, sig, next)
             .then(|| format!("a broadcast through its mailbox (tag {tag:#x})"))
     }
 
@@ -2340,18 +2339,51 @@ impl Arena {
 /// The tag of a mailbox message: the call's sequence number (its low 32
 /// bits) above its signature folded to 32 bits, made odd so that no tag is
 /// 0, the tag of a unit that continues a message and of one never written.
-fn mailbox_tag(sig: &CallSig) -> u64 {
-    let folded = (sig.signature ^ (sig.signature >> 32)) as u32 | 1;
-    u64::from(sig.seq as u32) << 32 | u64::from(folded)
+fn mailbox_tag(sig: &CallSig, start: u64) -> u64 {
+    let folded = (sig.signature ^ (sig.signature >> 32)) as u32 & !MAILBOX_TAG_LAP;
+    let lap = if mailbox_lap_is_odd(start) {
+        MAILBOX_TAG_LAP
+    } else {
+        0
+    };
+    u64::from(sig.seq as u32) << 32 | u64::from(folded | lap | MAILBOX_TAG_SET)
 }
 
-/// Whether mailbox tag `tag`, found where this call's message belongs but
-/// not this call's tag, can only come from another call: one with this
-/// sequence number and another signature, or a later one (what stood there
-/// before is an earlier message's tag, or 0).
-fn mailbox_tag_foreign(tag: u64, sig: &CallSig) -> bool {
-    let (theirs, ours) = ((tag >> 32) as u32, sig.seq as u32);
-    tag != 0 && (theirs == ours || theirs.wrapping_sub(ours) as i32 > 0)
+/// Bit 0 of every message tag: a tag is never 0 (a unit where no message
+/// starts).
+const MAILBOX_TAG_SET: u32 = 1;
+/// Bit 1 of a message tag: the parity of the lap of the ring it was
+/// written in. Every lap rewrites every unit, so what a reader finds
+/// where its message belongs is this lap's tag or the last lap's, and the
+/// parity tells them apart however many calls lie between: the call
+/// number in a tag has 32 bits, and a unit's last message can be any
+/// number of calls old (small all-reduces in between never touch the
+/// mailbox), so without the parity a tag 2³² calls old would read as
+/// this call's, and one 2³¹ as a later call's (a false mismatch).
+const MAILBOX_TAG_LAP: u32 = 2;
+
+/// Whether unit `start` (counted from the ring's first use) lies in an odd
+/// lap of the ring.
+fn mailbox_lap_is_odd(start: u64) -> bool {
+    (start / MAILBOX_UNITS) % 2 == 1
+}
+
+/// Whether `tag`, found at unit `start`, was written in the ring's current
+/// lap there: the start of a message this rank has not read yet.
+fn mailbox_tag_current(tag: u64, start: u64) -> bool {
+    let lap = if mailbox_lap_is_odd(start) {
+        MAILBOX_TAG_LAP
+    } else {
+        0
+    };
+    tag != 0 && tag as u32 & MAILBOX_TAG_LAP == lap
+}
+
+/// Whether mailbox tag `tag`, found at unit `start` where this call's
+/// message belongs, is another call's message: one written in this lap
+/// (the last lap's is stale, and 0 is no message) that is not this call's.
+fn mailbox_tag_foreign(tag: u64, sig: &CallSig, start: u64) -> bool {
+    mailbox_tag_current(tag, start) && tag != mailbox_tag(sig, start)
 }
 
 /// Broadcasts of at most [`MAILBOX_MAX_BYTES`] through the root's
@@ -2422,7 +2454,7 @@ impl Arena {
                 unsafe { payload.write(u64::from_ne_bytes(word)) };
             }
             let (tag, _) = self.mailbox_unit(root, start);
-            tag.store(mailbox_tag(sig), Ordering::Release);
+            tag.store(mailbox_tag(sig, start), Ordering::Release);
             self.notify();
             if !bufs.in_place {
                 // SAFETY: distinct buffers of count elements each.
@@ -2479,7 +2511,7 @@ impl Arena {
     /// another call there, or the root posting a slot round (it runs a
     /// staged call where this rank runs a broadcast), is a mismatch.
     fn mailbox_await(&self, call: &CallInfo, sig: &CallSig, root: Rank, start: u64) -> Result<()> {
-        let expected = mailbox_tag(sig);
+        let expected = mailbox_tag(sig, start);
         let (tag, _) = self.mailbox_unit(root, start);
         let round = self.round;
         let header = self.header(root, round);
@@ -2489,7 +2521,7 @@ impl Arena {
             false,
             || {
                 let found = tag.load(Ordering::Acquire);
-                found == expected || mailbox_tag_foreign(found, sig)
+                found == expected || mailbox_tag_foreign(found, sig, start)
             },
             || header.posted.load(Ordering::Acquire) == round + 1 || self.posted_in_lanes(root),
         )?;
@@ -3487,6 +3519,53 @@ mod tests {
         // path), never a wrong allocation or offset.
         assert_eq!(place_word(1 << 16, 0), 0);
         assert_eq!(place_word(1, PLACE_OFFSET_MASK + 1), 0);
+    }
+
+    /// A unit's last tag can be any number of calls old: 2³² calls (the
+    /// tag's call number wraps) or 2³¹ (it looks later) must read neither
+    /// as this call's message nor as another call's, and a tag of this lap
+    /// that is not this call's is a mismatch.
+    #[test]
+    fn a_mailbox_tag_from_the_last_lap_is_neither_this_calls_nor_foreign() {
+        let start = 3 * MAILBOX_UNITS + 7;
+        let last_lap = start - MAILBOX_UNITS;
+        let sig = CallSig {
+            seq: 5 + (1 << 32),
+            signature: 0xabc,
+        };
+        let same_low_bits = mailbox_tag(&CallSig { seq: 5, ..sig }, last_lap);
+        let half_a_wrap = mailbox_tag(
+            &CallSig {
+                seq: 5 + (1 << 31) + 10,
+                ..sig
+            },
+            last_lap,
+        );
+        for stale in [same_low_bits, half_a_wrap, 0] {
+            assert_ne!(stale, mailbox_tag(&sig, start));
+            assert!(!mailbox_tag_foreign(stale, &sig, start), "{stale:#x}");
+            assert!(!mailbox_tag_current(stale, start), "{stale:#x}");
+        }
+        let other_call = mailbox_tag(
+            &CallSig {
+                seq: sig.seq + 1,
+                ..sig
+            },
+            start,
+        );
+        // (The tag keeps bits 2–31 of the folded signature.)
+        let other_signature = mailbox_tag(
+            &CallSig {
+                signature: 0xabc ^ 0x100,
+                ..sig
+            },
+            start,
+        );
+        for foreign in [other_call, other_signature] {
+            assert!(mailbox_tag_foreign(foreign, &sig, start), "{foreign:#x}");
+        }
+        assert!(!mailbox_tag_foreign(mailbox_tag(&sig, start), &sig, start));
+        assert!(mailbox_tag_current(mailbox_tag(&sig, start), start));
     }
 
     #[test]
