@@ -332,11 +332,32 @@ impl TcpLink {
         self.write_slices(&[io::IoSlice::new(a), io::IoSlice::new(b)])
     }
 
-    /// Writes a prefix of the concatenated `slices` with one `writev`;
+    /// Writes a prefix of the concatenated `slices` with one `sendmsg`;
     /// returns how many bytes went out (0 when the socket is full).
+    ///
+    /// `sendmsg` with `MSG_NOSIGNAL`, not `writev` (what
+    /// `TcpStream::write_vectored` calls): a write to a peer that reset the
+    /// connection raises `SIGPIPE`, which kills a process that has not
+    /// ignored it (a C host; `oxccl-perf`, which restores the default for
+    /// `| head`) before the error can name the rank that died.
+    /// `TcpStream::write` already sends with the flag.
     pub fn write_slices(&mut self, slices: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        // SAFETY: an all-zero msghdr is valid (no name, no control data).
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        // `IoSlice` is ABI-compatible with `iovec` on Unix; the kernel only
+        // reads through the pointer. At most IOV_MAX (1024 on Linux)
+        // slices go in one call: the rest is a later prefix.
+        msg.msg_iov = slices.as_ptr() as *mut libc::iovec;
+        msg.msg_iovlen = slices.len().min(1024) as _;
         loop {
-            match self.stream.write_vectored(slices) {
+            // SAFETY: `msg` points at `msg_iovlen` live slices for the call.
+            let sent = unsafe { libc::sendmsg(self.fd(), &msg, libc::MSG_NOSIGNAL) };
+            let result = if sent >= 0 {
+                Ok(sent as usize)
+            } else {
+                Err(io::Error::last_os_error())
+            };
+            match result {
                 Ok(n) => return Ok(n),
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(0),
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
@@ -481,6 +502,62 @@ mod tests {
         writing.join().unwrap();
         assert_eq!(got.len(), sent.len());
         assert!(got == sent, "bytes reordered or changed");
+    }
+
+    /// Run by [`a_write_to_a_reset_peer_is_an_error_not_sigpipe`] in a
+    /// process of its own (it changes a process-wide signal disposition).
+    #[test]
+    #[ignore]
+    fn child_writes_to_a_reset_peer_with_sigpipe_at_its_default() {
+        if std::env::var_os("OXCCL_TEST_SIGPIPE_CHILD").is_none() {
+            return;
+        }
+        // SAFETY: setting a disposition; this process runs this test only.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+        let listener = TcpListener::bind((IpAddr::V4(Ipv4Addr::LOCALHOST), 0)).unwrap();
+        let writer = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (mut peer, _) = listener.accept().unwrap();
+        let mut link = TcpLink::new(writer);
+        // Closing with unread bytes makes the peer reset the connection.
+        assert_eq!(link.write_two(b"unread", b"").unwrap(), 6);
+        std::thread::sleep(Duration::from_millis(50));
+        peer.write_all(b"x").unwrap();
+        drop(peer);
+        std::thread::sleep(Duration::from_millis(50));
+        let mut errors = 0;
+        for _ in 0..100 {
+            if link.write_two(&[1u8; 4096], &[2u8; 4096]).is_err() {
+                errors += 1;
+                if errors == 3 {
+                    break;
+                }
+            }
+        }
+        assert_eq!(errors, 3, "writes to a reset peer kept succeeding");
+        println!("writes failed with errors, no signal");
+    }
+
+    #[test]
+    fn a_write_to_a_reset_peer_is_an_error_not_sigpipe() {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "transport::tcp::tests::child_writes_to_a_reset_peer_with_sigpipe_at_its_default",
+            ])
+            .args(["--ignored", "--nocapture", "--test-threads=1"])
+            .env("OXCCL_TEST_SIGPIPE_CHILD", "1")
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "{:?}\n{text}", out.status);
+        assert!(
+            text.contains("writes failed with errors, no signal"),
+            "{text}"
+        );
     }
 
     #[test]
