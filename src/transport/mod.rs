@@ -121,6 +121,17 @@ impl Payload {
         }
     }
 
+    /// Makes an owned payload `bytes` long, keeping its contents (the
+    /// bytes added are zero or recycled, as in [`zeroed`](Self::zeroed)).
+    pub fn grow_to(&mut self, bytes: usize) {
+        self.make_owned();
+        let words = bytes.div_ceil(8);
+        if self.words.len() < words {
+            self.words.resize(words, 0);
+        }
+        self.bytes = self.bytes.max(bytes);
+    }
+
     pub fn as_bytes(&self) -> &[u8] {
         match self.external {
             // SAFETY: valid for `bytes` bytes (the contract of `borrowed`).

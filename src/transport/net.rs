@@ -61,6 +61,14 @@ const FRAME_MAGIC: u32 = 0x4652_584f; // "OXRF"
 pub(crate) const FRAME_HEADER_BYTES: usize = 40;
 /// Larger byte counts are taken as corruption rather than allocated.
 const MAX_FRAME_BYTES: u64 = 1 << 36;
+/// A frame read into a buffer of its own gets at most this much at first,
+/// and its buffer doubles as its bytes arrive: memory follows what came,
+/// not what a header claims (a corrupt one may claim up to
+/// [`MAX_FRAME_BYTES`]). Frames up to this size (the pipeline's pieces)
+/// are allocated once.
+const PAYLOAD_FIRST_BYTES: usize = 16 << 20;
+/// A goodbye carries 16 bytes per context; longer ones are corrupt.
+const MAX_GOODBYE_BYTES: u64 = 1 << 20;
 const KIND_DATA: u8 = 0;
 const KIND_GOODBYE: u8 = 1;
 
@@ -109,6 +117,9 @@ fn decode(b: &[u8; FRAME_HEADER_BYTES]) -> std::result::Result<(u8, FrameHeader)
     let bytes = u64_at(32);
     if bytes > MAX_FRAME_BYTES {
         return Err(format!("frame of {bytes} bytes is beyond any real frame"));
+    }
+    if kind == KIND_GOODBYE && (bytes > MAX_GOODBYE_BYTES || bytes % 16 != 0) {
+        return Err(format!("goodbye of {bytes} bytes (16 per context)"));
     }
     Ok((
         kind,
@@ -292,6 +303,12 @@ const TCP_DEFER_MIN_BYTES: usize = 64 << 10;
 /// Deferred frames are written as soon as this many bytes are queued.
 const TCP_BATCH_BYTES: usize = 1 << 20;
 
+/// The buffer a frame of `bytes` bytes is first read into (see
+/// [`PAYLOAD_FIRST_BYTES`]).
+fn first_payload(bytes: usize) -> Payload {
+    Payload::zeroed(bytes.min(PAYLOAD_FIRST_BYTES))
+}
+
 /// What a pass may read of a data frame no receive has posted (see
 /// [`HOLD_MIN_BYTES`]).
 #[derive(Clone, Copy)]
@@ -322,7 +339,7 @@ impl Hold {
                 Some(Incoming::Payload {
                     kind: KIND_DATA,
                     header: *header,
-                    payload: Payload::zeroed(header.bytes),
+                    payload: first_payload(header.bytes),
                     filled: 0,
                 })
             }
@@ -566,7 +583,7 @@ impl Fabric {
                                             Incoming::Payload {
                                                 kind,
                                                 header,
-                                                payload: Payload::zeroed(header.bytes),
+                                                payload: first_payload(header.bytes),
                                                 filled: 0,
                                             }
                                         };
@@ -584,8 +601,15 @@ impl Fabric {
                     }
                 }
                 Incoming::Payload {
-                    payload, filled, ..
+                    header,
+                    payload,
+                    filled,
+                    ..
                 } => {
+                    if *filled == payload.as_bytes().len() && *filled < header.bytes {
+                        // Full so far: double it, up to the frame's size.
+                        payload.grow_to(header.bytes.min(filled.saturating_mul(2)));
+                    }
                     let bytes = payload.as_bytes_mut();
                     if *filled < bytes.len() {
                         match peer.link.read_some(&mut bytes[*filled..]) {
@@ -630,9 +654,7 @@ impl Fabric {
             }
             moved = true;
             let complete = match &peer.incoming {
-                Incoming::Payload {
-                    payload, filled, ..
-                } => *filled == payload.as_bytes().len(),
+                Incoming::Payload { header, filled, .. } => *filled == header.bytes,
                 Incoming::Direct { to, filled, .. } => *filled == to.len,
                 Incoming::Header { .. } | Incoming::Held { .. } => false,
             };
@@ -730,7 +752,8 @@ impl Fabric {
             if k != key {
                 continue;
             }
-            let mut payload = Payload::zeroed(header.bytes);
+            let mut payload = first_payload(header.bytes.max(filled));
+            payload.grow_to(filled);
             // SAFETY: `to` is still valid (its receive is returning now) and
             // holds `filled` bytes of the frame.
             let so_far = unsafe { std::slice::from_raw_parts(to.ptr, filled) };
@@ -1893,6 +1916,49 @@ mod tests {
         raw.write_all(&[9u8; 32]).unwrap();
         let got = endpoint.recv(1, &second, wait).unwrap();
         assert_eq!(got.as_bytes(), &[9u8; 64]);
+    }
+
+    /// A header may claim up to `MAX_FRAME_BYTES`; what the receiver
+    /// allocates follows the bytes that came, so a frame claiming 40 GiB
+    /// with 100 bytes behind it costs a wait that ends in a timeout, not
+    /// an allocation of 40 GiB (which aborts the process where it fails).
+    #[test]
+    fn a_frame_claiming_more_than_came_allocates_only_what_came() {
+        let (endpoint, mut raw) = endpoint_with_raw_peer();
+        let claimed = FrameHeader {
+            bytes: 40 << 30,
+            ..frame(0, 0)
+        };
+        raw.write_all(&encode(KIND_DATA, &claimed)).unwrap();
+        raw.write_all(&[7u8; 100]).unwrap();
+        let expected = frame(0, 0);
+        let got = endpoint.recv(1, &expected, Duration::from_millis(300));
+        assert!(matches!(got, Err(TransportError::Timeout(_))), "{got:?}");
+        let fabric = endpoint.shared.lock();
+        let Some(Peer {
+            incoming: Incoming::Payload {
+                payload, filled, ..
+            },
+            ..
+        }) = &fabric.peers[1]
+        else {
+            panic!("the frame's payload is being read");
+        };
+        assert_eq!(*filled, 100);
+        assert!(payload.as_bytes().len() <= PAYLOAD_FIRST_BYTES);
+    }
+
+    /// A goodbye's length is 16 bytes per context: another is corrupt.
+    #[test]
+    fn a_goodbye_of_an_impossible_length_is_a_malformed_frame() {
+        let mut header = frame(0, 0);
+        for bytes in [17, (1 << 20) + 16, 40 << 30] {
+            header.bytes = bytes;
+            let why = decode(&encode(KIND_GOODBYE, &header)).unwrap_err();
+            assert!(why.contains("goodbye"), "{why}");
+        }
+        header.bytes = 32;
+        assert!(decode(&encode(KIND_GOODBYE, &header)).is_ok());
     }
 
     #[test]
