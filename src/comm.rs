@@ -550,8 +550,13 @@ fn child_ctx(parent: u64, seq: u64, color: u32) -> u64 {
 
 /// What [`Communicator::fail`] does, for callers that hold other fields
 /// of the communicator borrowed.
-fn record_failure(failed: &mut Option<String>, arena: Option<&Arena>, error: &Error) {
+fn record_failure(
+    failed: &mut Option<String>,
+    (transport, arena): (&Transport, Option<&Arena>),
+    error: &Error,
+) {
     *failed = Some(error.to_string());
+    transport.mark_failed();
     if let Some(arena) = arena {
         arena.mark_failed();
     }
@@ -836,7 +841,8 @@ impl Communicator {
     /// returns [`Error::Failed`] naming it, and the ranks waiting in the
     /// shared arena learn that this rank takes part in no further call.
     fn fail(&mut self, error: &Error) {
-        record_failure(&mut self.failed, self.arena.as_ref(), error);
+        let Backend::Host(transport) = &self.backend;
+        record_failure(&mut self.failed, (transport, self.arena.as_ref()), error);
     }
 
     /// An all-reduce in the shared arena, straight from the typed entry
@@ -1342,7 +1348,7 @@ impl Communicator {
                 let made = arena.make_child(&info, seq, members.as_deref(), ctx);
                 if let Err(e) = &made {
                     // `fail`, with the transport still borrowed.
-                    record_failure(&mut self.failed, Some(arena), e);
+                    record_failure(&mut self.failed, (transport, Some(&*arena)), e);
                 }
                 made?
             }

@@ -359,3 +359,48 @@ fn a_lane_all_reduce_against_another_call_is_a_mismatch() {
         );
     }
 }
+
+/// Over the in-process links (`Algo::Ring`), a rank whose call failed is
+/// named at once to the ranks still waiting on it elsewhere in the ring.
+/// Rank 1 leaves without joining; rank 2, which receives from it, fails
+/// and keeps its communicator; rank 0 receives from rank 2 only, and must
+/// not wait out its 30 s timeout for frames rank 2 will never send.
+#[test]
+fn a_failure_over_the_links_is_told_to_ranks_waiting_elsewhere() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let builder = Communicator::builder()
+        .timeout(Duration::from_secs(30))
+        .algo(oxccl::Algo::Ring);
+    let started = std::time::Instant::now();
+    let rank0_done = Arc::new(AtomicBool::new(false));
+    let done = rank0_done.clone();
+    let outcomes = run_ranks_with(3, builder, move |comm| {
+        if comm.rank() == 1 {
+            return Ok(None); // drops its communicator without joining
+        }
+        let mut v = vec![1f32; 4096];
+        let result = comm.all_reduce_in_place(&mut v, ReduceOp::Sum);
+        if comm.rank() == 0 {
+            done.store(true, Ordering::SeqCst);
+        } else {
+            // Rank 2 holds on to its failed communicator meanwhile.
+            let until = std::time::Instant::now() + Duration::from_secs(20);
+            while !done.load(Ordering::SeqCst) && std::time::Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+        Ok(Some(result.map_err(|e| e.to_string())))
+    })
+    .unwrap();
+    let rank0 = outcomes[0].clone().unwrap().unwrap_err();
+    assert!(rank0.contains("peer rank 2 is gone"), "{rank0}");
+    let rank2 = outcomes[2].clone().unwrap().unwrap_err();
+    assert!(rank2.contains("peer rank 1 is gone"), "{rank2}");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "rank 0 waited {:?}",
+        started.elapsed()
+    );
+    assert!(rank0_done.load(Ordering::SeqCst));
+}

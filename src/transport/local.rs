@@ -24,6 +24,10 @@ pub(crate) struct LocalGroup {
     aborted: Arc<AtomicBool>,
     /// `(ctx, global rank)` of endpoints that were dropped.
     departed: Mutex<HashSet<(u64, usize)>>,
+    /// `(ctx, global rank)` of endpoints whose communicator failed: they
+    /// take part in no further call of it (see
+    /// [`LocalEndpoint::mark_failed`]).
+    failed: Mutex<HashSet<(u64, usize)>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -38,6 +42,7 @@ impl LocalGroup {
             mailboxes: (0..world).map(|_| Mailbox::default()).collect(),
             aborted: Arc::new(AtomicBool::new(false)),
             departed: Mutex::new(HashSet::new()),
+            failed: Mutex::new(HashSet::new()),
         })
     }
 
@@ -93,6 +98,16 @@ impl LocalEndpoint {
         LocalEndpoint::new(self.group.clone(), ctx, members, rank)
     }
 
+    /// Tells every rank of the group that this rank's communicator failed:
+    /// their receives fail at once naming it, wherever in the schedule
+    /// they wait (a ring's rank two hops after a lost one waits on a rank
+    /// that will not send, not on the lost one), instead of waiting out
+    /// their timeout.
+    pub fn mark_failed(&self) {
+        lock(&self.group.failed).insert((self.ctx, self.members[self.rank]));
+        self.group.wake_all();
+    }
+
     pub fn send(
         &self,
         peer: usize,
@@ -137,6 +152,20 @@ impl LocalEndpoint {
             if lock(&self.group.departed).contains(&(self.ctx, source)) {
                 return Err(TransportError::PeerLost { rank: None });
             }
+            let failed = lock(&self.group.failed);
+            if !failed.is_empty() {
+                // The awaited peer first: it is the one that will not send.
+                let me = self.members[self.rank];
+                let lost = std::iter::once(peer)
+                    .chain(0..self.members.len())
+                    .find(|&r| {
+                        self.members[r] != me && failed.contains(&(self.ctx, self.members[r]))
+                    });
+                if let Some(rank) = lost {
+                    return Err(TransportError::PeerLost { rank: Some(rank) });
+                }
+            }
+            drop(failed);
             let now = Instant::now();
             if now >= deadline {
                 return Err(TransportError::Timeout(now - start));

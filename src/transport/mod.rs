@@ -310,6 +310,16 @@ impl Transport {
         }
     }
 
+    /// Tells the ranks of this transport that this rank's communicator
+    /// failed. The in-process transport fails their receives at once; over
+    /// the multi-process links a failed rank is found as they find any
+    /// other that stops sending (its goodbye, its exit, the timeout).
+    pub fn mark_failed(&self) {
+        if let Transport::Local(t) = self {
+            t.mark_failed();
+        }
+    }
+
     /// Posts destinations for receives that `recv_into` will run later
     /// (`(peer, expected header, destination)`), so that their frames, if
     /// they arrive first, land in place rather than in buffers copied
