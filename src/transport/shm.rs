@@ -56,6 +56,16 @@ fn segment_bytes(slots: usize, ring_bytes: usize) -> usize {
     ring_offset(slots, ring_bytes)
 }
 
+/// [`segment_bytes`] for sizes read from a header another process wrote:
+/// `None` where it overflows (the product would wrap in a release build
+/// and pass the size check with rings beyond the mapping).
+fn segment_bytes_checked(slots: usize, ring_bytes: usize) -> Option<usize> {
+    ring_bytes
+        .checked_add(2 * LINE)?
+        .checked_mul(slots)?
+        .checked_add(HEADER_BYTES)
+}
+
 /// Keeps a job id usable in a segment name: the one mapping from
 /// `OXCCL_JOB_ID` to names, shared with `oxccl-run`'s clean-up.
 pub(crate) fn sanitize_job_id(id: &str) -> String {
@@ -224,7 +234,7 @@ impl Segment {
         );
         if header.magic.load(Ordering::Acquire) != SEGMENT_MAGIC
             || !ring_bytes.is_power_of_two()
-            || segment_bytes(slots, ring_bytes) > len
+            || segment_bytes_checked(slots, ring_bytes).is_none_or(|bytes| bytes > len)
         {
             return Err(io::Error::other(format!(
                 "{name} is not an oxccl segment (bad header)"
@@ -508,6 +518,24 @@ mod tests {
         assert!(a_to_b.peer_alive() && !a_to_b.peer_departed());
         b.set_departed();
         assert!(a_to_b.peer_departed());
+    }
+
+    /// A header whose ring sizes multiply past the address space is
+    /// refused, not wrapped into a size that fits the mapping.
+    #[test]
+    fn a_header_whose_sizes_overflow_is_not_a_segment() {
+        let name = unique("o");
+        let s = Segment::create(&name, 1, 4096).unwrap();
+        // 2^56 slots of 2^13 + 256 = 2^8 · 33 bytes: 33 · 2^64, which
+        // wraps to 0, and the header alone fits any mapping.
+        let (slots, ring_bytes) = (1usize << 56, 1usize << 13);
+        assert_eq!(slots.wrapping_mul(ring_bytes + 2 * LINE), 0);
+        s.header().slots.store(slots as u64, Ordering::Relaxed);
+        s.header()
+            .ring_bytes
+            .store(ring_bytes as u64, Ordering::Relaxed);
+        let err = Segment::open(&name).err().expect("refused");
+        assert!(err.to_string().contains("bad header"), "{err}");
     }
 
     #[test]
