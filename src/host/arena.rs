@@ -1162,21 +1162,35 @@ impl Arena {
     /// lost to a wait on another: it returned from its last call with its
     /// part in place (a reduce's non-root leaves while the root still
     /// waits for a late rank).
+    ///
+    /// Before naming a member that left or failed, the pids are looked at
+    /// whatever `check_pids` says: a rank usually fails because another
+    /// crashed, and the crash is what to name, not the messenger.
     fn lost_member(&self, first: Rank, check_pids: bool) -> Option<Rank> {
-        let crashed = |r: Rank| {
-            check_pids && self.watch_pids && !self.departed(r) && {
-                let pid = self.control(r).pid.load(Ordering::Relaxed) as u32;
-                pid != 0 && !process_alive(pid)
-            }
-        };
         let others = (0..self.world()).filter(|&r| r != self.rank);
-        if let Some(r) = others.clone().find(|&r| crashed(r)) {
+        let crashed = |look: bool| {
+            others.clone().find(|&r| {
+                look && self.watch_pids && !self.departed(r) && {
+                    let pid = self.control(r).pid.load(Ordering::Relaxed) as u32;
+                    pid != 0 && !process_alive(pid)
+                }
+            })
+        };
+        if let Some(r) = crashed(check_pids) {
             return Some(r);
         }
-        if matches!(self.state(first), STATE_DEPARTED | STATE_FAILED) {
-            return Some(first);
-        }
-        others.into_iter().find(|&r| self.state(r) == STATE_FAILED)
+        let left_or_failed = if matches!(self.state(first), STATE_DEPARTED | STATE_FAILED) {
+            Some(first)
+        } else {
+            others.clone().find(|&r| self.state(r) == STATE_FAILED)
+        };
+        left_or_failed.map(|r| {
+            if check_pids {
+                r
+            } else {
+                crashed(true).unwrap_or(r)
+            }
+        })
     }
 
     /// Tells the other ranks that this rank's communicator failed and
