@@ -186,15 +186,27 @@ impl Running {
 /// One rank of a `world`-rank job, started directly (no launcher).
 fn rank_cmd(rank: usize, world: usize, port: u16, transport: &str) -> Command {
     let mut cmd = Command::new(CHECK);
-    clean(&mut cmd)
+    rank_env(&mut cmd, rank, world, port, transport);
+    cmd
+}
+
+/// Gives `cmd` the environment of rank `rank` of a `world`-rank job on
+/// `port` (and nothing inherited from a launcher around the tests).
+fn rank_env<'a>(
+    cmd: &'a mut Command,
+    rank: usize,
+    world: usize,
+    port: u16,
+    transport: &str,
+) -> &'a mut Command {
+    clean(cmd)
         .env("RANK", rank.to_string())
         .env("WORLD_SIZE", world.to_string())
         .env("MASTER_ADDR", "127.0.0.1")
         .env("MASTER_PORT", port.to_string())
         .env("OXCCL_TRANSPORT", transport)
         .env("OXCCL_TIMEOUT", "30s")
-        .env("OXCCL_JOB_ID", job_id(port));
-    cmd
+        .env("OXCCL_JOB_ID", job_id(port))
 }
 
 /// The job id tests give the ranks of the job on `port`, which names its
@@ -826,21 +838,9 @@ fn a_rank_that_leaves_after_its_last_call_fails_no_one() {
         let ranks: Vec<Running> = (0..3)
             .map(|r| {
                 let mut cmd = Command::new(std::env::current_exe().unwrap());
-                clean(&mut cmd)
-                    .args([
-                        "--exact",
-                        "child_rank_leaving_early",
-                        "--ignored",
-                        "--nocapture",
-                    ])
-                    .args(["--test-threads", "1"])
-                    .env("RANK", r.to_string())
-                    .env("WORLD_SIZE", "3")
-                    .env("MASTER_ADDR", "127.0.0.1")
-                    .env("MASTER_PORT", port.to_string())
-                    .env("OXCCL_TRANSPORT", "shm")
-                    .env("OXCCL_TIMEOUT", "30s")
-                    .env("OXCCL_JOB_ID", job_id(port))
+                rank_env(&mut cmd, r, 3, port, "shm")
+                    .args(["--exact", "child_rank_leaving_early", "--ignored"])
+                    .args(["--nocapture", "--test-threads", "1"])
                     .env("OXCCL_TEST_ROOTED_OP", op);
                 Running::spawn(&mut cmd)
             })
