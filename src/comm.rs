@@ -20,6 +20,18 @@ use crate::types::{DType, Element, OpKind, Rank, ReduceOp};
 
 /// Default wait before a peer is declared unresponsive.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The longest wait a communicator keeps: longer timeouts (`Duration::MAX`
+/// for "never give up", `OXCCL_TIMEOUT=1e19`) wait this long, a year. Every
+/// deadline is `now + timeout`, which would overflow past it.
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// The timeout a communicator runs with: `timeout` within 1 ms (shorter
+/// ones, zero included, would fail every wait at once) and
+/// [`MAX_TIMEOUT`]. Every builder passes its timeout through here.
+pub(crate) fn bounded_timeout(timeout: Duration) -> Duration {
+    timeout.clamp(Duration::from_millis(1), MAX_TIMEOUT)
+}
 /// Default pipeline piece size in bytes.
 pub const DEFAULT_CHUNK_BYTES: usize = 256 * 1024;
 /// Default size of each shared-memory ring (one per ordered pair of local
@@ -263,7 +275,10 @@ fn parse_duration(text: &str) -> Option<Duration> {
         (text, 1.0)
     };
     let seconds: f64 = number.trim().parse().ok()?;
-    (seconds.is_finite() && seconds > 0.0).then(|| Duration::from_secs_f64(seconds * scale))
+    // Past what a Duration holds (1e20 s) is "as long as allowed", not a
+    // panic: `bounded_timeout` takes it down to MAX_TIMEOUT.
+    (seconds.is_finite() && seconds > 0.0)
+        .then(|| Duration::try_from_secs_f64(seconds * scale).unwrap_or(Duration::MAX))
 }
 
 /// The implementations behind [`Communicator`] (static dispatch).
@@ -395,6 +410,7 @@ impl CommBuilder {
         if let Some(a) = self.algo {
             config.algo = a;
         }
+        config.timeout = bounded_timeout(config.timeout);
         Ok(config)
     }
 
@@ -1377,6 +1393,12 @@ mod tests {
         assert_eq!(parse_duration("2m"), Some(Duration::from_secs(120)));
         assert_eq!(parse_duration("0"), None);
         assert_eq!(parse_duration("soon"), None);
+        // Beyond a Duration: as long as allowed, not a panic.
+        assert_eq!(parse_duration("1e20"), Some(Duration::MAX));
+        assert_eq!(parse_duration("1e307m"), Some(Duration::MAX));
+        assert_eq!(bounded_timeout(Duration::MAX), MAX_TIMEOUT);
+        assert_eq!(bounded_timeout(Duration::ZERO), Duration::from_millis(1));
+        assert_eq!(bounded_timeout(DEFAULT_TIMEOUT), DEFAULT_TIMEOUT);
     }
 
     #[test]

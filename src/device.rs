@@ -188,10 +188,10 @@ impl DeviceCommBuilder {
     }
 
     fn config_timeout(&self) -> Result<Duration> {
-        Ok(match self.timeout {
+        Ok(crate::comm::bounded_timeout(match self.timeout {
             Some(t) => t,
             None => CommConfig::from_env()?.timeout,
-        })
+        }))
     }
 
     /// Joins a job of `world_size` ranks as `rank`, one process each.

@@ -53,7 +53,7 @@ pub mod types;
 
 pub use comm::{
     AbortHandle, Algo, CommBuilder, CommConfig, Communicator, ShmStores, DEFAULT_CHUNK_BYTES,
-    DEFAULT_SHM_RING_BYTES, DEFAULT_SHM_STORES_REMEASURE, DEFAULT_TIMEOUT,
+    DEFAULT_SHM_RING_BYTES, DEFAULT_SHM_STORES_REMEASURE, DEFAULT_TIMEOUT, MAX_TIMEOUT,
 };
 pub use desc::{BufDesc, Buffer, CollectiveDesc, MemoryKind};
 #[cfg(feature = "cuda")]

@@ -404,3 +404,29 @@ fn a_failure_over_the_links_is_told_to_ranks_waiting_elsewhere() {
     );
     assert!(rank0_done.load(Ordering::SeqCst));
 }
+
+/// `Duration::MAX` is how a caller says "never give up": every wait's
+/// deadline is now plus the timeout, which must not overflow (it panicked
+/// in `Instant + Duration`); the communicator waits `MAX_TIMEOUT`.
+#[test]
+fn a_timeout_of_duration_max_waits_long_instead_of_panicking() {
+    let builder = Communicator::builder().timeout(Duration::MAX);
+    let timeouts = run_ranks_with(3, builder, |comm| {
+        if comm.rank() == 1 {
+            // Late, so that the others wait (and compute a deadline).
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let mut small = vec![1f32; 4];
+        comm.all_reduce_in_place(&mut small, ReduceOp::Sum)?;
+        let mut large = vec![1f32; 1 << 16];
+        comm.all_reduce_in_place(&mut large, ReduceOp::Sum)?;
+        comm.barrier()?;
+        assert_eq!((small[0], large[0]), (3.0, 3.0));
+        Ok(comm.config().timeout)
+    })
+    .unwrap();
+    assert!(
+        timeouts.iter().all(|&t| t == oxccl::MAX_TIMEOUT),
+        "{timeouts:?}"
+    );
+}
