@@ -531,6 +531,7 @@ impl CommBuilder {
                 reason: "a group needs at least one rank".into(),
             });
         }
+        check_rank(0, n)?;
         let group = LocalGroup::new(n);
         let members: Vec<usize> = (0..n).collect();
         let mut arenas: Vec<Option<Arena>> = if n > 1 && config.algo != Algo::Ring {
@@ -652,6 +653,17 @@ const NO_COLOR: u64 = u64::MAX;
 /// `InvalidArgument` unless `rank` is a rank of a job of `world_size`
 /// (what every `init` checks before any rendezvous).
 pub(crate) fn check_rank(rank: Rank, world_size: usize) -> Result<()> {
+    if world_size > crate::bootstrap::MAX_WORLD_SIZE {
+        return Err(Error::InvalidArgument {
+            op: OpKind::Split,
+            rank,
+            arg: "world_size",
+            reason: format!(
+                "{world_size} ranks; a job has at most {}",
+                crate::bootstrap::MAX_WORLD_SIZE
+            ),
+        });
+    }
     if rank >= world_size {
         return Err(Error::InvalidArgument {
             op: OpKind::Split,
@@ -1399,6 +1411,18 @@ mod tests {
         assert_eq!(bounded_timeout(Duration::MAX), MAX_TIMEOUT);
         assert_eq!(bounded_timeout(Duration::ZERO), Duration::from_millis(1));
         assert_eq!(bounded_timeout(DEFAULT_TIMEOUT), DEFAULT_TIMEOUT);
+    }
+
+    #[test]
+    fn a_world_past_the_most_ranks_is_an_error_before_anything_is_allocated() {
+        let most = crate::bootstrap::MAX_WORLD_SIZE;
+        assert!(check_rank(0, most).is_ok());
+        let e = check_rank(0, most + 1).unwrap_err().to_string();
+        assert!(e.contains("at most 65536"), "{e}");
+        let e = Communicator::builder()
+            .local_group(10_000_000_000_000)
+            .err();
+        assert!(e.is_some_and(|e| e.to_string().contains("at most")));
     }
 
     #[test]

@@ -160,7 +160,10 @@ impl LaunchEnv {
 
         let nested = var("TORCHELASTIC_RUN_ID").is_some() || var("OXCCL_JOB_ID").is_some();
         if let (Some(t), false) = (&torch, nested) {
-            for other in [&ompi, &slurm].into_iter().flatten() {
+            // Under Open MPI, Slurm's variables describe the batch script
+            // (a wrapper exporting RANK=$OMPI_COMM_WORLD_RANK inside an
+            // allocation still sees SLURM_PROCID of the node's first task).
+            if let Some(other) = ompi.as_ref().or(slurm.as_ref()) {
                 check_agree(t, other)?;
             }
         }
@@ -178,6 +181,13 @@ impl LaunchEnv {
         let (rank, world_size) = (found.rank, found.size);
         if world_size == 0 {
             return Err(config(names.size, "0", "the world size must be at least 1"));
+        }
+        if world_size > super::MAX_WORLD_SIZE {
+            return Err(config(
+                names.size,
+                &world_size.to_string(),
+                format!("the world size must be at most {}", super::MAX_WORLD_SIZE),
+            ));
         }
         if rank >= world_size {
             return Err(config(
@@ -694,6 +704,15 @@ mod tests {
         v.extend(slurm);
         let e = env(&v).unwrap();
         assert_eq!((e.source, e.rank), (LaunchSource::OpenMpi, 1));
+        // So does a wrapper's `export RANK=$OMPI_COMM_WORLD_RANK` under
+        // mpirun in an allocation: checked against Open MPI's, not Slurm's.
+        v.extend([("RANK", "1"), ("WORLD_SIZE", "2")]);
+        let e = env(&v).unwrap();
+        assert_eq!((e.source, e.rank), (LaunchSource::Torchrun, 1));
+        v.retain(|&(name, _)| name != "RANK");
+        v.push(("RANK", "0"));
+        let (_, msg) = config_err(&v);
+        assert!(msg.contains("RANK=0 but OMPI_COMM_WORLD_RANK=1"), "{msg}");
     }
 
     #[test]
@@ -702,6 +721,11 @@ mod tests {
             (&[("RANK", "x"), ("WORLD_SIZE", "2")], "RANK"),
             (&[("RANK", "0"), ("WORLD_SIZE", "-2")], "WORLD_SIZE"),
             (&[("RANK", "0"), ("WORLD_SIZE", "0")], "WORLD_SIZE"),
+            // Past what a job may have: an error, not an allocation.
+            (
+                &[("RANK", "0"), ("WORLD_SIZE", "10000000000000")],
+                "WORLD_SIZE",
+            ),
             (&[("RANK", "2"), ("WORLD_SIZE", "2")], "RANK"),
             (&[("RANK", "0")], "RANK"),
             (&[("WORLD_SIZE", "2")], "WORLD_SIZE"),

@@ -26,6 +26,11 @@ pub use memory::MemoryStore;
 pub use prefix::PrefixStore;
 pub use tcp::TcpStore;
 
+/// The most ranks a job may have: rendezvous waits for one key per rank,
+/// and the store refuses a wait on more keys. A larger world size (a typo,
+/// a corrupt variable) is a clear error, not an allocation that aborts.
+pub(crate) const MAX_WORLD_SIZE: usize = 64 * 1024;
+
 /// A key-value store shared by the ranks of one job, used only while
 /// communicators are set up (never on a collective's hot path).
 ///

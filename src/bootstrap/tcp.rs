@@ -42,8 +42,8 @@ const PROTOCOL_VERSION: u32 = 1;
 const MAX_KEY: usize = 4 * 1024;
 /// Longest value, in bytes.
 const MAX_VALUE: usize = 64 * 1024 * 1024;
-/// Most keys in one wait.
-const MAX_WAIT_KEYS: usize = 64 * 1024;
+/// Most keys in one wait: rendezvous waits for every rank's.
+const MAX_WAIT_KEYS: usize = super::MAX_WORLD_SIZE;
 /// Longest frame body: a maximal set plus room for the header fields.
 const MAX_FRAME: usize = MAX_VALUE + MAX_KEY + 64;
 
