@@ -685,7 +685,7 @@ pub(crate) fn launch_store(
         .and_then(|mut addrs| addrs.next())
         .map(|a| a.ip());
     let store: Arc<dyn Store> = if let Some(dir) = &env.file_store {
-        Arc::new(FileStore::new(dir.clone())?)
+        Arc::new(FileStore::new(dir.clone())?.lock_timeout(timeout))
     } else if env.rank == 0 {
         let any: std::net::IpAddr = match toward {
             Some(std::net::IpAddr::V6(_)) => std::net::Ipv6Addr::UNSPECIFIED.into(),

@@ -25,6 +25,11 @@ const POLL: Duration = Duration::from_millis(10);
 const MAX_NAME: usize = 240;
 /// The lock file's name; no key file or temporary file can have it.
 const LOCK_NAME: &str = "lock";
+/// How long `set` and `add` wait for the lock by default (see
+/// [`FileStore::lock_timeout`]).
+const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(60);
+/// How often a taken lock is tried again.
+const LOCK_RETRY: Duration = Duration::from_millis(1);
 
 /// Distinguishes the temporary files of the threads of one process.
 static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
@@ -35,6 +40,7 @@ static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
 #[derive(Clone, Debug)]
 pub struct FileStore {
     dir: PathBuf,
+    lock_timeout: Duration,
 }
 
 impl FileStore {
@@ -49,7 +55,19 @@ impl FileStore {
             context: format!("creating the file store directory {}", dir.display()),
             detail: e.to_string(),
         })?;
-        Ok(FileStore { dir })
+        Ok(FileStore {
+            dir,
+            lock_timeout: DEFAULT_LOCK_TIMEOUT,
+        })
+    }
+
+    /// How long [`set`](Store::set) and [`add`](Store::add) wait for the
+    /// directory's lock before failing with an error that names it (a
+    /// holder stopped with Ctrl-Z or in a debugger, a lock stuck in NFS
+    /// recovery); 60 s unless set. Communicators pass their timeout.
+    pub fn lock_timeout(mut self, timeout: Duration) -> FileStore {
+        self.lock_timeout = timeout;
+        self
     }
 
     /// The directory holding the store.
@@ -104,15 +122,28 @@ impl FileStore {
             .write(true)
             .open(&path)
             .map_err(|e| self.error(format!("opening the lock file {}: {e}", path.display())))?;
+        let start = Instant::now();
         loop {
             // SAFETY: flock on a descriptor this function owns.
-            let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) };
+            let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
             if rc == 0 {
                 return Ok(FlockGuard { file });
             }
             let e = io::Error::last_os_error();
-            if e.kind() != io::ErrorKind::Interrupted {
-                return Err(self.error(format!("locking {}: {e}", path.display())));
+            match e.kind() {
+                io::ErrorKind::Interrupted => continue,
+                io::ErrorKind::WouldBlock if start.elapsed() < self.lock_timeout => {
+                    std::thread::sleep(LOCK_RETRY);
+                }
+                io::ErrorKind::WouldBlock => {
+                    return Err(self.error(format!(
+                        "the lock {} was held by another process for {:?} (stopped, or \
+                         stuck in NFS lock recovery?)",
+                        path.display(),
+                        self.lock_timeout
+                    )))
+                }
+                _ => return Err(self.error(format!("locking {}: {e}", path.display()))),
             }
         }
     }
@@ -227,6 +258,33 @@ mod tests {
         ));
         let _ = fs::remove_dir_all(&dir);
         dir
+    }
+
+    /// A holder that never lets go (stopped, or a stuck NFS lock) costs
+    /// `set` and `add` their lock timeout and an error naming the lock,
+    /// not a wait without end.
+    #[test]
+    fn a_lock_held_elsewhere_is_an_error_after_the_lock_timeout() {
+        let dir = temp_dir("held");
+        let store = FileStore::new(&dir)
+            .unwrap()
+            .lock_timeout(Duration::from_millis(200));
+        store.set("before", b"x").unwrap();
+        let holder = File::open(dir.join(LOCK_NAME)).unwrap();
+        // SAFETY: flock on a descriptor this test owns.
+        assert_eq!(unsafe { libc::flock(holder.as_raw_fd(), libc::LOCK_EX) }, 0);
+        let start = Instant::now();
+        let e = store.add("counter", 1).unwrap_err().to_string();
+        assert!(e.contains("was held by another process"), "{e}");
+        assert!(
+            e.contains(&dir.join(LOCK_NAME).display().to_string()),
+            "{e}"
+        );
+        assert!(start.elapsed() < Duration::from_secs(10));
+        assert!(store.set("after", b"y").is_err());
+        drop(holder);
+        assert_eq!(store.add("counter", 1).unwrap(), 1);
+        let _ = fs::remove_dir_all(&dir);
     }
 
     #[test]
