@@ -743,9 +743,14 @@ enum Stream {
     Stderr,
 }
 
+/// How long a reader goes on copying once every rank has ended: what the
+/// ranks wrote is in the pipe by then; a process a rank left behind may
+/// keep writing (and hold the pipe open) for ever.
+const OUTPUT_DRAIN: Duration = Duration::from_secs(1);
+
 /// Copies `fd` to the launcher's stdout or stderr line by line, each line
-/// prefixed, until end of file, or until `done` is set and nothing more is
-/// buffered (a process the rank left behind may hold the pipe open).
+/// prefixed, until end of file, or once `done` is set until nothing more is
+/// buffered or [`OUTPUT_DRAIN`] has passed.
 fn spawn_reader(
     fd: OwnedFd,
     prefix: String,
@@ -757,8 +762,15 @@ fn spawn_reader(
         let mut file = File::from(fd);
         let mut pending: Vec<u8> = Vec::new();
         let mut buf = vec![0u8; 64 * 1024];
+        let mut drain_until = None;
         loop {
             let finishing = done.load(Ordering::SeqCst);
+            if finishing
+                && Instant::now()
+                    >= *drain_until.get_or_insert_with(|| Instant::now() + OUTPUT_DRAIN)
+            {
+                break;
+            }
             let mut pfd = libc::pollfd {
                 fd: raw,
                 events: libc::POLLIN,

@@ -451,3 +451,29 @@ fn leftover_shared_memory_of_the_job_is_removed() {
     }
     assert!(kept, "a segment of another job was removed");
 }
+
+/// A process the rank left behind that keeps writing to the rank's output
+/// must not keep the launcher from ending once every rank has exited.
+#[test]
+fn output_of_a_process_left_behind_does_not_keep_the_launcher_running() {
+    let started = Instant::now();
+    let mut cmd = launcher(&[
+        "--nproc-per-node",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        "for i in 1 2 3 4; do (yes left-behind &); done; sleep 0.3; echo rank-done; exit 0",
+    ]);
+    let run = finish(cmd.spawn().unwrap(), started);
+    assert_eq!(run.code, Some(0), "{}", run.stderr);
+    assert!(
+        run.stdout.contains("rank-done"),
+        "{}",
+        &run.stdout[..run.stdout.len().min(2000)]
+    );
+    // The rank ends after 0.3 s, and the launcher copies its output for at
+    // most 1 s more (before, it went on for as long as a writer kept the
+    // pipe busy: 4–8 s in this test on a 2-core VM, unbounded in general).
+    assert!(run.elapsed < Duration::from_secs(4), "{:?}", run.elapsed);
+}
