@@ -61,6 +61,20 @@ const POLL: Duration = Duration::from_millis(100);
 const ACCEPT_POLL: Duration = Duration::from_millis(10);
 /// How long the server waits for a client to take a reply.
 const SERVER_WRITE_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a new connection has to send its handshake, and a request its
+/// body once its length has come: a stray client (a port scanner, a
+/// connection left open) or one that trickles a large frame holds a server
+/// thread and the frame's memory only this long. (Shorter in unit tests.)
+const HANDSHAKE_TIMEOUT: Duration = if cfg!(test) {
+    Duration::from_millis(300)
+} else {
+    Duration::from_secs(10)
+};
+const REQUEST_BODY_TIMEOUT: Duration = if cfg!(test) {
+    Duration::from_millis(300)
+} else {
+    Duration::from_secs(60)
+};
 /// Shortest per-operation timeout of a client.
 const MIN_IO_TIMEOUT: Duration = Duration::from_secs(1);
 
@@ -693,7 +707,8 @@ fn serve_client_inner(stream: &TcpStream, map: &MemoryStore, stop: &AtomicBool) 
         return End::Quiet;
     }
     let mut hello = [0u8; 12];
-    if let Err(end) = read_full(stream, &mut hello, stop) {
+    let by = Instant::now() + HANDSHAKE_TIMEOUT;
+    if let Err(end) = read_full(stream, &mut hello, stop, Some(by)) {
         return end;
     }
     if &hello[..8] != CLIENT_MAGIC {
@@ -715,7 +730,8 @@ fn serve_client_inner(stream: &TcpStream, map: &MemoryStore, stop: &AtomicBool) 
     }
     loop {
         let mut len = [0u8; 4];
-        if let Err(end) = read_full(stream, &mut len, stop) {
+        // Between requests a client may be idle for the whole job.
+        if let Err(end) = read_full(stream, &mut len, stop, None) {
             return end;
         }
         let len = u32::from_le_bytes(len) as usize;
@@ -723,7 +739,8 @@ fn serve_client_inner(stream: &TcpStream, map: &MemoryStore, stop: &AtomicBool) 
             return End::Malformed(format!("a frame of {len} bytes (at most {MAX_FRAME})"));
         }
         let mut body = vec![0u8; len];
-        if let Err(end) = read_full(stream, &mut body, stop) {
+        let by = Instant::now() + REQUEST_BODY_TIMEOUT;
+        if let Err(end) = read_full(stream, &mut body, stop, Some(by)) {
             return end;
         }
         let Some(answer) = handle(&body, map, stop) else {
@@ -755,15 +772,24 @@ fn describe_bad_request(body: &[u8]) -> String {
 }
 
 /// Reads exactly `buf.len()` bytes, checking the stop flag between reads.
+/// Reads all of `buf`, by `deadline` if one is given (past it the client
+/// is dropped as malformed: it started something and did not finish it).
 fn read_full(
     mut stream: &TcpStream,
     buf: &mut [u8],
     stop: &AtomicBool,
+    deadline: Option<Instant>,
 ) -> std::result::Result<(), End> {
     let mut filled = 0;
     while filled < buf.len() {
         if stop.load(Ordering::SeqCst) {
             return Err(End::Quiet);
+        }
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            return Err(End::Malformed(format!(
+                "{filled} of {} bytes came within the time allowed",
+                buf.len()
+            )));
         }
         match stream.read(&mut buf[filled..]) {
             Ok(0) => return Err(End::Quiet),
@@ -992,6 +1018,33 @@ mod tests {
             "{e}"
         );
         assert!(e.contains("MASTER_PORT"), "{e}");
+    }
+
+    /// A connection that says nothing, and one that sends a frame's length
+    /// and then stops, are closed by the server after their time (shorter
+    /// in unit tests), instead of holding a server thread and the frame's
+    /// buffer for the whole job.
+    #[test]
+    fn silent_and_stalled_connections_are_closed() {
+        let (_host, addr) = host();
+        let mut silent = TcpStream::connect(&addr).unwrap();
+        let mut stalled = TcpStream::connect(&addr).unwrap();
+        stalled.write_all(CLIENT_MAGIC).unwrap();
+        stalled.write_all(&PROTOCOL_VERSION.to_le_bytes()).unwrap();
+        stalled.write_all(&(1u32 << 20).to_le_bytes()).unwrap();
+        stalled.write_all(&[OP_SET, 0, 0]).unwrap();
+        let start = Instant::now();
+        for raw in [&mut silent, &mut stalled] {
+            raw.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+            let mut sink = Vec::new();
+            // The handshake reply, then the end of the stream (or a reset).
+            let _ = raw.read_to_end(&mut sink);
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "{:?}",
+            start.elapsed()
+        );
     }
 
     #[test]
