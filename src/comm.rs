@@ -680,10 +680,16 @@ pub(crate) fn launch_store(
     timeout: Duration,
 ) -> Result<(Arc<dyn Store>, Option<std::net::IpAddr>)> {
     let master = format!("{}:{}", env.master_addr, env.master_port);
-    let toward = std::net::ToSocketAddrs::to_socket_addrs(&master)
-        .ok()
-        .and_then(|mut addrs| addrs.next())
-        .map(|a| a.ip());
+    // Only to pick the interface that faces the master: a name the
+    // resolver is slow on gets a few seconds here, not the timeout (the
+    // connection to the store resolves it again, by its own deadline).
+    let toward = crate::bootstrap::resolve_by(
+        &master,
+        std::time::Instant::now() + timeout.min(Duration::from_secs(5)),
+    )
+    .ok()
+    .and_then(|addrs| addrs.into_iter().next())
+    .map(|a| a.ip());
     let store: Arc<dyn Store> = if let Some(dir) = &env.file_store {
         Arc::new(FileStore::new(dir.clone())?.lock_timeout(timeout))
     } else if env.rank == 0 {

@@ -24,6 +24,7 @@ pub use env::{LaunchEnv, LaunchSource};
 pub use file::FileStore;
 pub use memory::MemoryStore;
 pub use prefix::PrefixStore;
+pub(crate) use tcp::resolve_by;
 pub use tcp::TcpStore;
 
 /// The most ranks a job may have: rendezvous waits for one key per rank,

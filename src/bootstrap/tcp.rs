@@ -492,11 +492,36 @@ fn wait_sliced(
     }
 }
 
+/// The addresses of `addr` (`host:port`), by `deadline`: a name goes to
+/// the system's resolver on a thread of its own, since `getaddrinfo` has no
+/// timeout and a slow or broken resolver blocks it for tens of seconds per
+/// try (the thread is left to finish on its own past the deadline). An
+/// address that is already numeric is parsed at once.
+pub(crate) fn resolve_by(
+    addr: &str,
+    deadline: Instant,
+) -> std::result::Result<Vec<SocketAddr>, String> {
+    if let Ok(numeric) = addr.parse::<SocketAddr>() {
+        return Ok(vec![numeric]);
+    }
+    let (tx, rx) = std::sync::mpsc::channel();
+    let name = addr.to_string();
+    std::thread::Builder::new()
+        .name("oxccl-resolve".into())
+        .spawn(move || {
+            let _ = tx.send(name.to_socket_addrs().map(Iterator::collect::<Vec<_>>));
+        })
+        .map_err(|e| format!("cannot resolve {addr}: no thread for the resolver: {e}"))?;
+    match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+        Ok(resolved) => resolved.map_err(|e| format!("cannot resolve {addr}: {e}")),
+        Err(_) => Err(format!(
+            "resolving {addr} did not finish in time (a slow or unreachable name server?)"
+        )),
+    }
+}
+
 fn try_connect(addr: &str, deadline: Instant) -> std::result::Result<TcpStream, String> {
-    let targets: Vec<SocketAddr> = addr
-        .to_socket_addrs()
-        .map_err(|e| format!("cannot resolve {addr}: {e}"))?
-        .collect();
+    let targets = resolve_by(addr, deadline)?;
     let mut last = format!("{addr} resolved to no address");
     for target in targets {
         let left = deadline.saturating_duration_since(Instant::now());
@@ -1024,6 +1049,19 @@ mod tests {
     /// and then stops, are closed by the server after their time (shorter
     /// in unit tests), instead of holding a server thread and the frame's
     /// buffer for the whole job.
+    #[test]
+    fn numeric_addresses_resolve_at_once_and_names_by_the_deadline() {
+        let passed = Instant::now();
+        let at = resolve_by("127.0.0.1:29500", passed).unwrap();
+        assert_eq!(at, vec!["127.0.0.1:29500".parse().unwrap()]);
+        let at = resolve_by("[::1]:29500", passed).unwrap();
+        assert_eq!(at, vec!["[::1]:29500".parse().unwrap()]);
+        let soon = Instant::now() + Duration::from_secs(10);
+        assert!(resolve_by("localhost:29500", soon).is_ok_and(|a| !a.is_empty()));
+        let e = resolve_by("no port", soon).unwrap_err();
+        assert!(e.contains("no port"), "{e}");
+    }
+
     #[test]
     fn silent_and_stalled_connections_are_closed() {
         let (_host, addr) = host();
