@@ -1463,6 +1463,19 @@ fn wait_for_ranks(
 /// linked by shared memory, also returns the job's arena segment (mapped by
 /// every rank, its name already removed) of `arena_bytes`.
 pub(crate) fn connect(setup: Setup) -> Result<(NetEndpoint, Option<Segment>)> {
+    let rank = setup.rank;
+    connect_rank(setup).map_err(|e| match e {
+        // The store's own errors name the store and the key, not the rank
+        // that met them; every rank reports, so say which.
+        Error::Bootstrap { context, detail } if !context.starts_with("rank ") => Error::Bootstrap {
+            context: format!("rank {rank}: rendezvous through {context}"),
+            detail,
+        },
+        other => other,
+    })
+}
+
+fn connect_rank(setup: Setup) -> Result<(NetEndpoint, Option<Segment>)> {
     let Setup {
         rank,
         world,
@@ -1922,6 +1935,62 @@ mod tests {
     /// allocates follows the bytes that came, so a frame claiming 40 GiB
     /// with 100 bytes behind it costs a wait that ends in a timeout, not
     /// an allocation of 40 GiB (which aborts the process where it fails).
+    /// A store that refuses everything, as a store server gone wrong would.
+    struct RefusingStore;
+
+    impl Store for RefusingStore {
+        fn set(&self, key: &str, _: &[u8]) -> Result<()> {
+            Err(self.refuse(key))
+        }
+        fn try_get(&self, key: &str) -> Result<Option<Vec<u8>>> {
+            Err(self.refuse(key))
+        }
+        fn add(&self, key: &str, _: i64) -> Result<i64> {
+            Err(self.refuse(key))
+        }
+        fn wait(&self, keys: &[String], _: Duration) -> Result<Vec<String>> {
+            Err(self.refuse(&keys.join(",")))
+        }
+        fn describe(&self) -> String {
+            "refusing".into()
+        }
+    }
+
+    impl RefusingStore {
+        fn refuse(&self, key: &str) -> Error {
+            Error::Bootstrap {
+                context: "store refusing".into(),
+                detail: format!("key {key:?} refused"),
+            }
+        }
+    }
+
+    /// Every rank reports its own rendezvous errors: the store's message
+    /// names the store and the key, and the rank is added to it.
+    #[test]
+    fn a_store_error_at_rendezvous_names_the_rank() {
+        let setup = |rank| Setup {
+            rank,
+            world: 4,
+            store: Arc::new(RefusingStore),
+            timeout: Duration::from_secs(1),
+            transport: TransportKind::Tcp,
+            socket_ifname: None,
+            toward: None,
+            job_id: None,
+            shm_ring_bytes: 1 << 16,
+            arena_bytes: 0,
+        };
+        for rank in [0, 3] {
+            let e = connect(setup(rank)).err().unwrap().to_string();
+            assert!(
+                e.contains(&format!("rank {rank}: rendezvous through store refusing")),
+                "{e}"
+            );
+            assert!(e.contains("refused"), "{e}");
+        }
+    }
+
     #[test]
     fn a_frame_claiming_more_than_came_allocates_only_what_came() {
         let (endpoint, mut raw) = endpoint_with_raw_peer();
