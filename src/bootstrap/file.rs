@@ -231,7 +231,21 @@ impl Store for FileStore {
         let start = Instant::now();
         let mut pending: Vec<usize> = (0..keys.len()).collect();
         loop {
-            pending.retain(|&i| !paths[i].exists());
+            // Only "no such file" is "not set yet": another error (a
+            // directory this user may not read) would never go away, and
+            // waiting it out would report it as ranks that never came.
+            let mut unreadable = None;
+            pending.retain(|&i| match fs::metadata(&paths[i]) {
+                Ok(_) => false,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => true,
+                Err(e) => {
+                    unreadable.get_or_insert((i, e));
+                    true
+                }
+            });
+            if let Some((i, e)) = unreadable {
+                return Err(self.io_error("looking for", &keys[i], e));
+            }
             let waited = start.elapsed();
             if pending.is_empty() || waited >= timeout {
                 return Ok(pending.iter().map(|&i| keys[i].clone()).collect());
@@ -285,6 +299,25 @@ mod tests {
         drop(holder);
         assert_eq!(store.add("counter", 1).unwrap(), 1);
         let _ = fs::remove_dir_all(&dir);
+    }
+
+    /// A key that cannot be looked for (here the directory became a file:
+    /// ENOTDIR; a directory this user may not read gives EACCES) is an
+    /// error at once, not a wait that ends naming the key as never set.
+    #[test]
+    fn a_wait_that_cannot_look_is_an_error_not_a_timeout() {
+        let dir = temp_dir("gone");
+        let store = FileStore::new(&dir).unwrap();
+        fs::remove_dir_all(&dir).unwrap();
+        fs::write(&dir, b"not a directory").unwrap();
+        let start = Instant::now();
+        let e = store
+            .wait(&["oxccl/rank/1".to_string()], Duration::from_secs(5))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("looking for key \"oxccl/rank/1\""), "{e}");
+        assert!(start.elapsed() < Duration::from_secs(4));
+        let _ = fs::remove_file(&dir);
     }
 
     #[test]
