@@ -1338,8 +1338,8 @@ impl Communicator {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] for color `u32::MAX` as `Some` (reserved); the
-    /// communication errors.
+    /// The communication errors. Every `Some` color, `u32::MAX` included, is
+    /// an ordinary group; only `None` joins none.
     pub fn split_or_none(&mut self, color: Option<u32>, key: i64) -> Result<Option<Communicator>> {
         let seq = self.seq;
         let mut table = vec![0u64; 2 * self.world];

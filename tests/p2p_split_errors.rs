@@ -430,3 +430,17 @@ fn a_timeout_of_duration_max_waits_long_instead_of_panicking() {
         "{timeouts:?}"
     );
 }
+
+/// `u32::MAX` is an ordinary color (`None` is what joins no group): its
+/// group forms and works.
+#[test]
+fn the_largest_color_is_an_ordinary_group() {
+    let sums = run_ranks(3, |comm| {
+        let color = if comm.rank() == 1 { 7 } else { u32::MAX };
+        let mut group = comm.split(color, 0)?;
+        let mut v = vec![1f32; 8];
+        group.all_reduce_in_place(&mut v, ReduceOp::Sum)?;
+        Ok((group.world_size(), v[0]))
+    });
+    assert_eq!(sums, vec![(2, 2.0), (1, 1.0), (2, 2.0)]);
+}
