@@ -198,6 +198,81 @@ fn a_dropped_peer_is_reported_not_waited_for() {
     }
 }
 
+/// A rank that drops a sub-communicator while keeping its parent (and so
+/// its links) is lost to the sub-communicator's later calls at once, as a
+/// rank that dropped everything is, small and large; and the parent, which
+/// it still uses, is not harmed.
+#[test]
+fn a_dropped_sub_communicator_is_reported_not_waited_for() {
+    for kind in [TransportKind::Shm, TransportKind::Tcp] {
+        let builder = Communicator::builder().timeout(Duration::from_secs(30));
+        let result = run_ranks_net(3, builder, kind, |comm| {
+            let mut waited = Duration::ZERO;
+            // A communicator fails for good at its first error, so each
+            // size gets its own sub-communicator.
+            for len in [1000, 1 << 20] {
+                let mut child = comm.split(0, 0)?;
+                if comm.rank() == 2 {
+                    drop(child);
+                    continue;
+                }
+                let start = Instant::now();
+                let mut v = vec![1.0f32; len];
+                match child.all_reduce_in_place(&mut v, ReduceOp::Sum) {
+                    Err(Error::PeerLost { peer: 2, .. }) => {}
+                    other => return Err(fail(format!("rank {} ({len}): {other:?}", comm.rank()))),
+                }
+                waited = waited.max(start.elapsed());
+            }
+            comm.barrier()?;
+            let mut v = vec![1u32; 4096];
+            comm.all_reduce_in_place(&mut v, ReduceOp::Sum)?;
+            if v.iter().any(|&x| x != 3) {
+                return Err(fail(format!("parent after the loss: {:?}", &v[..3])));
+            }
+            Ok(waited)
+        })
+        .unwrap_or_else(|e| panic!("{kind:?}: {e}"));
+        for waited in &result[..2] {
+            assert!(
+                *waited < Duration::from_secs(10),
+                "{kind:?}: waited {waited:?}"
+            );
+        }
+    }
+}
+
+/// A rank whose communicator failed, its process staying (here: aborted,
+/// then kept alive until the others are done), is lost to the others' waits
+/// at once instead of after their timeout, whichever rank they wait on.
+#[test]
+fn a_failed_rank_that_stays_is_reported_not_waited_for() {
+    let done = std::sync::Arc::new(std::sync::Barrier::new(3));
+    let builder = Communicator::builder().timeout(Duration::from_secs(20));
+    let result = run_ranks_net(3, builder, TransportKind::Tcp, move |comm| {
+        let mut v = vec![1.0f32; 1 << 18];
+        let start = Instant::now();
+        let outcome = if comm.rank() == 0 {
+            comm.abort_handle().abort();
+            match comm.all_reduce_in_place(&mut v, ReduceOp::Sum) {
+                Err(Error::Aborted { .. }) => Ok(Duration::ZERO),
+                other => Err(fail(format!("rank 0: {other:?}"))),
+            }
+        } else {
+            match comm.all_reduce_in_place(&mut v, ReduceOp::Sum) {
+                Err(Error::PeerLost { peer: 0, .. }) => Ok(start.elapsed()),
+                other => Err(fail(format!("rank {}: {other:?}", comm.rank()))),
+            }
+        };
+        done.wait();
+        outcome
+    })
+    .unwrap();
+    for waited in &result[1..] {
+        assert!(*waited < Duration::from_secs(10), "waited {waited:?}");
+    }
+}
+
 #[test]
 fn abort_unblocks_a_waiting_call() {
     let builder = Communicator::builder().timeout(Duration::from_secs(60));

@@ -311,12 +311,11 @@ impl Transport {
     }
 
     /// Tells the ranks of this transport that this rank's communicator
-    /// failed. The in-process transport fails their receives at once; over
-    /// the multi-process links a failed rank is found as they find any
-    /// other that stops sending (its goodbye, its exit, the timeout).
+    /// failed: their waits on it in this communicator fail at once.
     pub fn mark_failed(&self) {
-        if let Transport::Local(t) = self {
-            t.mark_failed();
+        match self {
+            Transport::Local(t) => t.mark_failed(),
+            Transport::Net(t) => t.mark_failed(),
         }
     }
 

@@ -41,7 +41,10 @@
 //! shared memory (checked every few milliseconds while waiting). A crashed
 //! member fails every collective of every communicator it belongs to, on
 //! every surviving rank, with `PeerLost` naming it — not only on its ring
-//! neighbours. Every wait also has the call's deadline, and
+//! neighbours. A rank that drops one communicator while its process stays
+//! (a split), or whose communicator fails, sends its members a leave frame
+//! for that context ([`KIND_LEAVE`]). Every wait also has the call's
+//! deadline, and
 //! [`NetShared::abort`] wakes it within a few milliseconds.
 
 use std::collections::{HashMap, VecDeque};
@@ -71,6 +74,14 @@ const PAYLOAD_FIRST_BYTES: usize = 16 << 20;
 const MAX_GOODBYE_BYTES: u64 = 1 << 20;
 const KIND_DATA: u8 = 0;
 const KIND_GOODBYE: u8 = 1;
+/// This rank takes no further part in one communicator (`ctx`), its
+/// process and links staying: it dropped that communicator (a split), or
+/// the communicator failed. The header's `seq` is how many collectives it
+/// had entered there, its `step` one of [`LEAVE_DROPPED`] or
+/// [`LEAVE_FAILED`]; no payload.
+const KIND_LEAVE: u8 = 2;
+const LEAVE_DROPPED: u32 = 0;
+const LEAVE_FAILED: u32 = 1;
 
 /// How often a waiting rank checks that its shared-memory peers still run.
 const LIVENESS_INTERVAL: Duration = Duration::from_millis(10);
@@ -105,7 +116,7 @@ fn decode(b: &[u8; FRAME_HEADER_BYTES]) -> std::result::Result<(u8, FrameHeader)
         return Err(format!("bad frame magic {:#010x}", u32_at(0)));
     }
     let kind = b[4];
-    if kind != KIND_DATA && kind != KIND_GOODBYE {
+    if kind != KIND_DATA && kind != KIND_GOODBYE && kind != KIND_LEAVE {
         return Err(format!("unknown frame kind {kind}"));
     }
     let space = match b[5] {
@@ -121,13 +132,17 @@ fn decode(b: &[u8; FRAME_HEADER_BYTES]) -> std::result::Result<(u8, FrameHeader)
     if kind == KIND_GOODBYE && (bytes > MAX_GOODBYE_BYTES || bytes % 16 != 0) {
         return Err(format!("goodbye of {bytes} bytes (16 per context)"));
     }
+    let step = u32_at(8);
+    if kind == KIND_LEAVE && (bytes != 0 || !matches!(step, LEAVE_DROPPED | LEAVE_FAILED)) {
+        return Err(format!("leave frame of {bytes} bytes, reason {step}"));
+    }
     Ok((
         kind,
         FrameHeader {
             ctx: u64_at(16),
             space,
             seq: u64_at(24),
-            step: u32_at(8),
+            step,
             op,
             bytes: bytes as usize,
         },
@@ -257,11 +272,26 @@ enum Gone {
     Corrupt(String),
 }
 
+/// A communicator a peer left while its process stayed (see [`KIND_LEAVE`]).
+#[derive(Clone, Copy, Debug)]
+struct Left {
+    /// How many collectives it had entered there: it sent every frame of
+    /// those it was to send, and sends nothing for later ones.
+    entered: u64,
+    /// Its communicator failed: frames it had yet to send in the calls it
+    /// entered will not come either.
+    failed: bool,
+}
+
 struct Peer {
     link: Link,
     out: VecDeque<Outgoing>,
     incoming: Incoming,
     gone: Option<Gone>,
+    /// Per context: the communicators it left (dropped or failed), its
+    /// process staying. Frames on one link arrive in order, so what it sent
+    /// there before leaving has arrived by the time this is read.
+    left: HashMap<u64, Left>,
     /// Whether the loss was reported on stderr already.
     logged: bool,
 }
@@ -704,6 +734,15 @@ impl Fabric {
             peer.gone.get_or_insert(Gone::Departed(entered));
             return;
         }
+        if kind == KIND_LEAVE {
+            let left = peer.left.entry(header.ctx).or_insert(Left {
+                entered: 0,
+                failed: false,
+            });
+            left.entered = left.entered.max(header.seq);
+            left.failed |= header.step == LEAVE_FAILED;
+            return;
+        }
         let consumed = self.consumed.get(&(header.ctx, header.space, source));
         if consumed.is_some_and(|&last| header.seq < last) {
             peer.gone = Some(Gone::Corrupt(format!(
@@ -819,6 +858,15 @@ impl Fabric {
             }
             self.log_if_lost(source);
         }
+    }
+
+    /// How `global` left the communicator `ctx`, if it did (its process
+    /// staying; see [`KIND_LEAVE`]).
+    fn left(&self, global: usize, ctx: u64) -> Option<Left> {
+        self.peers
+            .get(global)
+            .and_then(|p| p.as_ref())
+            .and_then(|p| p.left.get(&ctx).copied())
     }
 
     fn gone(&self, global: usize) -> Option<&Gone> {
@@ -1021,19 +1069,70 @@ impl NetEndpoint {
                 return Some(e);
             }
         }
+        let left = |member: usize| fabric.left(self.members[member], self.ctx);
         if let Some(h) = collective {
-            for member in involved {
+            for member in involved.clone() {
                 if let Some(Gone::Departed(entered)) = fabric.gone(self.members[member]) {
                     if entered.get(&h.ctx).is_none_or(|&n| n <= h.seq) {
                         return Some(lost(member));
                     }
                 }
+                if left(member).is_some_and(|l| l.entered <= h.seq) {
+                    return Some(lost(member));
+                }
             }
         }
-        match fabric.gone(self.members[peer]) {
-            Some(Gone::Departed(_)) => Some(lost(peer)),
-            _ => None,
+        if matches!(fabric.gone(self.members[peer]), Some(Gone::Departed(_)))
+            || left(peer).is_some_and(|l| !l.failed)
+        {
+            return Some(lost(peer));
         }
+        // Last, as a rank usually fails because another left or died, and
+        // that one is what to name: a member whose communicator failed
+        // sends nothing more in it (the awaited peer first, as it is the
+        // one that will not send).
+        std::iter::once(peer)
+            .chain(involved)
+            .find(|&m| left(m).is_some_and(|l| l.failed))
+            .map(lost)
+    }
+
+    /// Tells the other members that this rank takes no further part in
+    /// this communicator (see [`KIND_LEAVE`]): they fail the calls it will
+    /// not serve at once instead of waiting out their timeout. The frame
+    /// goes behind whatever this rank still has queued for them, so what
+    /// it sent before leaving arrives first; what is not written now is
+    /// written by the next progress pass of any call, or the goodbye.
+    fn leave(&self, reason: u32) {
+        let mut fabric = self.shared.lock();
+        let header = FrameHeader {
+            ctx: self.ctx,
+            space: Space::Collective,
+            seq: fabric.entered.get(&self.ctx).copied().unwrap_or(0),
+            step: reason,
+            op: OpKind::Barrier,
+            bytes: 0,
+        };
+        let me = fabric.rank;
+        for &global in self.members.iter().filter(|&&g| g != me) {
+            let Some(p) = fabric.peers.get_mut(global).and_then(|p| p.as_mut()) else {
+                continue;
+            };
+            if matches!(p.gone, Some(Gone::Died(_)) | Some(Gone::Corrupt(_))) {
+                continue;
+            }
+            p.out.push_back(Outgoing {
+                header: encode(KIND_LEAVE, &header),
+                payload: Payload::from_bytes(&[]),
+                written: 0,
+            });
+            Fabric::write_queued(p);
+        }
+    }
+
+    /// Tells the other members that this rank's communicator failed.
+    pub fn mark_failed(&self) {
+        self.leave(LEAVE_FAILED);
     }
 
     pub fn send(
@@ -1195,6 +1294,7 @@ impl NetEndpoint {
                     // because another rank died: look again now, and blame
                     // the dead rank rather than the messenger.
                     fabric.next_liveness_check = Instant::now();
+                    fabric.progress();
                     fabric.check_liveness();
                     if fabric.arrived.contains_key(&key) {
                         continue; // it came after all: take it above
@@ -1265,6 +1365,13 @@ impl NetEndpoint {
             }
             backoff.wait(&self.shared, deadline);
         }
+    }
+}
+
+impl Drop for NetEndpoint {
+    /// A dropped communicator leaves its group (see [`NetEndpoint::leave`]).
+    fn drop(&mut self) {
+        self.leave(LEAVE_DROPPED);
     }
 }
 
@@ -1621,6 +1728,7 @@ fn connect_rank(setup: Setup) -> Result<(NetEndpoint, Option<Segment>)> {
         out: VecDeque::new(),
         incoming: Incoming::new(),
         gone: None,
+        left: HashMap::new(),
         logged: false,
     };
 
@@ -1787,6 +1895,7 @@ mod tests {
                     out: VecDeque::new(),
                     incoming: Incoming::new(),
                     gone: None,
+                    left: HashMap::new(),
                     logged: false,
                 }),
             ],
