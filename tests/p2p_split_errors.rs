@@ -444,3 +444,39 @@ fn the_largest_color_is_an_ordinary_group() {
     });
     assert_eq!(sums, vec![(2, 2.0), (1, 1.0), (2, 2.0)]);
 }
+
+/// A rank whose zero-copy call fails after it posted its buffers (here
+/// rank 2 comes after the others' timeout) gets them back untouched: a
+/// late peer that finds the post afterwards must not read or write them
+/// once the call returned, since the caller may free or reuse them.
+#[test]
+fn buffers_of_a_failed_zero_copy_call_are_not_touched_after_it_returns() {
+    let n = 1 << 20;
+    let all_done = std::sync::Arc::new(std::sync::Barrier::new(3));
+    let builder = Communicator::builder().timeout(Duration::from_millis(300));
+    let result = run_ranks_with(3, builder, move |comm| {
+        let rank = comm.rank();
+        let mut v = vec![rank as f32 + 1.0; n];
+        if rank == 2 {
+            std::thread::sleep(Duration::from_millis(900));
+        }
+        let outcome = comm.all_reduce_in_place(&mut v, ReduceOp::Sum);
+        let after_return = v.clone();
+        all_done.wait();
+        if rank < 2 && outcome.is_ok() {
+            return Ok(format!("rank {rank} finished without rank 2"));
+        }
+        if rank == 2 && outcome.is_ok() {
+            return Ok("rank 2 ran the call on buffers returned to their owners".into());
+        }
+        // Rank 2 is done too (the barrier): nobody may have written since.
+        Ok(if v == after_return {
+            String::new()
+        } else {
+            format!("rank {rank}'s buffer changed after its call returned")
+        })
+    })
+    .unwrap();
+    let complaints: Vec<_> = result.into_iter().filter(|r| !r.is_empty()).collect();
+    assert!(complaints.is_empty(), "{complaints:?}");
+}

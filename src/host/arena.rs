@@ -220,6 +220,11 @@ const STATE_DEPARTED: u64 = 2;
 /// with the rank that caused it named, not only its direct peers.
 const STATE_FAILED: u64 = 3;
 
+/// What a rank's lane header says in place of a post it took back (see
+/// [`Arena::withdraw`]): never `k + 1` for a lane call `k`, so a peer that
+/// has not looked yet waits, and finds the rank failed.
+const REVOKED_POST: u64 = u64::MAX;
+
 /// A waiter spins for `SPIN`, then keeps spinning but yields the core
 /// every `YIELD_EVERY` (so a peer that shares the core, with more ranks
 /// than cores or a crowded host, runs within microseconds), and sleeps
@@ -1530,7 +1535,8 @@ impl Arena {
             return self.lane_all_reduce(call, sig, bufs, count, op);
         }
         if let Some(g) = self.enter_direct(call, sig, &bufs, (count, count), count, false)? {
-            return self.zero_copy_all_reduce(call, sig, bufs, g, count, op);
+            let result = self.zero_copy_all_reduce(call, sig, bufs, g, count, op);
+            return self.finish_direct(call, g, result);
         }
         let world = self.world();
         let me = self.rank;
@@ -2139,7 +2145,8 @@ impl Arena {
             return self.lane_reduce_scatter(call, sig, bufs, count, op);
         }
         if let Some(g) = self.enter_direct(call, sig, &bufs, (full, count), full, false)? {
-            return self.zero_copy_reduce_scatter(call, sig, bufs, g, count, op);
+            let result = self.zero_copy_reduce_scatter(call, sig, bufs, g, count, op);
+            return self.finish_direct(call, g, result);
         }
         let (world, me) = (self.world(), self.rank);
         // In place the output is part of the input, staged (read) just before.
@@ -2189,7 +2196,8 @@ impl Arena {
         let full = count * self.world();
         let cma_ok = self.cma_suits(OpKind::AllGather, full * std::mem::size_of::<T>());
         if let Some(g) = self.enter_direct(call, sig, &bufs, (count, full), full, cma_ok)? {
-            return self.zero_copy_copies(call, sig, bufs, g, count, None);
+            let result = self.zero_copy_copies(call, sig, bufs, g, count, None);
+            return self.finish_direct(call, g, result);
         }
         let (world, me) = (self.world(), self.rank);
         let piece = self.staged_piece::<T>();
@@ -2229,7 +2237,8 @@ impl Arena {
         }
         let cma_ok = self.cma_suits(OpKind::Broadcast, bytes);
         if let Some(g) = self.enter_direct(call, sig, &bufs, (count, count), count, cma_ok)? {
-            return self.zero_copy_copies(call, sig, bufs, g, count, Some(root));
+            let result = self.zero_copy_copies(call, sig, bufs, g, count, Some(root));
+            return self.finish_direct(call, g, result);
         }
         let me = self.rank;
         let piece = self.staged_piece::<T>();
@@ -2270,7 +2279,8 @@ impl Arena {
             return self.lane_reduce(call, sig, bufs, count, (op, root));
         }
         if let Some(g) = self.enter_direct(call, sig, &bufs, (count, count), count, false)? {
-            return self.zero_copy_reduce(call, sig, bufs, g, count, (op, root));
+            let result = self.zero_copy_reduce(call, sig, bufs, g, count, (op, root));
+            return self.finish_direct(call, g, result);
         }
         let (world, me) = (self.world(), self.rank);
         let piece = self.staged_piece::<T>();
@@ -2709,7 +2719,8 @@ impl Arena {
 /// input and output; then every rank reads (and, for all-reduce, writes)
 /// the others' buffers directly; in the second each rank says it is done,
 /// and nobody returns before everyone is, so no buffer is touched after its
-/// owner's call returned. In all-reduce rank `r` alone reads and writes
+/// owner's call returned; a rank whose call fails after its post waits in
+/// [`Arena::withdraw`] for the same. In all-reduce rank `r` alone reads and writes
 /// share `r` of every buffer; elsewhere a rank writes only its own output.
 impl Arena {
     /// Which algorithm a call of `op` with `bytes` in its largest buffer
@@ -2886,8 +2897,79 @@ impl Arena {
         let k = self.lane_post(sig, |payload| unsafe {
             std::ptr::copy_nonoverlapping(words.as_ptr(), payload.cast::<u64>(), words.len())
         });
-        self.lane_await_all(call, sig, k)?;
+        if let Err(e) = self.lane_await_all(call, sig, k) {
+            self.withdraw(call, k);
+            return Err(e);
+        }
         Ok(k)
+    }
+
+    /// Ends a direct call that entered in lane call `k` with `result` (its
+    /// body and [`leave`](Self::leave)): on an error, withdraws first.
+    fn finish_direct(&self, call: &CallInfo, k: u64, result: Result<()>) -> Result<()> {
+        if result.is_err() {
+            self.withdraw(call, k);
+        }
+        result
+    }
+
+    /// After a direct call that posted this rank's buffers in lane call `k`
+    /// failed here: takes the post back and waits until no peer can touch
+    /// the buffers any more, so that they are the caller's again when the
+    /// call returns (it may free or reuse them).
+    ///
+    /// A peer touches them only after seeing the post and before posting
+    /// lane call `k + 1` (its `leave`). So: this rank fails (peers that
+    /// look stop waiting on it) and replaces the post with
+    /// [`REVOKED_POST`]; then, for every peer that posted lane call `k`
+    /// (it may have seen ours), waits until it posts `k + 1`, fails, leaves
+    /// or dies. A peer that had not posted `k` when looked at will not see
+    /// ours: both sides store (its post, our revocation), fence, then load
+    /// the other's word, so at least one sees the other's store. The wait
+    /// ends when the peer's work does (bounded CPU or CMA copies) or its
+    /// own wait fails (its timeout, at the latest); only a peer stopped
+    /// mid-call (a debugger, `SIGSTOP`) can hold it longer, and the rank
+    /// then says on stderr what it waits for.
+    fn withdraw(&self, call: &CallInfo, k: u64) {
+        self.mark_failed();
+        self.lane_header(self.rank, k)
+            .posted
+            .store(REVOKED_POST, Ordering::SeqCst);
+        std::sync::atomic::fence(Ordering::SeqCst);
+        let start = Instant::now();
+        for p in (0..self.world()).filter(|&p| p != self.rank) {
+            let mut told = false;
+            let mut next_liveness = Instant::now();
+            loop {
+                let using = self.lane_header(p, k).posted.load(Ordering::Acquire) == k + 1
+                    && self.lane_header(p, k + 1).posted.load(Ordering::Acquire) != k + 2
+                    && !matches!(self.state(p), STATE_DEPARTED | STATE_FAILED);
+                if !using {
+                    break;
+                }
+                let now = Instant::now();
+                if self.watch_pids && now >= next_liveness {
+                    next_liveness = now + LIVENESS_INTERVAL;
+                    let pid = self.peer_pid(p) as u32;
+                    if pid != 0 && !crate::transport::shm::process_alive(pid) {
+                        break;
+                    }
+                }
+                if !told && now >= start + self.timeout {
+                    told = true;
+                    eprintln!(
+                        "oxccl: rank {}: {} #{} failed; waiting for rank {p}, which still \
+                         works on this rank's buffers, before returning",
+                        call.rank, call.op, call.seq
+                    );
+                }
+                if now < start + SLEEP_AFTER {
+                    std::thread::yield_now();
+                } else {
+                    std::thread::sleep(Duration::from_micros(50));
+                }
+            }
+        }
     }
 
     /// Rank `p`'s `(input, output)` addresses, posted in lane call `k`, as
