@@ -15,7 +15,7 @@ use crate::host::shared::{SharedBuffer, SharedRegion};
 use crate::schedule;
 use crate::transport::local::{LocalEndpoint, LocalGroup};
 use crate::transport::net::{self, NetShared, TransportKind};
-use crate::transport::{Space, Transport};
+use crate::transport::{Space, Transport, TransportError};
 use crate::types::{DType, Element, OpKind, Rank, ReduceOp};
 
 /// Default wait before a peer is declared unresponsive.
@@ -586,6 +586,9 @@ fn run_in_arena<T: Element>(
     info: &CallInfo,
     bufs: Bufs<'_, T>,
 ) -> Result<()> {
+    if arena.aborted() {
+        return Err(info.error(desc.rank, TransportError::Aborted));
+    }
     arena.maybe_remeasure_stores(info)?;
     let count = desc.count();
     let root = desc.root.unwrap_or(0);
@@ -918,7 +921,9 @@ impl Communicator {
             seq,
             signature: arena::signature(OpKind::AllReduce, T::DTYPE as u8, Some(op), 0, count),
         };
-        let result = if arena.lane_fits(count * std::mem::size_of::<T>()) {
+        let result = if arena.aborted() {
+            Err(info.error(self.rank, TransportError::Aborted))
+        } else if arena.lane_fits(count * std::mem::size_of::<T>()) {
             arena.lane_all_reduce(&info, &sig, bufs, count, op)
         } else {
             arena

@@ -480,3 +480,28 @@ fn buffers_of_a_failed_zero_copy_call_are_not_touched_after_it_returns() {
     let complaints: Vec<_> = result.into_iter().filter(|r| !r.is_empty()).collect();
     assert!(complaints.is_empty(), "{complaints:?}");
 }
+
+/// After `abort()`, a call whose peers have all posted already (nothing to
+/// wait for) still returns an error rather than completing.
+#[test]
+fn a_call_after_abort_fails_even_when_nothing_waits() {
+    let aborted = std::sync::Arc::new(std::sync::Barrier::new(2));
+    let result = run_ranks_with(2, Communicator::builder(), move |comm| {
+        if comm.rank() == 0 {
+            comm.abort_handle().abort();
+        }
+        aborted.wait();
+        let mut outcomes = Vec::new();
+        for len in [2, 16 << 10, 1 << 20] {
+            let mut v = vec![1.0f32; len];
+            outcomes.push(comm.all_reduce_in_place(&mut v, ReduceOp::Sum).is_err());
+        }
+        let mut v = vec![1.0f32; 64];
+        outcomes.push(comm.broadcast_in_place(&mut v, 0).is_err());
+        Ok(outcomes)
+    })
+    .unwrap();
+    for (rank, outcomes) in result.iter().enumerate() {
+        assert!(outcomes.iter().all(|&e| e), "rank {rank}: {outcomes:?}");
+    }
+}

@@ -1198,6 +1198,12 @@ impl Arena {
         })
     }
 
+    /// Whether the group was aborted (see `Communicator::abort`): a call
+    /// looks before it starts, since its waits look only once they wait.
+    pub fn aborted(&self) -> bool {
+        self.aborted.load(Ordering::Relaxed)
+    }
+
     /// Tells the other ranks that this rank's communicator failed and
     /// that it takes part in no further call (see [`STATE_FAILED`]).
     pub fn mark_failed(&self) {
