@@ -859,6 +859,7 @@ impl Communicator {
             world: self.world,
             reduce_op: desc.reduce_op.unwrap_or(ReduceOp::Sum),
             timeout: self.config.timeout,
+            digest: CallInfo::digest_of(&desc),
         };
         let result = match (self.uses_arena(&desc), self.arena.as_mut()) {
             (true, Some(arena)) => run_in_arena(arena, &desc, &info, bufs),
@@ -916,6 +917,7 @@ impl Communicator {
             world: self.world,
             reduce_op: op,
             timeout: self.config.timeout,
+            digest: 0,
         };
         let sig = CallSig {
             seq,
@@ -1286,6 +1288,7 @@ impl Communicator {
                     world: self.world,
                     reduce_op: ReduceOp::Sum,
                     timeout: self.config.timeout,
+                    digest: 0,
                 };
                 let sig = CallSig {
                     seq: info.seq,
@@ -1383,6 +1386,7 @@ impl Communicator {
                     world: self.world,
                     reduce_op: ReduceOp::Sum,
                     timeout: self.config.timeout,
+                    digest: 0,
                 };
                 let made = arena.make_child(&info, seq, members.as_deref(), ctx);
                 if let Err(e) = &made {

@@ -558,3 +558,67 @@ fn a_failed_call_withdraws_what_it_posted_ahead() {
     })
     .unwrap();
 }
+
+/// Calls that agree on the operation and on each frame's size but not on
+/// the element type, the reduce operation or the element count are a
+/// `Mismatch` over the links (TCP, and the in-process ring) rather than a
+/// wrong result or a truncated receive. (An eager send is done once its
+/// frames are queued: the receive is the one told.)
+#[test]
+fn calls_that_differ_only_in_type_op_or_count_are_mismatches() {
+    fn mismatch(result: oxccl::Result<()>) -> Result<(), Error> {
+        match result {
+            Err(Error::Mismatch { .. }) => Ok(()),
+            // The peer's own error names this rank as failed.
+            Err(Error::PeerLost { .. }) => Ok(()),
+            other => Err(fail(format!("{other:?}"))),
+        }
+    }
+    type Body = fn(&mut Communicator) -> oxccl::Result<()>;
+    let cases: [(&str, Body); 3] = [
+        ("f32 against i32", |comm| {
+            if comm.rank() == 0 {
+                comm.all_reduce_in_place(&mut [1.0f32; 4096], ReduceOp::Sum)
+            } else {
+                comm.all_reduce_in_place(&mut [1i32; 4096], ReduceOp::Sum)
+            }
+        }),
+        ("sum against max", |comm| {
+            let op = if comm.rank() == 0 {
+                ReduceOp::Sum
+            } else {
+                ReduceOp::Max
+            };
+            comm.all_reduce_in_place(&mut [1.0f32; 4096], op)
+        }),
+        ("a send of twice the receive", |comm| {
+            if comm.rank() == 0 {
+                comm.send(&vec![1.0f32; 1 << 17], 1)?;
+                Err(Error::Mismatch {
+                    op: oxccl::OpKind::Send,
+                    seq: 0,
+                    rank: 0,
+                    peer: 1,
+                    detail: "not the sender's to tell".into(),
+                })
+            } else {
+                comm.recv(&mut vec![0.0f32; 1 << 16], 0)
+            }
+        }),
+    ];
+    for (what, body) in cases {
+        let builder = Communicator::builder()
+            .timeout(Duration::from_secs(10))
+            .chunk_bytes(64 << 10);
+        let over_tcp = run_ranks_net(2, builder.clone(), TransportKind::Tcp, move |comm| {
+            mismatch(body(comm))
+        });
+        let ring = builder.algo(oxccl::Algo::Ring);
+        let in_process = common::run_ranks_with(2, ring, move |comm| mismatch(body(comm)));
+        for (how, outcome) in [("tcp", over_tcp), ("threads, ring", in_process)] {
+            if let Err(e) = outcome {
+                panic!("{what} ({how}): {e}");
+            }
+        }
+    }
+}

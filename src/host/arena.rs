@@ -656,6 +656,7 @@ impl Arena {
             world: self.world(),
             reduce_op: ReduceOp::Sum,
             timeout: self.timeout,
+            digest: 0,
         };
         let sig = CallSig {
             seq: u64::MAX,
@@ -822,6 +823,7 @@ impl Arena {
                     world: c.world,
                     reduce_op: c.reduce_op,
                     timeout: c.timeout,
+                    digest: c.digest,
                 },
                 CallSig {
                     seq: c.seq,

@@ -132,9 +132,32 @@ pub(crate) struct CallInfo {
     pub world: usize,
     pub reduce_op: ReduceOp,
     pub timeout: Duration,
+    /// What every rank of this call agrees on, folded into 32 bits and
+    /// carried by its frames ([`FrameHeader::call`]): see
+    /// [`CallInfo::digest_of`].
+    pub digest: u32,
 }
 
 impl CallInfo {
+    /// The digest of a call described by `desc`: element type, reduce
+    /// operation, root and element count (for point-to-point, where a send
+    /// meets a receive, element type and count only).
+    pub(crate) fn digest_of(desc: &crate::desc::CollectiveDesc) -> u32 {
+        let word = match desc.op {
+            OpKind::Send | OpKind::Recv => {
+                crate::host::arena::signature(OpKind::Send, desc.dtype as u8, None, 0, desc.count())
+            }
+            op => crate::host::arena::signature(
+                op,
+                desc.dtype as u8,
+                desc.reduce_op,
+                desc.root.unwrap_or(0),
+                desc.count(),
+            ),
+        };
+        (word ^ (word >> 32)) as u32
+    }
+
     pub(crate) fn error(&self, peer: Rank, e: TransportError) -> Error {
         let (op, seq, rank) = (self.op, self.seq, self.rank);
         match e {
@@ -181,6 +204,7 @@ fn header<T: Element>(info: &CallInfo, step: u32, len: usize) -> FrameHeader {
             Space::Collective => info.op,
         },
         bytes: len * std::mem::size_of::<T>(),
+        call: info.digest,
     }
 }
 

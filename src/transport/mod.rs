@@ -20,8 +20,8 @@ pub(crate) enum Space {
 }
 
 /// What identifies and describes a frame. `(source, ctx, space, seq, step)`
-/// identifies it; `op` and `bytes` are checked on arrival so that ranks
-/// running different operations are told so instead of corrupting data.
+/// identifies it; `op`, `bytes` and `call` are checked on arrival so that
+/// ranks running different calls are told so instead of corrupting data.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct FrameHeader {
     /// The communicator's context id (distinct for every split).
@@ -32,6 +32,15 @@ pub(crate) struct FrameHeader {
     pub step: u32,
     pub op: OpKind,
     pub bytes: usize,
+    /// A digest of the call the frame belongs to ([`CallInfo::digest`]):
+    /// element type, reduce operation, root and element count, which the
+    /// ranks of one call agree on and which `op` and a piece's `bytes` do
+    /// not show (an `f32` sum against an `i32` one, or a send of twice
+    /// what the receive takes, whose first piece matches). 0 for frames
+    /// that are not a call's (goodbye, leave).
+    ///
+    /// [`CallInfo::digest`]: crate::host::executor::CallInfo::digest
+    pub call: u32,
 }
 
 impl FrameHeader {
@@ -49,6 +58,13 @@ impl FrameHeader {
             return Err(TransportError::Mismatch(format!(
                 "peer sent {} bytes where {} were expected (counts differ between ranks?)",
                 self.bytes, expect.bytes
+            )));
+        }
+        if self.call != expect.call {
+            return Err(TransportError::Mismatch(format!(
+                "peer runs another {} (call digest {:#010x} against this rank's {:#010x}): \
+                 element type, reduce operation, root or element count differ between ranks",
+                self.op, self.call, expect.call
             )));
         }
         Ok(())

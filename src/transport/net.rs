@@ -7,7 +7,8 @@
 //! # Frames on a link
 //!
 //! A link is a byte stream. Each frame is a 40-byte header (magic, kind,
-//! space, operation, step, context, sequence number, byte count) followed by
+//! space, operation, step, call digest, context, sequence number, byte
+//! count) followed by
 //! the payload. The receiver checks the magic and bounds of every header: a
 //! malformed one marks the link broken (an error naming the peer), never a
 //! panic or a wild allocation. A frame whose sequence number is below what
@@ -98,6 +99,7 @@ fn encode(kind: u8, h: &FrameHeader) -> [u8; FRAME_HEADER_BYTES] {
     };
     b[6] = h.op.code();
     b[8..12].copy_from_slice(&h.step.to_le_bytes());
+    b[12..16].copy_from_slice(&h.call.to_le_bytes());
     b[16..24].copy_from_slice(&h.ctx.to_le_bytes());
     b[24..32].copy_from_slice(&h.seq.to_le_bytes());
     b[32..40].copy_from_slice(&(h.bytes as u64).to_le_bytes());
@@ -145,6 +147,7 @@ fn decode(b: &[u8; FRAME_HEADER_BYTES]) -> std::result::Result<(u8, FrameHeader)
             step,
             op,
             bytes: bytes as usize,
+            call: u32_at(12),
         },
     ))
 }
@@ -1112,6 +1115,7 @@ impl NetEndpoint {
             step: reason,
             op: OpKind::Barrier,
             bytes: 0,
+            call: 0,
         };
         let me = fabric.rank;
         for &global in self.members.iter().filter(|&&g| g != me) {
@@ -1392,6 +1396,7 @@ impl Drop for Fabric {
             step: 0,
             op: OpKind::Barrier,
             bytes: entered.len(),
+            call: 0,
         };
         for peer in self.peers.iter_mut().flatten() {
             if peer.gone.is_none() || matches!(peer.gone, Some(Gone::Departed(_))) {
@@ -1928,6 +1933,7 @@ mod tests {
             step: 0,
             op: OpKind::AllReduce,
             bytes: 8,
+            call: 0,
         }
     }
 
@@ -2203,6 +2209,7 @@ mod tests {
             step: 5,
             op: OpKind::ReduceScatter,
             bytes: 4096,
+            call: 0x5eed_cafe,
         };
         let (kind, back) = decode(&encode(KIND_DATA, &h)).unwrap();
         assert_eq!(kind, KIND_DATA);
