@@ -38,9 +38,12 @@ pub fn reduced_value<T: Element>(world: usize, index: usize, op: ReduceOp) -> T 
             if T::DTYPE.is_float() {
                 T::from_f64(sum as f64 / world as f64)
             } else {
-                // The sum is positive and small, so wrapping then truncating
-                // equals truncating the exact quotient.
-                T::from_i64_wrapping(sum / world as i64)
+                // As the reductions do: the sum wraps in the type (an `i8`
+                // sum of 128 is -128), then the quotient truncates toward
+                // zero. `to_f64` is exact for every integer of 32 bits or
+                // less, and 64-bit sums here are far from wrapping.
+                let wrapped = T::from_i64_wrapping(sum).to_f64() as i64;
+                T::from_i64_wrapping(wrapped / world as i64)
             }
         }
     }
@@ -489,4 +492,20 @@ pub fn every_collective_every_dtype(
     every_collective::<u32>(comm, counts)?;
     every_collective::<i64>(comm, counts)?;
     every_collective::<u64>(comm, counts)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Integer averages wrap the sum in the type before dividing, as the
+    /// reductions do: 64 ranks' `i8` inputs at index 1 sum to 128, which is
+    /// -128 in an `i8`, and -128 / 64 = -2.
+    #[test]
+    fn an_integer_average_divides_the_wrapped_sum() {
+        assert_eq!(reduced_value::<i8>(64, 1, ReduceOp::Avg), -2);
+        assert_eq!(reduced_value::<i8>(65, 0, ReduceOp::Avg), -1); // 129 → -127
+        assert_eq!(reduced_value::<u8>(4, 0, ReduceOp::Avg), 1); // (1+2+3+1) / 4
+        assert_eq!(reduced_value::<i32>(64, 1, ReduceOp::Avg), 2);
+    }
 }
