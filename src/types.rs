@@ -218,7 +218,7 @@ impl DType {
     ];
 
     /// Size of one element in bytes.
-    pub fn size(self) -> usize {
+    pub const fn size(self) -> usize {
         match self {
             DType::I8 | DType::U8 => 1,
             DType::F16 | DType::BF16 => 2,
@@ -273,12 +273,26 @@ impl fmt::Display for DType {
     }
 }
 
+/// Seals [`Element`]: the trait is public but unnameable outside the crate.
+mod sealed {
+    pub trait Sealed {}
+}
+
 /// An element type that oxccl can reduce and move.
 ///
 /// Sealed: implemented for `f32 f64 f16 bf16 i8 u8 i32 u32 i64 u64` and nothing
-/// else, because every backend must implement every reduction for every type.
+/// else, because every backend must implement every reduction for every type,
+/// and the device paths size transfers by [`DTYPE`](Element::DTYPE): a
+/// foreign type tagged with a wider one would make them overrun its buffers.
 pub trait Element:
-    bytemuck::Pod + PartialEq + fmt::Debug + Send + Sync + 'static + crate::host::reduce::Kernels
+    bytemuck::Pod
+    + PartialEq
+    + fmt::Debug
+    + Send
+    + Sync
+    + 'static
+    + crate::host::reduce::Kernels
+    + sealed::Sealed
 {
     /// The run-time tag of this type.
     const DTYPE: DType;
@@ -304,6 +318,15 @@ macro_rules! int_element {
         }
     )*};
 }
+
+// Every element type's tag states its size: transfers are sized by it.
+macro_rules! sealed_element {
+    ($($t:ty),* $(,)?) => {$(
+        impl sealed::Sealed for $t {}
+        const _: () = assert!(std::mem::size_of::<$t>() == <$t as Element>::DTYPE.size());
+    )*};
+}
+sealed_element!(i8, u8, i32, u32, i64, u64, f32, f64, half::f16, half::bf16);
 int_element!(i8 => I8, u8 => U8, i32 => I32, u32 => U32, i64 => I64, u64 => U64);
 
 impl Element for f32 {
