@@ -153,8 +153,9 @@ fn parse_size(s: &str) -> Result<usize, String> {
         _ => (s, 1),
     };
     num.parse::<usize>()
-        .map(|n| n * mul)
-        .map_err(|_| format!("bad size {s:?}"))
+        .ok()
+        .and_then(|n| n.checked_mul(mul))
+        .ok_or_else(|| format!("bad size {s:?}"))
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -256,6 +257,15 @@ fn parse_args() -> Result<Args, String> {
     }
     if a.ranks == 0 || a.factor < 2 || a.min_bytes > a.max_bytes || a.iters == 0 {
         return Err("need -t >= 1, -f >= 2, -b <= -e and -n >= 1".into());
+    }
+    if a.min_bytes == 0 && a.sizes.is_none() {
+        // 0 times the factor stays 0: the size list would never end.
+        return Err("need -b >= 1 (a zero-byte row: --sizes 0,...)".into());
+    }
+    // Under a launcher the world size is known once the communicator is
+    // (-t and -np are not passed to the ranks); the call then checks.
+    if under_launcher() {
+        return Ok(a);
     }
     if a.coll.rooted() && a.root >= a.ranks {
         return Err(format!(
@@ -591,6 +601,9 @@ struct Row {
 
 /// Everything one run measured.
 struct RunResult {
+    /// This process's rank and the world size, from its communicator.
+    rank: usize,
+    ranks: usize,
     wrong: u64,
     busbw_sum: f64,
     rows: Vec<Row>,
@@ -628,8 +641,11 @@ fn count_for(a: &Args, size: usize, elem: usize, n: usize) -> usize {
     (size / unit) * unit / elem
 }
 
-/// One table line, nccl-tests' columns plus the algorithm.
-fn print_row(a: &Args, row: &Row) {
+/// One table line, nccl-tests' columns plus the algorithm. The count
+/// column is nccl-tests' too: elements per rank for the collectives where
+/// each rank holds a block (all-gather's input, reduce-scatter's output,
+/// all-to-all's block), of `n` ranks.
+fn print_row(a: &Args, row: &Row, n: usize) {
     let mut cols = String::new();
     for k in 0..2 {
         let wrong = if a.check {
@@ -651,7 +667,11 @@ fn print_row(a: &Args, row: &Row) {
     println!(
         "{:>12}  {:>12}  {:>8}  {redop:>6}  {root:>6}{cols}  {:>8}",
         row.bytes,
-        row.count,
+        if a.coll.per_rank() {
+            row.count / n.max(1)
+        } else {
+            row.count
+        },
         a.dtype.name(),
         row.algo
     );
@@ -662,6 +682,8 @@ fn bench<T: Element>(comm: &mut Communicator, a: &Args) -> oxccl::Result<RunResu
     let elem = std::mem::size_of::<T>();
     let sizes = size_list(a);
     let mut result = RunResult {
+        rank: comm.rank(),
+        ranks: comm.world_size(),
         wrong: 0,
         busbw_sum: 0.0,
         rows: Vec::new(),
@@ -698,7 +720,7 @@ fn bench<T: Element>(comm: &mut Communicator, a: &Args) -> oxccl::Result<RunResu
                 (s.time_us, algbw, busbw, s.wrong);
         }
         if comm.rank() == 0 {
-            print_row(a, &row);
+            print_row(a, &row, n);
         }
         result.rows.push(row);
     }
@@ -840,9 +862,16 @@ fn main() -> ExitCode {
     } else {
         run_on_host(&a)
     };
-    let rank0 = !under_launcher() || std::env::var("RANK").map_or(true, |r| r == "0");
     match result {
-        Ok(_) if !rank0 => ExitCode::SUCCESS,
+        // Only rank 0 prints the footer and writes the files (under
+        // mpirun or srun too, where RANK is not set).
+        Ok(run) if run.rank != 0 => {
+            if run.wrong == 0 {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            }
+        }
         Ok(run) => {
             let rows = 2 * run.rows.len();
             println!(
@@ -883,7 +912,7 @@ fn run_label(a: &Args, run: &RunResult) -> String {
             "oxccl {} {} {}x{} {}",
             a.coll.name(),
             a.dtype.name(),
-            a.ranks,
+            run.ranks,
             if a.processes.is_some() || under_launcher() {
                 "proc"
             } else {

@@ -132,6 +132,8 @@ fn bench<T: Element + DeviceRepr>(
     let n = comm.world_size();
     let elem = std::mem::size_of::<T>();
     let mut result = RunResult {
+        rank: comm.rank(),
+        ranks: comm.world_size(),
         wrong: 0,
         busbw_sum: 0.0,
         rows: Vec::new(),
@@ -162,7 +164,7 @@ fn bench<T: Element + DeviceRepr>(
                 (time_us, algbw, busbw, wrong);
         }
         if comm.rank() == 0 {
-            print_row(a, &row);
+            print_row(a, &row, n);
         }
         result.rows.push(row);
     }

@@ -51,7 +51,7 @@ pub fn to_json(label: &str, a: &Args, run: &RunResult) -> String {
         quote(a.coll.name()),
         quote(a.dtype.name()),
         quote(a.op.name()),
-        a.ranks,
+        run.ranks,
         quote(&run.transport),
     );
     for (i, r) in run.rows.iter().enumerate() {
@@ -233,7 +233,10 @@ mod json {
                     }
                     std::str::from_utf8(&self.bytes[start..self.at])
                         .ok()
-                        .and_then(|t| t.parse().ok())
+                        .and_then(|t| t.parse::<f64>().ok())
+                        // `1e999` parses as infinity, which no figure is
+                        // (and which the plot's axes cannot span).
+                        .filter(|v| v.is_finite())
                         .map(Value::Num)
                         .ok_or_else(|| format!("bad value at byte {start}"))
                 }
@@ -459,6 +462,8 @@ mod tests {
             "[1,2",
             "{\"a\" 1}",
             "\"\\u12",
+            // Infinite figures (the plot's axis loop never ended on one).
+            "{\"rows\": [{\"bytes\": 8, \"busbw\": 1e999}]}",
         ] {
             assert!(parse_json(bad).is_err(), "{bad}");
         }
