@@ -1,11 +1,15 @@
 //! Deterministic inputs with closed-form results, shared by the tests and by
 //! `oxccl-perf`'s `-c` check.
 //!
-//! Rank `r`'s element `i` is `1 + (r + i) mod 3` (for `Prod`, `1 + (r + i) mod 2`,
-//! so products are powers of two). Every partial result of every reduction of
-//! up to 85 ranks is then an integer exactly representable in every type
-//! (bf16 holds integers up to 256 exactly), so the expected value is exact:
-//! integer types wrap, as the reductions do.
+//! Rank `r`'s element `i` is `1 + h(r, i) mod 3` (for `Prod`, `1 + h(r, i) mod
+//! 2`, so products are powers of two), `h` a hash: every value is 1, 2 or 3.
+//! Every partial result of every reduction of up to 85 ranks is then an
+//! integer exactly representable in every type (bf16 holds integers up to 256
+//! exactly), so the expected value is exact: integer types wrap, as the
+//! reductions do. The hash, not a period, decides the pattern: with `(r + i)
+//! mod 3` a block moved by a multiple of 3 elements (an all-gather whose
+//! blocks are, or a reduce-scatter that hands every rank block 0) and one
+//! rank's data in another's place read the same.
 
 use crate::comm::Communicator;
 use crate::error::Error;
@@ -15,7 +19,12 @@ use half::{bf16, f16};
 /// Rank `rank`'s input element at global index `index`.
 pub fn input_value(rank: Rank, index: usize, op: ReduceOp) -> i64 {
     let modulus = if op == ReduceOp::Prod { 2 } else { 3 };
-    1 + ((rank + index) % modulus) as i64
+    // splitmix64's finaliser over (rank, index).
+    let mut z = (index as u64) ^ (rank as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    1 + (z % modulus) as i64
 }
 
 /// Fills `buf` with rank `rank`'s inputs, for global indices starting at `first_index`.
@@ -499,13 +508,34 @@ mod tests {
     use super::*;
 
     /// Integer averages wrap the sum in the type before dividing, as the
-    /// reductions do: 64 ranks' `i8` inputs at index 1 sum to 128, which is
-    /// -128 in an `i8`, and -128 / 64 = -2.
+    /// reductions do: 64 ranks' `i8` inputs sum past 127 (about 128 on
+    /// average), and a sum of 128 is -128 in an `i8`, so its average is -2.
     #[test]
     fn an_integer_average_divides_the_wrapped_sum() {
-        assert_eq!(reduced_value::<i8>(64, 1, ReduceOp::Avg), -2);
-        assert_eq!(reduced_value::<i8>(65, 0, ReduceOp::Avg), -1); // 129 → -127
-        assert_eq!(reduced_value::<u8>(4, 0, ReduceOp::Avg), 1); // (1+2+3+1) / 4
-        assert_eq!(reduced_value::<i32>(64, 1, ReduceOp::Avg), 2);
+        let mut wrapped_any = false;
+        for index in 0..64 {
+            let sum: i64 = (0..64).map(|r| input_value(r, index, ReduceOp::Avg)).sum();
+            wrapped_any |= sum > 127;
+            let expected = (sum as i8 as i64 / 64) as i8;
+            assert_eq!(reduced_value::<i8>(64, index, ReduceOp::Avg), expected);
+            assert_eq!(
+                reduced_value::<i32>(64, index, ReduceOp::Avg),
+                (sum / 64) as i32
+            );
+        }
+        assert!(wrapped_any);
+    }
+
+    /// The pattern has no short period: blocks of a multiple of 3 elements
+    /// (all-gather's, reduce-scatter's) differ, and so do ranks.
+    #[test]
+    fn blocks_and_ranks_differ() {
+        let block = |rank: Rank, first: usize| {
+            (first..first + 12).map(move |i| input_value(rank, i, ReduceOp::Sum))
+        };
+        assert!(!block(0, 0).eq(block(0, 12)));
+        assert!(!block(0, 0).eq(block(3, 0)));
+        assert!((0..1000).all(|i| (1..=3).contains(&input_value(7, i, ReduceOp::Sum))));
+        assert!((0..1000).all(|i| (1..=2).contains(&input_value(7, i, ReduceOp::Prod))));
     }
 }

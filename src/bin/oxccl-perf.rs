@@ -499,7 +499,11 @@ fn prepare<T: Element>(
             expected = (0..count).map(|i| Some(input(0, i))).collect();
         }
         Coll::Broadcast => {
-            fill(&mut send, a.root, 0, op);
+            // Only the root's input holds data: elsewhere zeros, which no
+            // input is, so a broadcast that copied its own input would fail.
+            if rank == a.root {
+                fill(&mut send, a.root, 0, op);
+            }
             expected = (0..count).map(|i| Some(input(a.root, i))).collect();
         }
         Coll::SendRecv => {
@@ -545,22 +549,6 @@ fn measure<T: Element>(
     in_place: bool,
 ) -> oxccl::Result<Sample> {
     let (rank, n) = (comm.rank(), comm.world_size());
-    let mut wrong = 0u64;
-    if a.check {
-        let (b, expected) = prepare::<T>(a, rank, n, count, in_place);
-        let mut b = place(comm, a, b)?;
-        run_once(comm, a, &mut b, in_place)?;
-        let got = if a.coll == Coll::Reduce && !in_place && rank != a.root {
-            &b.recv[..0]
-        } else {
-            &b.recv[..]
-        };
-        wrong = got
-            .iter()
-            .zip(&expected)
-            .filter(|(g, e)| e.is_some_and(|e| **g != e))
-            .count() as u64;
-    }
     let (b, _) = prepare::<T>(a, rank, n, count, in_place);
     let mut b = place(comm, a, b)?;
     for _ in 0..a.warmup {
@@ -573,6 +561,26 @@ fn measure<T: Element>(
     }
     let elapsed = start.elapsed();
     let direct = comm.last_direct_algorithm();
+    let mut wrong = 0u64;
+    if a.check {
+        // As nccl-tests does: after the timed calls, on the same buffers
+        // (refilled), so the call checked takes the paths the timed ones
+        // took.
+        let (fresh, expected) = prepare::<T>(a, rank, n, count, in_place);
+        b.send.copy_from_slice(&fresh.send);
+        b.recv.copy_from_slice(&fresh.recv);
+        run_once(comm, a, &mut b, in_place)?;
+        let got = if a.coll == Coll::Reduce && !in_place && rank != a.root {
+            &b.recv[..0]
+        } else {
+            &b.recv[..]
+        };
+        wrong = got
+            .iter()
+            .zip(&expected)
+            .filter(|(g, e)| e.is_some_and(|e| **g != e))
+            .count() as u64;
+    }
     drop(b);
     let mut t = [elapsed.as_secs_f64() * 1e6 / a.iters as f64];
     // The slowest rank's time, and every rank's wrong values.
