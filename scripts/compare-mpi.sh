@@ -147,7 +147,9 @@ run_perf() {
     local iters=()
     while [ "$1" != -- ]; do iters+=("$1"); shift; done
     shift
-    OXCCL_TRANSPORT=$TRANSPORT "$PERF" -np "$RANKS" "$@" --sizes "$sizes" "${iters[@]}" -c 1 \
+    # -a 3: the slowest rank's time, as mpi_coll_bench reports (oxccl-perf's
+    # default is nccl-tests' mean over the ranks).
+    OXCCL_TRANSPORT=$TRANSPORT "$PERF" -np "$RANKS" "$@" --sizes "$sizes" "${iters[@]}" -c 1 -a 3 \
         -J "$OUT/raw/oxccl-$rep-$label.json" >"$OUT/raw/oxccl-$rep-$label.txt" 2>&1
 }
 

@@ -27,6 +27,8 @@ usage: oxccl-perf [options]
   -n, --iters <n>         timed iterations per size (default 20)
   -w, --warmup_iters <n>  untimed iterations per size (default 5)
   -c, --check <0|1>       check results (default 1)
+  -a, --average <0..3>    the time reported: rank 0's (0), the ranks' mean (1, default,
+                          as nccl-tests), their minimum (2) or maximum (3)
   -d, --datatype <type>   int8 uint8 int32 uint32 int64 uint64 half float double bfloat16 (default float)
   -o, --op <op>           sum prod max min avg (default sum)
   -r, --root <rank>       root of broadcast and reduce (default 0)
@@ -116,6 +118,48 @@ impl Coll {
     }
 }
 
+/// nccl-tests' `-a`: which time of the ranks' is reported.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum TimeAcrossRanks {
+    Rank0,
+    Mean,
+    Min,
+    Max,
+}
+
+impl TimeAcrossRanks {
+    fn from_code(code: usize) -> Option<TimeAcrossRanks> {
+        [Self::Rank0, Self::Mean, Self::Min, Self::Max]
+            .get(code)
+            .copied()
+    }
+
+    /// What this rank contributes (its time, `t`) to an all-reduce by
+    /// [`reduce_op`](Self::reduce_op), whose result divided by
+    /// [`divisor`](Self::divisor) is the figure.
+    fn contribution(self, t: f64, rank: usize) -> f64 {
+        match self {
+            Self::Rank0 if rank != 0 => 0.0,
+            _ => t,
+        }
+    }
+
+    fn reduce_op(self) -> ReduceOp {
+        match self {
+            Self::Rank0 | Self::Mean => ReduceOp::Sum,
+            Self::Min => ReduceOp::Min,
+            Self::Max => ReduceOp::Max,
+        }
+    }
+
+    fn divisor(self, ranks: usize) -> f64 {
+        match self {
+            Self::Mean => ranks.max(1) as f64,
+            _ => 1.0,
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 struct Args {
     min_bytes: usize,
@@ -124,6 +168,8 @@ struct Args {
     iters: usize,
     warmup: usize,
     check: bool,
+    /// `-a`: how the ranks' times make the one reported.
+    average: TimeAcrossRanks,
     dtype: DType,
     op: ReduceOp,
     root: usize,
@@ -166,6 +212,7 @@ fn parse_args() -> Result<Args, String> {
         iters: 20,
         warmup: 5,
         check: true,
+        average: TimeAcrossRanks::Mean,
         dtype: DType::F32,
         op: ReduceOp::Sum,
         root: 0,
@@ -213,6 +260,10 @@ fn parse_args() -> Result<Args, String> {
             "-n" | "--iters" => a.iters = num()?,
             "-w" | "--warmup_iters" => a.warmup = num()?,
             "-c" | "--check" => a.check = num()? != 0,
+            "-a" | "--average" => {
+                a.average = TimeAcrossRanks::from_code(num()?)
+                    .ok_or_else(|| format!("{flag}: 0 (rank 0), 1 (mean), 2 (min) or 3 (max)"))?
+            }
             "-d" | "--datatype" => {
                 a.dtype =
                     DType::from_name(value).ok_or_else(|| format!("unknown datatype {value:?}"))?
@@ -582,13 +633,14 @@ fn measure<T: Element>(
             .count() as u64;
     }
     drop(b);
-    let mut t = [elapsed.as_secs_f64() * 1e6 / a.iters as f64];
-    // The slowest rank's time, and every rank's wrong values.
-    comm.all_reduce_in_place(&mut t, ReduceOp::Max)?;
+    let mine = elapsed.as_secs_f64() * 1e6 / a.iters as f64;
+    // The ranks' time as `-a` asks, and every rank's wrong values.
+    let mut t = [a.average.contribution(mine, rank)];
+    comm.all_reduce_in_place(&mut t, a.average.reduce_op())?;
     let mut w = [wrong];
     comm.all_reduce_in_place(&mut w, ReduceOp::Sum)?;
     Ok(Sample {
-        time_us: t[0],
+        time_us: t[0] / a.average.divisor(n),
         wrong: w[0],
         direct,
     })

@@ -63,7 +63,8 @@ fn upload<T: Element + DeviceRepr>(
         .map_err(|e| format!("rank {}: copying to the GPU: {e}", comm.rank()))
 }
 
-/// One measurement: (slowest rank's µs per call, wrong values on every rank).
+/// One measurement: (µs per call, the ranks' as `-a` asks; wrong values on
+/// every rank).
 fn measure<T: Element + DeviceRepr>(
     comm: &mut DeviceCommunicator,
     a: &Args,
@@ -110,17 +111,17 @@ fn measure<T: Element + DeviceRepr>(
     comm.synchronize().map_err(err)?;
     let ms = start.elapsed_ms(&end).map_err(cuda)?;
     let mut time_us = f64::from(ms) * 1e3 / a.iters as f64;
-    // The slowest rank's time and every rank's wrong count, reduced on the
-    // GPUs themselves (the only link device communicators have).
-    let mut t = upload(comm, &[time_us])?;
-    comm.all_reduce_in_place(&mut t, ReduceOp::Max)
+    // The ranks' time as `-a` asks and every rank's wrong count, reduced
+    // on the GPUs themselves (the only link device communicators have).
+    let mut t = upload(comm, &[a.average.contribution(time_us, rank)])?;
+    comm.all_reduce_in_place(&mut t, a.average.reduce_op())
         .map_err(err)?;
     let mut w = upload(comm, &[wrong])?;
     comm.all_reduce_in_place(&mut w, ReduceOp::Sum)
         .map_err(err)?;
     comm.synchronize().map_err(err)?;
     let copy = |e: cudarc::driver::DriverError| format!("rank {rank}: copying from the GPU: {e}");
-    time_us = comm.stream().clone_dtoh(&t).map_err(copy)?[0];
+    time_us = comm.stream().clone_dtoh(&t).map_err(copy)?[0] / a.average.divisor(n);
     wrong = comm.stream().clone_dtoh(&w).map_err(copy)?[0];
     Ok((time_us, wrong))
 }
