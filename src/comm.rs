@@ -525,7 +525,7 @@ impl CommBuilder {
         let config = self.config()?;
         if n == 0 {
             return Err(Error::InvalidArgument {
-                op: OpKind::Split,
+                op: OpKind::Init,
                 rank: 0,
                 arg: "n",
                 reason: "a group needs at least one rank".into(),
@@ -637,7 +637,7 @@ fn run_in_arena<T: Element>(
         OpKind::Barrier => arena.barrier(info, &sig),
         // `uses_arena` keeps these on the point-to-point links, and
         // allocation has its own entry point.
-        OpKind::Send | OpKind::Recv | OpKind::AllocShared => Err(Error::Failed {
+        OpKind::Send | OpKind::Recv | OpKind::AllocShared | OpKind::Init => Err(Error::Failed {
             op: desc.op,
             rank,
             first_error: "internal error: point-to-point call routed to the arena".into(),
@@ -658,7 +658,7 @@ const NO_COLOR: u64 = u64::MAX;
 pub(crate) fn check_rank(rank: Rank, world_size: usize) -> Result<()> {
     if world_size > crate::bootstrap::MAX_WORLD_SIZE {
         return Err(Error::InvalidArgument {
-            op: OpKind::Split,
+            op: OpKind::Init,
             rank,
             arg: "world_size",
             reason: format!(
@@ -669,7 +669,7 @@ pub(crate) fn check_rank(rank: Rank, world_size: usize) -> Result<()> {
     }
     if rank >= world_size {
         return Err(Error::InvalidArgument {
-            op: OpKind::Split,
+            op: OpKind::Init,
             rank,
             arg: "rank",
             reason: format!("rank {rank} is out of range for world size {world_size}"),
@@ -1438,6 +1438,9 @@ mod tests {
             .local_group(10_000_000_000_000)
             .err();
         assert!(e.is_some_and(|e| e.to_string().contains("at most")));
+        // Named as the call that was made, not as a split.
+        let e = check_rank(5, 4).unwrap_err().to_string();
+        assert!(e.contains("init") && !e.contains("split"), "{e}");
     }
 
     #[test]

@@ -201,7 +201,7 @@ impl CollectiveDesc {
             OpKind::ReduceScatter | OpKind::AllGather | OpKind::AllToAll | OpKind::Split => {
                 self.recv_len() / world
             }
-            OpKind::Barrier | OpKind::AllocShared => 0,
+            OpKind::Barrier | OpKind::AllocShared | OpKind::Init => 0,
         }
     }
 

@@ -50,11 +50,15 @@ pub enum OpKind {
     Split,
     /// [`Communicator::alloc_shared`](crate::Communicator::alloc_shared).
     AllocShared,
+    /// Making a communicator: [`CommBuilder::init`](crate::CommBuilder::init),
+    /// [`CommBuilder::local_group`](crate::CommBuilder::local_group) and
+    /// their kin (arguments checked before any rendezvous).
+    Init,
 }
 
 impl OpKind {
     /// Every operation, in the order of their wire codes.
-    const ALL: [OpKind; 11] = [
+    const ALL: [OpKind; 12] = [
         OpKind::AllReduce,
         OpKind::ReduceScatter,
         OpKind::AllGather,
@@ -66,6 +70,7 @@ impl OpKind {
         OpKind::Barrier,
         OpKind::Split,
         OpKind::AllocShared,
+        OpKind::Init,
     ];
 
     /// The operation's code in frame headers: its index in [`Self::ALL`]
@@ -85,6 +90,7 @@ impl OpKind {
             OpKind::Barrier => 8,
             OpKind::Split => 9,
             OpKind::AllocShared => 10,
+            OpKind::Init => 11,
         }
     }
 
@@ -107,6 +113,7 @@ impl OpKind {
             OpKind::Barrier => "barrier",
             OpKind::Split => "split",
             OpKind::AllocShared => "alloc_shared",
+            OpKind::Init => "init",
         }
     }
 }

@@ -289,7 +289,9 @@ impl NcclCall {
             OpKind::AllToAll => NcclCall::AllToAll {
                 block: recv_len / world,
             },
-            OpKind::Barrier | OpKind::Split | OpKind::AllocShared => NcclCall::Barrier,
+            OpKind::Barrier | OpKind::Split | OpKind::AllocShared | OpKind::Init => {
+                NcclCall::Barrier
+            }
         }
     }
 }

@@ -333,8 +333,8 @@ pub fn plan_with(desc: &CollectiveDesc, chunk_bytes: usize, family: Family) -> P
         // Split exchanges (color, key) pairs with an in-place all-gather.
         OpKind::Split => ring::all_gather(rank, world, desc.count(), piece_elems, true, &mut steps),
         OpKind::Barrier => tree::barrier(rank, world, &mut steps),
-        // Allocation moves no data over the links.
-        OpKind::AllocShared => {}
+        // Allocation and set-up move no data over the links.
+        OpKind::AllocShared | OpKind::Init => {}
     }
     Plan {
         steps,
