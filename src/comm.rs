@@ -536,6 +536,10 @@ impl CommBuilder {
         let members: Vec<usize> = (0..n).collect();
         let mut arenas: Vec<Option<Arena>> = if n > 1 && config.algo != Algo::Ring {
             Arena::local_group(n, group.abort_flag(), config.timeout)
+                .ok_or_else(|| Error::Bootstrap {
+                    context: format!("local_group of {n} ranks"),
+                    detail: "the system would not allocate their shared arena".into(),
+                })?
                 .into_iter()
                 .map(Some)
                 .collect()
@@ -1305,7 +1309,12 @@ impl Communicator {
                 }
                 region?
             }
-            _ => Arc::new(SharedRegion::heap(0, bytes)),
+            _ => Arc::new(
+                SharedRegion::heap(0, bytes).ok_or_else(|| Error::Bootstrap {
+                    context: format!("rank {}: alloc_shared", self.rank),
+                    detail: format!("the system would not allocate {bytes} bytes"),
+                })?,
+            ),
         };
         Ok(SharedBuffer::new(region, len))
     }

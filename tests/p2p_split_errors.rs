@@ -505,3 +505,20 @@ fn a_call_after_abort_fails_even_when_nothing_waits() {
         assert!(outcomes.iter().all(|&e| e), "rank {rank}: {outcomes:?}");
     }
 }
+
+/// An allocation the system refuses is an error on every rank, not an
+/// abort of the process, and the communicator goes on working.
+#[test]
+fn an_alloc_shared_too_large_for_the_system_is_an_error() {
+    let result = run_ranks_with(2, Communicator::builder(), |comm| {
+        let refused = matches!(
+            comm.alloc_shared::<u8>(1 << 46),
+            Err(Error::Bootstrap { .. })
+        );
+        let mut v = vec![1u32; 4096];
+        comm.all_reduce_in_place(&mut v, ReduceOp::Sum)?;
+        Ok(refused && v.iter().all(|&x| x == 2))
+    })
+    .unwrap();
+    assert_eq!(result, vec![true, true]);
+}

@@ -369,16 +369,13 @@ impl Drop for Memory {
     }
 }
 
-/// A zeroed, page-aligned heap block for the arena of threads.
-fn heap_memory(geometry: Geometry) -> Arc<Memory> {
-    let layout =
-        std::alloc::Layout::from_size_align(geometry.bytes(), 4096).expect("arena layout is valid");
+/// A zeroed, page-aligned heap block for the arena of threads; `None` when
+/// the system will not give that much (a group of very many threads).
+fn heap_memory(geometry: Geometry) -> Option<Arc<Memory>> {
+    let layout = std::alloc::Layout::from_size_align(geometry.bytes(), 4096).ok()?;
     // SAFETY: the layout has a non-zero size.
     let base = unsafe { std::alloc::alloc_zeroed(layout) };
-    if base.is_null() {
-        std::alloc::handle_alloc_error(layout);
-    }
-    Arc::new(Memory::Heap { base, layout })
+    (!base.is_null()).then(|| Arc::new(Memory::Heap { base, layout }))
 }
 
 /// What a call told the arena about itself (for headers and errors).
@@ -597,11 +594,16 @@ enum Direct {
 }
 
 impl Arena {
-    /// Arenas for `n` threads of one process (element `i` is rank `i`).
-    pub fn local_group(n: usize, aborted: Arc<AtomicBool>, timeout: Duration) -> Vec<Arena> {
+    /// Arenas for `n` threads of one process (element `i` is rank `i`);
+    /// `None` when their memory cannot be had.
+    pub fn local_group(
+        n: usize,
+        aborted: Arc<AtomicBool>,
+        timeout: Duration,
+    ) -> Option<Vec<Arena>> {
         let geometry = Geometry::new(n);
-        let memory = heap_memory(geometry);
-        (0..n)
+        let memory = heap_memory(geometry)?;
+        let arenas = (0..n)
             .map(|rank| {
                 Arena::attach(
                     memory.clone(),
@@ -612,7 +614,8 @@ impl Arena {
                     timeout,
                 )
             })
-            .collect()
+            .collect();
+        Some(arenas)
     }
 
     /// This process's handle on a shared segment made by
@@ -2625,8 +2628,10 @@ impl Arena {
         let g = self.begin(call)?;
         let mut made_segment = None;
         let handle: u64 = match (leads, geometry, &*self.memory) {
+            // Without the memory the group uses the links, as on shared
+            // memory below.
             (true, Some(geometry), Memory::Heap { .. }) => {
-                Arc::into_raw(heap_memory(geometry)) as usize as u64
+                heap_memory(geometry).map_or(0, |m| Arc::into_raw(m) as usize as u64)
             }
             (true, Some(geometry), Memory::Shm(parent)) => {
                 match Segment::create_with_region(
@@ -3043,7 +3048,17 @@ impl Arena {
         let id = self.next_shared;
         self.next_shared += 1;
         let region = if !self.watch_pids {
-            Arc::new(SharedRegion::heap(id, bytes))
+            // Every rank says whether it got its block, so that all fail
+            // alike and stay in step.
+            let mine = SharedRegion::heap(id, bytes);
+            let mine_err = mine
+                .is_none()
+                .then(|| format!("the system would not allocate {bytes} bytes"));
+            self.agree(call, sig, mine_err, "allocate its block")?;
+            Arc::new(mine.ok_or_else(|| crate::error::Error::Bootstrap {
+                context: format!("rank {}: alloc_shared", self.rank),
+                detail: "a block is missing after set-up".into(),
+            })?)
         } else {
             let prefix = match &*self.memory {
                 Memory::Shm(arena_segment) => arena_segment.name().to_owned(),

@@ -45,23 +45,20 @@ unsafe impl Send for SharedRegion {}
 unsafe impl Sync for SharedRegion {}
 
 impl SharedRegion {
-    /// A zeroed, page-aligned block of this process's heap.
-    pub fn heap(id: u64, bytes: usize) -> SharedRegion {
-        // `Communicator::alloc_shared` keeps `bytes` within isize::MAX − 4096.
-        let layout = std::alloc::Layout::from_size_align(bytes.max(1), 4096)
-            .unwrap_or_else(|_| panic!("alloc_shared: {bytes} bytes exceed one allocation"));
+    /// A zeroed, page-aligned block of this process's heap; `None` when
+    /// the system will not give that much (an error for the caller to
+    /// report, not an abort: the size is the user's).
+    pub fn heap(id: u64, bytes: usize) -> Option<SharedRegion> {
+        let layout = std::alloc::Layout::from_size_align(bytes.max(1), 4096).ok()?;
         // SAFETY: non-zero size.
         let own = unsafe { std::alloc::alloc_zeroed(layout) };
-        if own.is_null() {
-            std::alloc::handle_alloc_error(layout);
-        }
-        SharedRegion {
+        (!own.is_null()).then(|| SharedRegion {
             id,
             bytes,
             own,
             maps: Vec::new(),
             backing: Backing::Heap(layout),
-        }
+        })
     }
 
     /// A region over every rank's segment (`segments[rank]`, this rank's
