@@ -8,7 +8,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::run_ranks_with;
+use common::{run_ranks, run_ranks_with};
 use oxccl::check::{edge_counts, every_collective_every_dtype};
 use oxccl::{Algo, Communicator, ReduceOp};
 
@@ -149,5 +149,54 @@ fn collectives_on_alloc_shared_buffers_between_threads() {
                 .map_err(|e| fail(e.to_string()))
         })
         .unwrap_or_else(|e| panic!("world {world} {algo:?}: {e}"));
+    }
+}
+
+/// Every rank receives identical bits, NaN payloads and signs included,
+/// whatever its buffers' alignment: ranks fold separately in the one-shot
+/// and lane paths, and a kernel's scalar head and vector body must not
+/// pick different NaNs.
+#[test]
+fn every_rank_gets_the_same_nan_bits_whatever_its_alignment() {
+    let cases = [3usize, 40, 1000, 20_000].into_iter().flat_map(|len| {
+        [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min, ReduceOp::Prod]
+            .into_iter()
+            .flat_map(move |op| (1..8).map(move |shift| (len, op, shift)))
+    });
+    for (len, op, shift) in cases {
+        {
+            let outs = run_ranks(2, move |comm| {
+                let rank = comm.rank();
+                let nan = if rank == 0 {
+                    0x7fc0_0001u32
+                } else {
+                    0xffc0_0002u32
+                };
+                let input: Vec<f32> = (0..len)
+                    .map(|i| {
+                        if i % 3 == 0 {
+                            f32::from_bits(nan)
+                        } else {
+                            i as f32
+                        }
+                    })
+                    .collect();
+                // Rank 1's output starts `4 · shift` bytes past a 32-byte
+                // boundary, rank 0's on one.
+                let mut store = vec![0f32; len + 16];
+                let skip = (store.as_ptr() as usize / 4) % 8;
+                let at = if rank == 0 {
+                    (8 - skip) % 8
+                } else {
+                    (8 - skip + shift) % 8
+                };
+                comm.all_reduce(&input, &mut store[at..at + len], op)?;
+                Ok(store[at..at + len]
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect::<Vec<u32>>())
+            });
+            assert_eq!(outs[0], outs[1], "len {len}, {op:?}, shift {shift}");
+        }
     }
 }

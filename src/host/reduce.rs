@@ -452,8 +452,13 @@ float_kernels!(f32, f64);
 /// Minimum that propagates NaN (unlike `f32::min`, which drops it).
 #[inline(always)]
 fn nan_min<T: num_like::Float>(a: T, b: T) -> T {
+    // The first NaN, quieted (x + x keeps x's payload and sign): `a + b`
+    // leaves the pick to the compiler, which may commute the operands in
+    // one loop and not in another (a rank's scalar head against another's
+    // vector body gave ranks different NaNs).
     if a.is_nan_() || b.is_nan_() {
-        a.add_(b)
+        let first = if a.is_nan_() { a } else { b };
+        first.add_(first)
     } else if b < a {
         b
     } else {
@@ -464,8 +469,13 @@ fn nan_min<T: num_like::Float>(a: T, b: T) -> T {
 /// Maximum that propagates NaN (unlike `f32::max`, which drops it).
 #[inline(always)]
 fn nan_max<T: num_like::Float>(a: T, b: T) -> T {
+    // The first NaN, quieted (x + x keeps x's payload and sign): `a + b`
+    // leaves the pick to the compiler, which may commute the operands in
+    // one loop and not in another (a rank's scalar head against another's
+    // vector body gave ranks different NaNs).
     if a.is_nan_() || b.is_nan_() {
-        a.add_(b)
+        let first = if a.is_nan_() { a } else { b };
+        first.add_(first)
     } else if b > a {
         b
     } else {
