@@ -112,6 +112,17 @@ impl Coll {
         }
     }
 
+    /// The variants measured: out of place, and in place where the
+    /// collective has one (all-to-all has none here, as in NCCL: its
+    /// in-place columns read N/A).
+    fn variants(self) -> &'static [bool] {
+        if self == Coll::AllToAll {
+            &[false]
+        } else {
+            &[false, true]
+        }
+    }
+
     /// Whether the count must divide by the number of ranks.
     fn per_rank(self) -> bool {
         matches!(self, Coll::AllGather | Coll::ReduceScatter | Coll::AllToAll)
@@ -665,7 +676,10 @@ struct RunResult {
     rank: usize,
     ranks: usize,
     wrong: u64,
+    /// The busbw figures measured, summed, and how many (for the footer's
+    /// average).
     busbw_sum: f64,
+    busbw_count: usize,
     rows: Vec<Row>,
     transport: String,
 }
@@ -713,6 +727,10 @@ fn print_row(a: &Args, row: &Row, n: usize) {
         } else {
             "N/A".into()
         };
+        if k >= a.coll.variants().len() {
+            cols += &format!("  {:>7}  {:>6}  {:>6}  {:>5}", "N/A", "N/A", "N/A", "N/A");
+            continue;
+        }
         cols += &format!(
             "  {:7.2}  {:6.2}  {:6.2}  {:>5}",
             row.time_us[k], row.algbw[k], row.busbw[k], wrong
@@ -746,6 +764,7 @@ fn bench<T: Element>(comm: &mut Communicator, a: &Args) -> oxccl::Result<RunResu
         ranks: comm.world_size(),
         wrong: 0,
         busbw_sum: 0.0,
+        busbw_count: 0,
         rows: Vec::new(),
         transport: comm.transport_description(),
     };
@@ -763,7 +782,7 @@ fn bench<T: Element>(comm: &mut Communicator, a: &Args) -> oxccl::Result<RunResu
             algo: comm.algorithm_for::<T>(op_kind(a.coll), bytes).to_string(),
             ..Row::default()
         };
-        for (k, in_place) in [false, true].into_iter().enumerate() {
+        for (k, &in_place) in a.coll.variants().iter().enumerate() {
             let s = measure::<T>(comm, a, count, in_place)?;
             if a.shared {
                 // What actually ran: zero copy needs every rank's buffers
@@ -776,6 +795,7 @@ fn bench<T: Element>(comm: &mut Communicator, a: &Args) -> oxccl::Result<RunResu
             let busbw = algbw * a.coll.bus_factor(n);
             result.wrong += s.wrong;
             result.busbw_sum += busbw;
+            result.busbw_count += 1;
             (row.time_us[k], row.algbw[k], row.busbw[k], row.wrong[k]) =
                 (s.time_us, algbw, busbw, s.wrong);
         }
@@ -933,7 +953,6 @@ fn main() -> ExitCode {
             }
         }
         Ok(run) => {
-            let rows = 2 * run.rows.len();
             println!(
                 "# Out of bounds values : {} {}",
                 run.wrong,
@@ -941,8 +960,8 @@ fn main() -> ExitCode {
             );
             println!(
                 "# Avg bus bandwidth    : {:.4}",
-                if rows > 0 {
-                    run.busbw_sum / rows as f64
+                if run.busbw_count > 0 {
+                    run.busbw_sum / run.busbw_count as f64
                 } else {
                     0.0
                 }

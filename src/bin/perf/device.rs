@@ -137,6 +137,7 @@ fn bench<T: Element + DeviceRepr>(
         ranks: comm.world_size(),
         wrong: 0,
         busbw_sum: 0.0,
+        busbw_count: 0,
         rows: Vec::new(),
         transport: comm.backend_description(),
     };
@@ -155,12 +156,13 @@ fn bench<T: Element + DeviceRepr>(
             algo: comm.algorithm_for(super::op_kind(a.coll)).into(),
             ..Row::default()
         };
-        for (k, in_place) in [false, true].into_iter().enumerate() {
+        for (k, &in_place) in a.coll.variants().iter().enumerate() {
             let (time_us, wrong) = measure::<T>(comm, a, count, in_place)?;
             let algbw = bytes as f64 / time_us / 1e3;
             let busbw = algbw * a.coll.bus_factor(n);
             result.wrong += wrong;
             result.busbw_sum += busbw;
+            result.busbw_count += 1;
             (row.time_us[k], row.algbw[k], row.busbw[k], row.wrong[k]) =
                 (time_us, algbw, busbw, wrong);
         }

@@ -60,8 +60,7 @@ pub fn to_json(label: &str, a: &Args, run: &RunResult) -> String {
         }
         out += &format!(
             "\n  {{\"bytes\": {}, \"count\": {}, \"algo\": {}, \
-             \"time_us\": {}, \"algbw\": {}, \"busbw\": {}, \"wrong\": {}, \
-             \"time_us_ip\": {}, \"algbw_ip\": {}, \"busbw_ip\": {}, \"wrong_ip\": {}}}",
+             \"time_us\": {}, \"algbw\": {}, \"busbw\": {}, \"wrong\": {}",
             r.bytes,
             r.count,
             quote(&r.algo),
@@ -69,11 +68,18 @@ pub fn to_json(label: &str, a: &Args, run: &RunResult) -> String {
             num(r.algbw[0]),
             num(r.busbw[0]),
             r.wrong[0],
-            num(r.time_us[1]),
-            num(r.algbw[1]),
-            num(r.busbw[1]),
-            r.wrong[1],
         );
+        // A collective without an in-place variant has no in-place fields.
+        if a.coll.variants().len() > 1 {
+            out += &format!(
+                ", \"time_us_ip\": {}, \"algbw_ip\": {}, \"busbw_ip\": {}, \"wrong_ip\": {}",
+                num(r.time_us[1]),
+                num(r.algbw[1]),
+                num(r.busbw[1]),
+                r.wrong[1],
+            );
+        }
+        out.push('}');
     }
     out.push_str("\n]}\n");
     out
