@@ -9,7 +9,9 @@
 //! them: when one rank fails, the others are stopped (`SIGTERM`, then
 //! `SIGKILL` after [`LaunchSpec::kill_grace`]), so a job never hangs on a
 //! dead peer. `SIGINT`, `SIGTERM` and `SIGHUP` sent to the launcher are
-//! forwarded to every rank. Children are killed by the kernel if the
+//! forwarded to every rank, except those from the terminal (Ctrl-C, a
+//! hang-up), which the ranks, in the launcher's process group, get
+//! themselves (then the kill grace runs as after a forward). Children are killed by the kernel if the
 //! launcher dies (`PR_SET_PDEATHSIG`).
 //!
 //! ```no_run
@@ -628,12 +630,22 @@ impl Job {
             if sig != 0 {
                 interrupted.get_or_insert(sig);
                 let running = self.running();
-                say(&format!(
-                    "interrupted by {}; forwarding it to the {running} running rank{}",
-                    signal_name(sig).unwrap_or("a signal"),
-                    plural(running)
-                ));
-                self.signal_running(sig);
+                let name = signal_name(sig).unwrap_or("a signal");
+                if PENDING_FROM_TERMINAL.load(Ordering::SeqCst) {
+                    // A second copy would cut short the ranks' own handling
+                    // of the first (Python's KeyboardInterrupt, a flush).
+                    say(&format!(
+                        "interrupted by {name} from the terminal, which the {running} running \
+                         rank{} got too",
+                        plural(running)
+                    ));
+                } else {
+                    say(&format!(
+                        "interrupted by {name}; forwarding it to the {running} running rank{}",
+                        plural(running)
+                    ));
+                    self.signal_running(sig);
+                }
                 kill_at.get_or_insert_with(|| Instant::now() + self.kill_grace);
             }
 
@@ -881,8 +893,16 @@ fn random_u64() -> u64 {
 
 /// The last signal received and not yet forwarded (0: none).
 static PENDING_SIGNAL: AtomicI32 = AtomicI32::new(0);
+/// Whether it came from the terminal (Ctrl-C, a hang-up): the kernel sends
+/// those to the whole foreground process group, and the ranks, which stay
+/// in the launcher's group, have it already.
+static PENDING_FROM_TERMINAL: AtomicBool = AtomicBool::new(false);
 
-extern "C" fn on_signal(sig: libc::c_int) {
+extern "C" fn on_signal(sig: libc::c_int, info: *mut libc::siginfo_t, _: *mut libc::c_void) {
+    // SAFETY: with SA_SIGINFO the kernel passes a valid siginfo_t (checked
+    // for null all the same); reading a field is async-signal-safe.
+    let from_terminal = !info.is_null() && unsafe { (*info).si_code } == libc::SI_KERNEL;
+    PENDING_FROM_TERMINAL.store(from_terminal, Ordering::SeqCst);
     PENDING_SIGNAL.store(sig, Ordering::SeqCst);
 }
 
@@ -903,8 +923,10 @@ impl SignalGuard {
             // and the handler only stores to an atomic (async-signal-safe).
             unsafe {
                 let mut action: libc::sigaction = std::mem::zeroed();
-                action.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as usize;
-                action.sa_flags = libc::SA_RESTART;
+                action.sa_sigaction = on_signal
+                    as extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void)
+                    as usize;
+                action.sa_flags = libc::SA_RESTART | libc::SA_SIGINFO;
                 libc::sigemptyset(&mut action.sa_mask);
                 let mut old: libc::sigaction = std::mem::zeroed();
                 if libc::sigaction(sig, &action, &mut old) == 0 {

@@ -362,6 +362,98 @@ fn sigterm_to_the_launcher_is_forwarded() {
     assert!(r.elapsed < Duration::from_secs(5), "{:?}", r.elapsed);
 }
 
+/// Ctrl-C at a terminal reaches every process of its foreground group, the
+/// ranks included: the launcher does not send them a second copy, which
+/// would cut short their handling of the first.
+#[test]
+fn ctrl_c_at_the_terminal_reaches_each_rank_once() {
+    let dir = scratch_dir("ctrl-c");
+    let script = format!(
+        "trap 'echo got >> {0}/int.$RANK' INT; touch {0}/ready.$RANK; \
+         for i in 1 2 3 4 5 6 7 8 9 10; do sleep 0.2 & wait; done",
+        dir.display()
+    );
+    let (mut master, mut slave) = (0, 0);
+    // SAFETY: openpty writes two descriptors; the null arguments are allowed.
+    let opened = unsafe {
+        libc::openpty(
+            &mut master,
+            &mut slave,
+            std::ptr::null_mut(),
+            std::ptr::null(),
+            std::ptr::null(),
+        )
+    };
+    assert_eq!(opened, 0, "openpty: {}", std::io::Error::last_os_error());
+    let tty = |fd: i32| {
+        // SAFETY: dup of a descriptor this test owns; Stdio takes the copy.
+        Stdio::from(unsafe { std::os::fd::OwnedFd::from_raw_fd(libc::dup(fd)) })
+    };
+    let mut cmd = Command::new(LAUNCHER);
+    cmd.args([
+        "-np",
+        "2",
+        "--master-port",
+        "29614",
+        "--kill-grace",
+        "5",
+        "--",
+        "/bin/sh",
+        "-c",
+        &script,
+    ])
+    .env_remove("OXCCL_JOB_ID")
+    .stdin(tty(slave))
+    .stdout(tty(slave))
+    .stderr(tty(slave));
+    use std::os::fd::FromRawFd;
+    use std::os::unix::process::CommandExt;
+    // SAFETY: setsid and ioctl are async-signal-safe; the child makes the
+    // terminal its controlling one, as a login shell's job would have.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::setsid() < 0 || libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().unwrap();
+    // SAFETY: closing the test's copy of the slave end.
+    unsafe { libc::close(slave) };
+    // Drain the terminal so the ranks never block writing to it.
+    let reader = thread::spawn(move || {
+        // SAFETY: the master descriptor stays open until this thread ends.
+        let mut file = unsafe { std::fs::File::from_raw_fd(master) };
+        let mut out = Vec::new();
+        let _ = file.read_to_end(&mut out);
+        String::from_utf8_lossy(&out).into_owned()
+    });
+    wait_for_files(&dir, &["ready.0", "ready.1"]);
+    // SAFETY: writes one byte from a live buffer to the master.
+    assert_eq!(
+        unsafe { libc::write(master, b"\x03".as_ptr().cast(), 1) },
+        1
+    );
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(started.elapsed() < DEADLINE, "the launcher did not finish");
+        thread::sleep(Duration::from_millis(20));
+    };
+    let counts: Vec<usize> = (0..2)
+        .map(|rank| {
+            std::fs::read_to_string(dir.join(format!("int.{rank}")))
+                .map_or(0, |t| t.lines().count())
+        })
+        .collect();
+    let _ = std::fs::remove_dir_all(&dir);
+    drop(reader);
+    assert_eq!(counts, vec![1, 1], "SIGINTs per rank ({status:?})");
+}
+
 #[test]
 fn port_in_use_on_node_0_is_a_clear_error_and_starts_nothing() {
     let dir = scratch_dir("port");
