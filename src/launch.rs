@@ -934,6 +934,20 @@ impl SignalGuard {
                 }
             }
         }
+        // A launcher started with SIGCHLD ignored (inherited from a daemon
+        // or a shell that set it) would have its ranks reaped by the
+        // kernel: waiting for them then fails (ECHILD), and every rank that
+        // ended read as failed. The default disposition keeps them ours.
+        // SAFETY: as above; SIG_DFL installs no handler.
+        unsafe {
+            let mut action: libc::sigaction = std::mem::zeroed();
+            action.sa_sigaction = libc::SIG_DFL;
+            libc::sigemptyset(&mut action.sa_mask);
+            let mut old: libc::sigaction = std::mem::zeroed();
+            if libc::sigaction(libc::SIGCHLD, &action, &mut old) == 0 {
+                previous.push((libc::SIGCHLD, old));
+            }
+        }
         SignalGuard { previous }
     }
 }

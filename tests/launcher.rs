@@ -454,6 +454,35 @@ fn ctrl_c_at_the_terminal_reaches_each_rank_once() {
     assert_eq!(counts, vec![1, 1], "SIGINTs per rank ({status:?})");
 }
 
+/// A launcher started with SIGCHLD ignored (inherited) still waits for its
+/// ranks and reports how they ended, instead of finding them gone.
+#[test]
+fn an_inherited_ignored_sigchld_does_not_lose_the_ranks() {
+    let mut cmd = launcher(&[
+        "-np",
+        "2",
+        "--master-port",
+        "29615",
+        "--",
+        "/bin/sh",
+        "-c",
+        "sleep 0.2; exit 0",
+    ]);
+    use std::os::unix::process::CommandExt;
+    // SAFETY: signal is async-signal-safe; an ignored disposition survives
+    // the exec, as from a parent that ignored SIGCHLD.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::signal(libc::SIGCHLD, libc::SIG_IGN);
+            Ok(())
+        });
+    }
+    let started = Instant::now();
+    let r = finish(cmd.spawn().unwrap(), started);
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    assert!(!r.stderr.contains("exited with status"), "{}", r.stderr);
+}
+
 #[test]
 fn port_in_use_on_node_0_is_a_clear_error_and_starts_nothing() {
     let dir = scratch_dir("port");
