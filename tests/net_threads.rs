@@ -622,3 +622,40 @@ fn calls_that_differ_only_in_type_op_or_count_are_mismatches() {
         }
     }
 }
+
+/// Ranks that disagree on a broadcast's root each only send: over the links
+/// the frame nobody received is found at the end of that call or of the
+/// next, a `Mismatch`, instead of every rank returning `Ok` with its own
+/// data.
+#[test]
+fn a_broadcast_whose_ranks_disagree_on_the_root_is_a_mismatch() {
+    let builder = Communicator::builder().timeout(Duration::from_secs(10));
+    run_ranks_net(2, builder, TransportKind::Tcp, |comm| {
+        let mut v = vec![comm.rank() as f32; 4096];
+        let root = comm.rank();
+        let first = comm.broadcast_in_place(&mut v, root);
+        let second = first.and_then(|()| comm.barrier());
+        match second {
+            Err(Error::Mismatch { detail, .. }) if detail.contains("different root") => Ok(()),
+            // The peer found it first and failed: this rank learns so.
+            Err(Error::PeerLost { .. }) => Ok(()),
+            other => Err(fail(format!("rank {}: {other:?}", comm.rank()))),
+        }
+    })
+    .unwrap_or_else(|e| panic!("tcp: {e}"));
+    let ring = Communicator::builder()
+        .timeout(Duration::from_secs(10))
+        .algo(oxccl::Algo::Ring);
+    common::run_ranks_with(2, ring, |comm| {
+        let mut v = vec![comm.rank() as f32; 4096];
+        let root = comm.rank();
+        let outcome = comm
+            .broadcast_in_place(&mut v, root)
+            .and_then(|()| comm.barrier());
+        match outcome {
+            Err(Error::Mismatch { .. }) | Err(Error::PeerLost { .. }) => Ok(()),
+            other => Err(fail(format!("rank {} (ring): {other:?}", comm.rank()))),
+        }
+    })
+    .unwrap();
+}

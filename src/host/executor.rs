@@ -539,7 +539,20 @@ pub(crate) fn execute<T: Element>(
         .map_err(|(peer, e)| info.error(peer, e));
     drop(guard);
     drop(posted_ahead);
-    flushed
+    flushed?;
+    if info.space == Space::Collective {
+        if let Some((peer, frame)) = transport.unclaimed(info.seq) {
+            return Err(info.error(
+                peer,
+                TransportError::Mismatch(format!(
+                    "rank {peer} sent step {} of its {} #{} (call digest {:#010x}), which this \
+                     rank ran without receiving from it (a different root on each rank?)",
+                    frame.step, frame.op, frame.seq, frame.call
+                )),
+            ));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -92,6 +92,19 @@ impl LocalEndpoint {
         self.ctx
     }
 
+    /// See [`Transport::unclaimed`](super::Transport::unclaimed).
+    pub fn unclaimed(&self, seq: u64) -> Option<(usize, FrameHeader)> {
+        let mailbox = &self.group.mailboxes[self.members[self.rank]];
+        let frames = lock(&mailbox.frames);
+        frames
+            .iter()
+            .find(|(k, _)| k.1 == self.ctx && k.2 == Space::Collective && k.3 <= seq)
+            .and_then(|(k, (header, _))| {
+                let member = self.members.iter().position(|&g| g == k.0)?;
+                Some((member, *header))
+            })
+    }
+
     /// An endpoint for a sub-communicator of `members` (ranks of this one).
     pub fn child(&self, ctx: u64, members: &[usize], rank: usize) -> LocalEndpoint {
         let members = members.iter().map(|&r| self.members[r]).collect();

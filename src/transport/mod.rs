@@ -393,6 +393,20 @@ impl Transport {
         }
     }
 
+    /// A collective frame of this communicator, for call `seq` or an
+    /// earlier one, that arrived and that no receive took: the ranks ran
+    /// different schedules (a broadcast's or reduce's root differs between
+    /// them; their roots then only send). When ranks agree, every frame of
+    /// a call is received within it, so this is `None` at the end of each;
+    /// a frame that arrives later is found at the end of a later call.
+    /// Returns the sending communicator rank and the frame's header.
+    pub fn unclaimed(&self, seq: u64) -> Option<(usize, FrameHeader)> {
+        match self {
+            Transport::Local(t) => t.unclaimed(seq),
+            Transport::Net(t) => t.unclaimed(seq),
+        }
+    }
+
     /// This endpoint's context id.
     pub fn ctx(&self) -> u64 {
         match self {

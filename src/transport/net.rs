@@ -1107,7 +1107,17 @@ impl NetEndpoint {
     /// it sent before leaving arrives first; what is not written now is
     /// written by the next progress pass of any call, or the goodbye.
     fn leave(&self, reason: u32) {
+        if reason == LEAVE_DROPPED && Arc::strong_count(&self.shared) == 1 {
+            // The last endpoint of the fabric: the goodbye that follows at
+            // once says it for every context. (Writing both to a peer that
+            // already closed its end would fail the second write and read
+            // as a lost peer.)
+            return;
+        }
         let mut fabric = self.shared.lock();
+        // Read what has arrived first: a peer whose goodbye is here already
+        // is skipped below.
+        fabric.progress();
         let header = FrameHeader {
             ctx: self.ctx,
             space: Space::Collective,
@@ -1122,7 +1132,9 @@ impl NetEndpoint {
             let Some(p) = fabric.peers.get_mut(global).and_then(|p| p.as_mut()) else {
                 continue;
             };
-            if matches!(p.gone, Some(Gone::Died(_)) | Some(Gone::Corrupt(_))) {
+            // A peer that left, died or broke reads nothing more (and a
+            // write to one that closed its end fails, to no purpose).
+            if p.gone.is_some() {
                 continue;
             }
             p.out.push_back(Outgoing {
@@ -1240,6 +1252,22 @@ impl NetEndpoint {
                 fabric.posted.insert(self.key(*peer, expect), to);
             }
         }
+    }
+
+    /// See [`Transport::unclaimed`](super::Transport::unclaimed).
+    pub fn unclaimed(&self, seq: u64) -> Option<(usize, FrameHeader)> {
+        let fabric = self.shared.lock();
+        if fabric.arrived.is_empty() {
+            return None;
+        }
+        fabric
+            .arrived
+            .iter()
+            .find(|(k, _)| k.1 == self.ctx && k.2 == Space::Collective && k.3 <= seq)
+            .and_then(|(k, arrived)| {
+                let member = self.members.iter().position(|&g| g == k.0)?;
+                Some((member, arrived.header))
+            })
     }
 
     /// See [`Transport::withdraw`](super::Transport::withdraw).
