@@ -505,6 +505,10 @@ pub(crate) struct RemoteLinks {
     /// Whether this rank's events must outlive it (a peer may still wait on
     /// them): set until the farewell completes.
     keep_events: bool,
+    /// Whether this rank's stream may still hold copies or kernels that
+    /// write the peers' mapped inboxes or wait on their events (its drain
+    /// timed out): those mappings then stay open (see `Drop`).
+    keep_mappings: bool,
 }
 
 // SAFETY: raw CUDA handles are process-wide; one thread drives the links
@@ -611,6 +615,7 @@ impl RemoteLinks {
         Ok(RemoteLinks {
             ready_event: std::mem::ManuallyDrop::new(ExportedEvent::new(rank)?),
             keep_events: true,
+            keep_mappings: false,
             control,
             rank,
             world,
@@ -641,6 +646,14 @@ impl RemoteLinks {
         for peer in (0..world).filter(|&p| p != rank) {
             let _ = self.control.send(&Frame::Abort.encode(), peer);
         }
+    }
+
+    /// Says this rank's stream did not drain: work queued on it may still
+    /// write the peers' inboxes (queued behind a peer's ready), so their
+    /// mappings and events are left open when the links are dropped rather
+    /// than closed under that work (which would then write unmapped memory).
+    pub(crate) fn keep_mappings(&mut self) {
+        self.keep_mappings = true;
     }
 
     /// The end of a rank whose stream is drained: tells every peer, and
@@ -867,6 +880,13 @@ impl RemoteLinks {
 
 impl Drop for RemoteLinks {
     fn drop(&mut self) {
+        if self.keep_mappings {
+            for peer in &mut self.peers {
+                std::mem::forget(peer.inbox.take());
+                std::mem::forget(peer.ready_event.take());
+                std::mem::forget(std::mem::take(&mut peer.message_events));
+            }
+        }
         if self.keep_events {
             // A peer's GPU may still wait on them: left to the process's
             // end (a few small objects) rather than destroyed under it.

@@ -620,15 +620,22 @@ impl RingComm {
 
     /// Whether calls may run peer-direct
     /// ([`super::lower::lower_peer_direct`]): ranks are threads of this
-    /// process (their buffers' addresses are usable by every rank), no pair
-    /// is host-staged (every GPU reaches every other's memory), and the
-    /// world fits the kernel. The same answer on every rank, since each
-    /// sees the group's whole path table.
+    /// process (their buffers' addresses are usable by every rank), all on
+    /// one GPU, and the world fits the kernel. The same answer on every
+    /// rank, since each sees the group's whole path table.
+    ///
+    /// Not across GPUs, even with peer access: cudarc allocates from the
+    /// device's default memory pool where the GPU has one (A100, H100,
+    /// H200), and pool memory does not follow `cuCtxEnablePeerAccess` (it
+    /// needs `cuMemPoolSetAccess`): a kernel on one GPU dereferencing a
+    /// peer's buffer on another would fault and poison the context. Until
+    /// that is granted and checked on a machine with several GPUs (those
+    /// lent to this project have one), groups spanning GPUs take the ring.
     pub(crate) fn peer_direct_available(&self) -> bool {
         match &self.links {
             Links::Local(group) => {
                 (2..=super::lower::PEER_DIRECT_MAX_WORLD).contains(&self.world)
-                    && group.paths.iter().all(|&p| p != Path::HostStaged)
+                    && group.paths.iter().all(|&p| p == Path::SameGpu)
             }
             Links::Remote(_) => false,
         }
@@ -1486,10 +1493,14 @@ impl Drop for RingComm {
         let drained = self
             .drain_stream("dropping the communicator: draining its stream")
             .is_ok();
-        if let (true, Links::Remote(links)) = (drained, &mut self.links) {
+        match (drained, &mut self.links) {
             // Peers' GPUs may still wait on this rank's events and write
             // its inboxes until they, too, are done (collective, bounded).
-            links.farewell();
+            (true, Links::Remote(links)) => links.farewell(),
+            // Work still queued may write the peers' inboxes: their
+            // mappings outlive the links.
+            (false, Links::Remote(links)) => links.keep_mappings(),
+            _ => {}
         }
         if drained && !self.aborted() {
             for inbox in self.inboxes.iter_mut().chain(&mut self.retired) {

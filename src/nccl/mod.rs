@@ -385,6 +385,21 @@ impl NcclComm {
     /// idle, `Ok(false)` while NCCL is still working, an error when a call
     /// failed (on this rank or, with `ncclRemoteError`, on a peer).
     pub(crate) fn poll(&mut self, what: &'static str) -> Result<bool> {
+        if self.raw.is_null() {
+            // Aborted (by `abort()` or a timeout): asking NCCL about a null
+            // communicator would say `ncclInvalidArgument`, or nothing.
+            const NCCL_INVALID_USAGE: sys::NcclResult = 5;
+            self.broken = true;
+            return Err(Error::Nccl {
+                rank: self.rank,
+                call: what,
+                code: NCCL_INVALID_USAGE,
+                name: sys::result_name(NCCL_INVALID_USAGE),
+                detail: "the communicator was aborted (abort() or an earlier timeout); \
+                         it takes no further calls"
+                    .into(),
+            });
+        }
         let mut state: sys::NcclResult = sys::NCCL_SUCCESS;
         // SAFETY: `raw` is a live communicator; `state` is writable.
         let rc = unsafe { (self.library.comm_get_async_error)(self.raw, &mut state) };
