@@ -522,3 +522,29 @@ fn an_alloc_shared_too_large_for_the_system_is_an_error() {
     .unwrap();
     assert_eq!(result, vec![true, true]);
 }
+
+/// A staged broadcast (here 1 KiB between threads) whose ranks disagree on
+/// the root, where each only posts and nobody reads the other's header, is
+/// found a few rounds later as a `Mismatch` naming the call, not left to
+/// return `Ok` with every rank's own data.
+#[test]
+fn a_staged_broadcast_with_disagreeing_roots_is_found() {
+    let result = run_ranks_with(2, Communicator::builder(), |comm| {
+        let mut v = vec![1.0f32; 256];
+        for _ in 0..8 {
+            comm.broadcast_in_place(&mut v, 0)?;
+        }
+        let root = comm.rank();
+        let mut outcome = comm.broadcast_in_place(&mut v, root);
+        for _ in 0..8 {
+            outcome = outcome.and_then(|()| comm.broadcast_in_place(&mut v, 0));
+        }
+        Ok(match outcome {
+            Err(Error::Mismatch { detail, .. }) => detail.contains("different root"),
+            Err(Error::PeerLost { .. }) => true,
+            _ => false,
+        })
+    })
+    .unwrap();
+    assert_eq!(result, vec![true, true]);
+}

@@ -1233,6 +1233,11 @@ impl Arena {
             // `prev`, so it is usually still in cache: no cross-core
             // traffic per round.
             let prev = g - depth + READ_LAG;
+            let own = self.header(self.rank, prev);
+            let mine = (
+                own.seq.load(Ordering::Relaxed),
+                own.signature.load(Ordering::Relaxed),
+            );
             for r in 0..self.world() {
                 if r == self.rank {
                     continue;
@@ -1242,6 +1247,29 @@ impl Arena {
                 // Almost always free already: no wait set up then.
                 if !free() {
                     self.wait(call, r, true, free)?;
+                }
+                // The peer's slot holds exactly its round `prev` (reusing
+                // it would need this rank's post of round g, not made yet),
+                // as this rank's holds its own. Every rank posts the same
+                // call in the same round, so a difference is a call the
+                // ranks ran differently where nobody read the other's
+                // header: a broadcast's root or a reduce's followers only
+                // post (a root differing between ranks). Told here, at
+                // most READ_LAG rounds later, naming that call.
+                let theirs = (
+                    header.seq.load(Ordering::Relaxed),
+                    header.signature.load(Ordering::Relaxed),
+                );
+                if theirs != mine && !self.departed(r) {
+                    return Err(call.error(
+                        r,
+                        TransportError::Mismatch(format!(
+                            "rank {r} ran call #{} (signature {:#x}) in round {prev}, where this \
+                             rank ran call #{} (signature {:#x}): the ranks ran different calls \
+                             (a different root on each rank?)",
+                            theirs.0, theirs.1, mine.0, mine.1
+                        )),
+                    ));
                 }
             }
         }
