@@ -548,3 +548,30 @@ fn a_staged_broadcast_with_disagreeing_roots_is_found() {
     .unwrap();
     assert_eq!(result, vec![true, true]);
 }
+
+/// The same through the mailboxes (8-byte broadcasts): of two ranks that
+/// each took themselves for the root, at least one learns of the other's
+/// message in that very call (each stores its own, then looks at the
+/// other's), and the other at its next wait at the latest.
+#[test]
+fn a_mailbox_broadcast_with_disagreeing_roots_is_found() {
+    let result = run_ranks_with(2, Communicator::builder(), |comm| {
+        let mut v = [1.0f32, 2.0];
+        for _ in 0..4 {
+            comm.broadcast_in_place(&mut v, 0)?;
+        }
+        let root = comm.rank();
+        let this_call = comm.broadcast_in_place(&mut v, root);
+        let later = this_call
+            .as_ref()
+            .map_err(|_| ())
+            .map(|()| comm.barrier().is_err());
+        Ok((this_call.is_err(), later.unwrap_or(true)))
+    })
+    .unwrap();
+    assert!(result.iter().any(|&(now, _)| now), "{result:?}");
+    assert!(
+        result.iter().all(|&(now, later)| now || later),
+        "{result:?}"
+    );
+}

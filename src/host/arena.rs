@@ -2519,6 +2519,7 @@ impl Arena {
             let (tag, _) = self.mailbox_unit(root, start);
             tag.store(mailbox_tag(sig, start), Ordering::Release);
             self.notify();
+            self.mailbox_check_no_other_root(call, sig)?;
             if !bufs.in_place {
                 // SAFETY: distinct buffers of count elements each.
                 unsafe { std::ptr::copy_nonoverlapping(bufs.input, bufs.output, count) };
@@ -2547,6 +2548,40 @@ impl Arena {
             }
         }
         self.mailbox_next[root] = end;
+        Ok(())
+    }
+
+    /// As root of mailbox broadcast `sig`, after posting: no peer has a
+    /// message in its mailbox, unread by this rank, for this call or an
+    /// earlier one. When ranks agree, this rank has read every message of
+    /// every earlier call a peer rooted, and no peer roots this one, so an
+    /// unread message a peer posted is for a later call (a peer runs ahead
+    /// by less than a ring of units and a few rounds: far from the 2^31
+    /// calls where the 32-bit comparison would wrap). One there is a root
+    /// that differs between ranks, each of which only writes. Both sides
+    /// store (their tag; `notify`'s fence) and then load the other's, so of
+    /// two ranks that each took themselves for the root at least one sees
+    /// the other's message here in that call; the other, at its next
+    /// mailbox root call (or its next wait, on the failed rank). The cost:
+    /// a load per peer of a line the peer rarely writes.
+    fn mailbox_check_no_other_root(&self, call: &CallInfo, sig: &CallSig) -> Result<()> {
+        for p in (0..self.world()).filter(|&p| p != self.rank) {
+            let at = self.mailbox_next[p];
+            let tag = self.mailbox_unit(p, at).0.load(Ordering::Acquire);
+            let their_seq = (tag >> 32) as u32;
+            if mailbox_tag_current(tag, at) && (sig.seq as u32).wrapping_sub(their_seq) as i32 >= 0
+            {
+                return Err(call.error(
+                    p,
+                    TransportError::Mismatch(format!(
+                        "rank {p} broadcast call #{their_seq} (modulo 2^32) from its own mailbox, \
+                         which this rank never read; this rank is the root of call #{}: \
+                         the ranks ran different calls (a different root on each rank?)",
+                        sig.seq
+                    )),
+                ));
+            }
+        }
         Ok(())
     }
 
