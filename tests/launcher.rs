@@ -389,8 +389,7 @@ fn ctrl_c_at_the_terminal_reaches_each_rank_once() {
         // SAFETY: dup of a descriptor this test owns; Stdio takes the copy.
         Stdio::from(unsafe { std::os::fd::OwnedFd::from_raw_fd(libc::dup(fd)) })
     };
-    let mut cmd = Command::new(LAUNCHER);
-    cmd.args([
+    let mut cmd = launcher(&[
         "-np",
         "2",
         "--master-port",
@@ -401,11 +400,9 @@ fn ctrl_c_at_the_terminal_reaches_each_rank_once() {
         "/bin/sh",
         "-c",
         &script,
-    ])
-    .env_remove("OXCCL_JOB_ID")
-    .stdin(tty(slave))
-    .stdout(tty(slave))
-    .stderr(tty(slave));
+    ]);
+    // The terminal in place of the pipes.
+    cmd.stdin(tty(slave)).stdout(tty(slave)).stderr(tty(slave));
     use std::os::fd::FromRawFd;
     use std::os::unix::process::CommandExt;
     // SAFETY: setsid and ioctl are async-signal-safe; the child makes the
