@@ -531,6 +531,7 @@ fn an_alloc_shared_too_large_for_the_system_is_an_error() {
 fn a_staged_broadcast_with_disagreeing_roots_is_found() {
     let result = run_ranks_with(2, Communicator::builder(), |comm| {
         let mut v = vec![1.0f32; 256];
+        // Late in a communicator's life, and (below) its very first call.
         for _ in 0..8 {
             comm.broadcast_in_place(&mut v, 0)?;
         }
@@ -544,6 +545,26 @@ fn a_staged_broadcast_with_disagreeing_roots_is_found() {
             Err(Error::PeerLost { .. }) => true,
             _ => false,
         })
+    })
+    .unwrap();
+    assert_eq!(result, vec![true, true]);
+}
+
+/// The first staged call of a communicator with disagreeing roots is found
+/// too, in the rounds that follow it.
+#[test]
+fn a_first_staged_broadcast_with_disagreeing_roots_is_found() {
+    let result = run_ranks_with(2, Communicator::builder(), |comm| {
+        let mut v = vec![1.0f32; 256];
+        let root = comm.rank();
+        let mut outcome = comm.broadcast_in_place(&mut v, root);
+        for _ in 0..8 {
+            outcome = outcome.and_then(|()| comm.broadcast_in_place(&mut v, 0));
+        }
+        Ok(matches!(
+            outcome,
+            Err(Error::Mismatch { .. }) | Err(Error::PeerLost { .. })
+        ))
     })
     .unwrap();
     assert_eq!(result, vec![true, true]);

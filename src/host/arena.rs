@@ -1224,7 +1224,10 @@ impl Arena {
         let g = self.round;
         self.round += 1;
         let depth = DEPTH as u64;
-        if g >= depth {
+        // From round DEPTH − READ_LAG on (not only once slots are reused):
+        // the same wait, earlier, so that the first rounds of a
+        // communicator get the comparison below too.
+        if g >= depth - READ_LAG {
             // Slot g % depth last held round g − depth. Every rank posts
             // every round, and posts round r + READ_LAG only after it has
             // read all it needs of round r, so a peer that has posted
@@ -3008,9 +3011,27 @@ impl Arena {
     /// then says on stderr what it waits for.
     fn withdraw(&self, call: &CallInfo, k: u64) {
         self.mark_failed();
-        self.lane_header(self.rank, k)
-            .posted
-            .store(REVOKED_POST, Ordering::SeqCst);
+        let own = self.lane_header(self.rank, k);
+        let mine = (
+            own.seq.load(Ordering::Relaxed),
+            own.signature.load(Ordering::Relaxed),
+        );
+        // A peer that posted another call in this lane call never uses
+        // these buffers. When every peer did (the failure was a mismatch
+        // with all of them), the post stays: a peer looking at it later
+        // then reports the mismatch rather than a lost rank.
+        let may_match = |p: Rank| {
+            let h = self.lane_header(p, k);
+            h.posted.load(Ordering::Acquire) != k + 1
+                || (
+                    h.seq.load(Ordering::Relaxed),
+                    h.signature.load(Ordering::Relaxed),
+                ) == mine
+        };
+        if !(0..self.world()).any(|p| p != self.rank && may_match(p)) {
+            return;
+        }
+        own.posted.store(REVOKED_POST, Ordering::SeqCst);
         std::sync::atomic::fence(Ordering::SeqCst);
         let start = Instant::now();
         for p in (0..self.world()).filter(|&p| p != self.rank) {
