@@ -1235,7 +1235,7 @@ impl Arena {
             // old one. This rank read that header when it awaited round
             // `prev`, so it is usually still in cache: no cross-core
             // traffic per round.
-            let prev = g - depth + READ_LAG;
+            let prev = g + READ_LAG - depth;
             let own = self.header(self.rank, prev);
             let mine = (
                 own.seq.load(Ordering::Relaxed),
