@@ -570,6 +570,29 @@ fn a_first_staged_broadcast_with_disagreeing_roots_is_found() {
     assert_eq!(result, vec![true, true]);
 }
 
+/// A communicator whose only staged call is its first, a broadcast with
+/// disagreeing roots, followed only by lane calls (8-byte all-reduces, no
+/// staged round after it to compare in), finds it at the first lane call:
+/// every peer has posted its staged rounds by the time its lane post is
+/// seen.
+#[test]
+fn disagreeing_roots_followed_only_by_lane_calls_are_found() {
+    let result = run_ranks_with(2, Communicator::builder(), |comm| {
+        let mut v = vec![1.0f32; 256];
+        let root = comm.rank();
+        let broadcast = comm.broadcast_in_place(&mut v, root);
+        let mut x = [1.0f32, 2.0];
+        let first_lane_call =
+            broadcast.and_then(|()| comm.all_reduce_in_place(&mut x, ReduceOp::Sum));
+        Ok(match first_lane_call {
+            Err(Error::Mismatch { detail, .. }) => detail.contains("different root"),
+            _ => false,
+        })
+    })
+    .unwrap();
+    assert_eq!(result, vec![true, true]);
+}
+
 /// The same through the mailboxes (8-byte broadcasts): of two ranks that
 /// each took themselves for the root, at least one learns of the other's
 /// message in that very call (each stores its own, then looks at the

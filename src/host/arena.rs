@@ -470,6 +470,11 @@ pub(crate) struct Arena {
     rank: Rank,
     /// The next round (identical on every rank between calls).
     round: u64,
+    /// Rounds below this one have had every peer's header compared with
+    /// this rank's (see [`compare_round`](Self::compare_round)): by
+    /// `begin`, `READ_LAG` rounds after they ran, or by the next lane call
+    /// (`compare_recent_rounds`) when no staged round followed.
+    rounds_compared: u64,
     /// `geometry.lanes_offset()`, kept like `slots_offset`.
     lanes_offset: usize,
     /// The next lane call (identical on every rank between calls, like
@@ -957,6 +962,7 @@ impl Arena {
             slots_offset: geometry.slots_offset(),
             rank,
             round: 0,
+            rounds_compared: 0,
             lanes_offset: geometry.lanes_offset(),
             lane_calls: 0,
             lane_max_bytes: if watch_pids {
@@ -1236,47 +1242,85 @@ impl Arena {
             // `prev`, so it is usually still in cache: no cross-core
             // traffic per round.
             let prev = g + READ_LAG - depth;
-            let own = self.header(self.rank, prev);
-            let mine = (
-                own.seq.load(Ordering::Relaxed),
-                own.signature.load(Ordering::Relaxed),
-            );
             for r in 0..self.world() {
                 if r == self.rank {
                     continue;
                 }
-                let header = self.header(r, prev);
-                let free = || header.posted.load(Ordering::Acquire) > prev;
+                let free = || self.header(r, prev).posted.load(Ordering::Acquire) > prev;
                 // Almost always free already: no wait set up then.
                 if !free() {
                     self.wait(call, r, true, free)?;
                 }
                 // The peer's slot holds exactly its round `prev` (reusing
                 // it would need this rank's post of round g, not made yet),
-                // as this rank's holds its own. Every rank posts the same
-                // call in the same round, so a difference is a call the
-                // ranks ran differently where nobody read the other's
-                // header: a broadcast's root or a reduce's followers only
-                // post (a root differing between ranks). Told here, at
-                // most READ_LAG rounds later, naming that call.
-                let theirs = (
-                    header.seq.load(Ordering::Relaxed),
-                    header.signature.load(Ordering::Relaxed),
-                );
-                if theirs != mine && !self.departed(r) {
-                    return Err(call.error(
-                        r,
-                        TransportError::Mismatch(format!(
-                            "rank {r} ran call #{} (signature {:#x}) in round {prev}, where this \
-                             rank ran call #{} (signature {:#x}): the ranks ran different calls \
-                             (a different root on each rank?)",
-                            theirs.0, theirs.1, mine.0, mine.1
-                        )),
-                    ));
-                }
+                // as this rank's holds its own.
+                self.compare_round(call, r, prev)?;
             }
+            self.rounds_compared = self.rounds_compared.max(prev + 1);
         }
         Ok(g)
+    }
+
+    /// Compares `peer`'s header of round `g` with this rank's, both
+    /// posted and still holding round `g`. Every rank posts the same call
+    /// in the same round, so a difference is a call the ranks ran
+    /// differently where nobody read the other's header: a broadcast's root
+    /// or a reduce's followers only post (a root differing between ranks).
+    /// This rank read its own header when it last posted, and usually the
+    /// peer's when it awaited that round: no cross-core traffic then.
+    fn compare_round(&self, call: &CallInfo, peer: Rank, g: u64) -> Result<()> {
+        let own = self.header(self.rank, g);
+        let mine = (
+            own.seq.load(Ordering::Relaxed),
+            own.signature.load(Ordering::Relaxed),
+        );
+        let header = self.header(peer, g);
+        let theirs = (
+            header.seq.load(Ordering::Relaxed),
+            header.signature.load(Ordering::Relaxed),
+        );
+        if theirs != mine && !self.departed(peer) {
+            return Err(call.error(
+                peer,
+                TransportError::Mismatch(format!(
+                    "rank {peer} ran call #{} (signature {:#x}) in round {g}, where this \
+                     rank ran call #{} (signature {:#x}): the ranks ran different calls \
+                     (a different root on each rank?)",
+                    theirs.0, theirs.1, mine.0, mine.1
+                )),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Compares the rounds that `begin` has not compared yet (the last
+    /// `DEPTH − READ_LAG` at most) where every peer has posted them, without
+    /// waiting: called from a lane call, whose peers have finished every
+    /// earlier call once their lane posts are seen. A communicator whose
+    /// staged calls stop (a first broadcast of 1 KiB, then only 8-byte
+    /// all-reduces) has its last staged rounds compared here, at its next
+    /// lane call, rather than never.
+    #[cold]
+    #[inline(never)]
+    fn compare_recent_rounds(&mut self, call: &CallInfo) -> Result<()> {
+        while self.rounds_compared < self.round {
+            let g = self.rounds_compared;
+            // Slots still hold round g on every rank: a rank reuses slot
+            // g % DEPTH only after this rank has posted round
+            // g + DEPTH − READ_LAG ≥ self.round (`begin` compared every
+            // round below self.round − (DEPTH − READ_LAG)).
+            let posted = |r: Rank| self.header(r, g).posted.load(Ordering::Acquire) > g;
+            if !(0..self.world()).all(posted) {
+                // A round a call left unposted (it failed), or a peer still
+                // behind: compared by `begin` later, or at a later lane call.
+                return Ok(());
+            }
+            for r in (0..self.world()).filter(|&r| r != self.rank) {
+                self.compare_round(call, r, g)?;
+            }
+            self.rounds_compared = g + 1;
+        }
+        Ok(())
     }
 
     /// Publishes this rank's slot for round `g`.
@@ -1906,6 +1950,9 @@ impl Arena {
             std::ptr::copy_nonoverlapping(input, payload.cast::<T>(), count)
         });
         self.lane_await_all(call, sig, k)?;
+        if self.rounds_compared < self.round {
+            self.compare_recent_rounds(call)?;
+        }
         if count * std::mem::size_of::<T>() <= LINE - LANE_HEADER {
             self.claim_next_lane(k);
         }
