@@ -245,9 +245,9 @@ impl DeviceCommBuilder {
                         world_size,
                         Arc::new(PrefixStore::new(format!("{prefix}/control"), store)),
                     )?;
-                let algo = ring_algo_from_env()?;
+                let settings = ring_settings_from_env()?;
                 let ring = RingComm::new_remote(control, ctx, timeout)?;
-                Ok(DeviceCommunicator::assemble_ring(ring, timeout, algo))
+                Ok(DeviceCommunicator::assemble_ring(ring, timeout, settings))
             }
             _ => self.nccl_init(rank, world_size, store, device, &prefix, timeout),
         }
@@ -372,7 +372,7 @@ impl DeviceCommBuilder {
     /// `n` cuda-ring ranks, rank `i` on GPU `i` modulo the visible GPUs.
     fn ring_local_group(&self, n: usize, timeout: Duration) -> Result<Vec<DeviceCommunicator>> {
         let count = visible_devices(0)?;
-        let algo = ring_algo_from_env()?;
+        let settings = ring_settings_from_env()?;
         let contexts = (0..n)
             .map(|i| open_device(i, Some(i % count.max(1))))
             .collect::<Result<Vec<_>>>()?;
@@ -383,7 +383,7 @@ impl DeviceCommBuilder {
             .enumerate()
             .map(|(rank, ctx)| {
                 RingComm::new(group.clone(), rank, ctx, timeout)
-                    .map(|ring| DeviceCommunicator::assemble_ring(ring, timeout, algo))
+                    .map(|ring| DeviceCommunicator::assemble_ring(ring, timeout, settings))
             })
             .collect()
     }
@@ -642,15 +642,15 @@ impl DeviceCommunicator {
         })
     }
 
-    fn assemble_ring(ring: RingComm, timeout: Duration, ring_algo: Algo) -> Self {
+    fn assemble_ring(ring: RingComm, timeout: Duration, settings: RingSettings) -> Self {
         DeviceCommunicator {
             rank: ring.rank(),
             world: ring.world(),
             ctx: ring.context().clone(),
             stream: ring.stream().clone(),
             engine: Engine::Ring(Box::new(ring)),
-            chunk_bytes: ring_chunk_bytes(),
-            ring_algo,
+            chunk_bytes: settings.chunk_bytes,
+            ring_algo: settings.algo,
             timeout,
             seq: 0,
             failed: None,
@@ -1239,7 +1239,11 @@ impl DeviceCommunicator {
             .bind_to_thread()
             .map_err(cuda_error(self.rank, "binding the GPU to this thread"))?;
         self.seq += 1;
-        let (timeout, ring_algo) = (self.timeout, self.ring_algo);
+        let timeout = self.timeout;
+        let settings = RingSettings {
+            algo: self.ring_algo,
+            chunk_bytes: self.chunk_bytes,
+        };
         let child = match &mut self.engine {
             #[cfg(feature = "nccl")]
             Engine::Nccl { comm, .. } => comm.split(color, key).and_then(|c| {
@@ -1248,7 +1252,7 @@ impl DeviceCommunicator {
             }),
             Engine::Ring(ring) => ring
                 .split(color, key)
-                .map(|c| c.map(|c| Self::assemble_ring(c, timeout, ring_algo))),
+                .map(|c| c.map(|c| Self::assemble_ring(c, timeout, settings))),
         };
         if let Err(e) = &child {
             self.failed.get_or_insert_with(|| e.to_string());
@@ -1301,12 +1305,38 @@ impl DeviceCommunicator {
 /// binary, `OXCCL_CHUNK_BYTES` set).
 const RING_CHUNK_BYTES: usize = 64 << 20;
 
-fn ring_chunk_bytes() -> usize {
-    std::env::var("OXCCL_CHUNK_BYTES")
-        .ok()
-        .and_then(|v| v.trim().parse::<usize>().ok())
-        .filter(|&b| b > 0)
-        .unwrap_or(RING_CHUNK_BYTES)
+/// `OXCCL_CHUNK_BYTES` for the cuda-ring: a malformed value is an error,
+/// as on the host backend, not a silent fall back to the default.
+fn ring_chunk_bytes_from_env() -> Result<usize> {
+    match std::env::var("OXCCL_CHUNK_BYTES") {
+        Ok(value) => value
+            .trim()
+            .parse::<usize>()
+            .ok()
+            .filter(|&b| b > 0)
+            .ok_or_else(|| Error::Config {
+                name: "OXCCL_CHUNK_BYTES".into(),
+                value,
+                reason: "expected a positive number of bytes".into(),
+            }),
+        Err(_) => Ok(RING_CHUNK_BYTES),
+    }
+}
+
+/// The cuda-ring's settings from the environment: `OXCCL_ALGO` and
+/// `OXCCL_CHUNK_BYTES`, read once per communicator (splits inherit them).
+fn ring_settings_from_env() -> Result<RingSettings> {
+    Ok(RingSettings {
+        algo: ring_algo_from_env()?,
+        chunk_bytes: ring_chunk_bytes_from_env()?,
+    })
+}
+
+/// See [`ring_settings_from_env`].
+#[derive(Clone, Copy)]
+struct RingSettings {
+    algo: Algo,
+    chunk_bytes: usize,
 }
 
 /// A validated call's plan on the cuda-ring: the host backend's ring
