@@ -188,7 +188,7 @@ impl LaunchSpec {
     ///
     /// [`Error::Config`] naming the field when `nproc_per_node` or `nnodes`
     /// is 0, `node_rank >= nnodes`, `master_port` is 0, the world size
-    /// overflows, or `program` is empty.
+    /// overflows or exceeds 65536, or `program` is empty.
     pub fn validate(&self) -> Result<()> {
         let bad = |name: &str, value: String, reason: &str| {
             Err(Error::Config {
@@ -214,12 +214,27 @@ impl LaunchSpec {
                 &format!("must be below nnodes ({})", self.nnodes),
             );
         }
-        if self.nnodes.checked_mul(self.nproc_per_node).is_none() {
-            return bad(
-                "nproc_per_node",
-                self.nproc_per_node.to_string(),
-                "nnodes * nproc_per_node overflows",
-            );
+        match self.nnodes.checked_mul(self.nproc_per_node) {
+            None => {
+                return bad(
+                    "nproc_per_node",
+                    self.nproc_per_node.to_string(),
+                    "nnodes * nproc_per_node overflows",
+                )
+            }
+            // Checked here, before any rank starts: every rank would fail
+            // its own world-size check, after a fork each.
+            Some(world) if world > crate::bootstrap::MAX_WORLD_SIZE => {
+                return bad(
+                    "nproc_per_node",
+                    self.nproc_per_node.to_string(),
+                    &format!(
+                        "nnodes * nproc_per_node = {world}, above the largest world size, {}",
+                        crate::bootstrap::MAX_WORLD_SIZE
+                    ),
+                )
+            }
+            Some(_) => {}
         }
         if self.master_port == 0 {
             return bad("master_port", "0".into(), "expected a port in 1..=65535");
@@ -626,12 +641,13 @@ impl Job {
         let mut kill_at: Option<Instant> = None;
         let mut killed = false;
         loop {
-            let sig = PENDING_SIGNAL.swap(0, Ordering::SeqCst);
-            if sig != 0 {
+            let pending = PENDING_SIGNAL.swap(0, Ordering::SeqCst);
+            if pending != 0 {
+                let sig = pending & !FROM_TERMINAL;
                 interrupted.get_or_insert(sig);
                 let running = self.running();
                 let name = signal_name(sig).unwrap_or("a signal");
-                if PENDING_FROM_TERMINAL.load(Ordering::SeqCst) {
+                if pending & FROM_TERMINAL != 0 {
                     // A second copy would cut short the ranks' own handling
                     // of the first (Python's KeyboardInterrupt, a flush).
                     say(&format!(
@@ -891,19 +907,23 @@ fn random_u64() -> u64 {
     fnv1a(&(nanos ^ u64::from(std::process::id()).rotate_left(32)).to_le_bytes())
 }
 
-/// The last signal received and not yet forwarded (0: none).
+/// The last signal received and not yet forwarded (0: none), with
+/// [`FROM_TERMINAL`] set when it came from the terminal. One word, so that
+/// the supervisor reads a signal and where it came from together: a
+/// terminal's signal landing between two separate reads must not mark a
+/// `kill`'s as already delivered.
 static PENDING_SIGNAL: AtomicI32 = AtomicI32::new(0);
-/// Whether it came from the terminal (Ctrl-C, a hang-up): the kernel sends
-/// those to the whole foreground process group, and the ranks, which stay
-/// in the launcher's group, have it already.
-static PENDING_FROM_TERMINAL: AtomicBool = AtomicBool::new(false);
+/// In [`PENDING_SIGNAL`]: the signal came from the terminal (Ctrl-C, a
+/// hang-up). The kernel sends those to the whole foreground process group,
+/// and the ranks, which stay in the launcher's group, have it already.
+const FROM_TERMINAL: i32 = 1 << 16;
 
 extern "C" fn on_signal(sig: libc::c_int, info: *mut libc::siginfo_t, _: *mut libc::c_void) {
     // SAFETY: with SA_SIGINFO the kernel passes a valid siginfo_t (checked
     // for null all the same); reading a field is async-signal-safe.
     let from_terminal = !info.is_null() && unsafe { (*info).si_code } == libc::SI_KERNEL;
-    PENDING_FROM_TERMINAL.store(from_terminal, Ordering::SeqCst);
-    PENDING_SIGNAL.store(sig, Ordering::SeqCst);
+    let flag = if from_terminal { FROM_TERMINAL } else { 0 };
+    PENDING_SIGNAL.store(sig | flag, Ordering::SeqCst);
 }
 
 const FORWARDED: [libc::c_int; 3] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP];
@@ -922,6 +942,17 @@ impl SignalGuard {
             // SAFETY: the sigaction structs are zero-initialised plain data,
             // and the handler only stores to an atomic (async-signal-safe).
             unsafe {
+                // A signal the launcher was started with ignored (`nohup`
+                // ignores SIGHUP, a shell's `&` SIGINT) stays ignored, here
+                // and in the ranks, which inherit the disposition through
+                // exec: a handler would undo it (handled signals go back to
+                // the default at exec) and a logout would end the job.
+                let mut current: libc::sigaction = std::mem::zeroed();
+                if libc::sigaction(sig, std::ptr::null(), &mut current) == 0
+                    && current.sa_sigaction == libc::SIG_IGN
+                {
+                    continue;
+                }
                 let mut action: libc::sigaction = std::mem::zeroed();
                 action.sa_sigaction = on_signal
                     as extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void)

@@ -480,6 +480,50 @@ fn an_inherited_ignored_sigchld_does_not_lose_the_ranks() {
     assert!(!r.stderr.contains("exited with status"), "{}", r.stderr);
 }
 
+/// A launcher started with SIGHUP ignored (`nohup oxccl-run … &`) keeps
+/// it ignored, and so do its ranks: a hang-up sent to the job's whole
+/// process group (the terminal closing) ends neither.
+#[test]
+fn a_hang_up_under_nohup_ends_neither_the_launcher_nor_the_ranks() {
+    let dir = scratch_dir("nohup");
+    let script = format!(
+        "touch {}/ready.$RANK; sleep 0.5; echo still here",
+        dir.display()
+    );
+    let mut cmd = launcher(&[
+        "-np",
+        "2",
+        "--master-port",
+        "29616",
+        "--",
+        "/bin/sh",
+        "-c",
+        &script,
+    ]);
+    use std::os::unix::process::CommandExt;
+    // SAFETY: signal is async-signal-safe; an ignored disposition survives
+    // the exec, as under nohup. The launcher leads a group of its own.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::signal(libc::SIGHUP, libc::SIG_IGN);
+            Ok(())
+        });
+    }
+    cmd.process_group(0);
+    let started = Instant::now();
+    let child = cmd.spawn().unwrap();
+    wait_for_files(&dir, &["ready.0", "ready.1"]);
+    // SAFETY: kill has no memory-safety preconditions.
+    assert_eq!(unsafe { libc::kill(-(child.id() as i32), libc::SIGHUP) }, 0);
+    let r = finish(child, started);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    assert_eq!(
+        rank_lines(&r.stdout),
+        vec![(0, "still here".into()), (1, "still here".into())]
+    );
+}
+
 #[test]
 fn port_in_use_on_node_0_is_a_clear_error_and_starts_nothing() {
     let dir = scratch_dir("port");
@@ -522,6 +566,9 @@ fn bad_usage_exits_2() {
     for args in [
         &["--nnodes", "2", "--node-rank", "2", "--", "true"][..],
         &["--nproc-per-node", "0", "--", "true"],
+        &["--nproc-per-node", "65537", "--", "true"],
+        &["--nproc-per-node", "100000000000000", "--", "true"],
+        &["--nnodes", "2", "--nproc-per-node", "40000", "--", "true"],
         &["--master-port", "70000", "--", "true"],
         &["--bogus", "--", "true"],
         &["--master-port", "29612"],

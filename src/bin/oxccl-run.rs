@@ -130,12 +130,9 @@ fn parse_args(mut args: impl Iterator<Item = OsString>) -> Result<Parsed, String
         return Err("no program given (put it after --)".into());
     }
     spec.args = args.collect();
-    if spec.node_rank >= spec.nnodes {
-        return Err(format!(
-            "--node-rank {} must be below --nnodes {}",
-            spec.node_rank, spec.nnodes
-        ));
-    }
+    // The layout's own checks (node rank below the node count, the world
+    // size within bounds): a usage error too, before anything starts.
+    spec.validate().map_err(|e| e.to_string())?;
     Ok(Parsed::Run(spec))
 }
 
