@@ -136,8 +136,8 @@ impl ShmStores {
 ///
 /// `Auto` picks by operation, size, world size and what links the ranks:
 /// see `docs/performance.md` for the table. The others force one family
-/// where it applies (a forced family that cannot run a call, such as
-/// `Direct` across hosts, falls back to `Auto`'s choice).
+/// at every size; operations that have no form in it (all-to-all,
+/// barrier, send/recv) keep their usual schedules.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Algo {
@@ -290,8 +290,9 @@ enum Backend {
 ///
 /// Every call in progress on every communicator of the group in this process
 /// (including split sub-communicators) returns [`Error::Aborted`] within a few
-/// milliseconds, and so does every later one. Ranks in other processes see
-/// this rank leave once its communicators are dropped.
+/// milliseconds; every later call on those communicators returns
+/// [`Error::Failed`] naming the abort. Ranks in other processes see this
+/// rank leave once its communicators are dropped.
 #[derive(Clone)]
 pub struct AbortHandle {
     target: AbortTarget,
@@ -698,7 +699,15 @@ pub(crate) fn launch_store(
     .and_then(|addrs| addrs.into_iter().next())
     .map(|a| a.ip());
     let store: Arc<dyn Store> = if let Some(dir) = &env.file_store {
-        Arc::new(FileStore::new(dir.clone())?.lock_timeout(timeout))
+        // Wrapped like the TCP stores' errors: every rank's error names it.
+        let store = FileStore::new(dir.clone()).map_err(|e| Error::Bootstrap {
+            context: format!(
+                "rank {} of {}: the file store (OXCCL_STORE)",
+                env.rank, env.world_size
+            ),
+            detail: e.to_string(),
+        })?;
+        Arc::new(store.lock_timeout(timeout))
     } else if env.rank == 0 {
         let any: std::net::IpAddr = match toward {
             Some(std::net::IpAddr::V6(_)) => std::net::Ipv6Addr::UNSPECIFIED.into(),
@@ -746,7 +755,9 @@ impl Communicator {
     }
 
     /// `n` communicators of one in-process group with settings from the
-    /// environment (`OXCCL_TIMEOUT`, `OXCCL_CHUNK_BYTES`).
+    /// environment (every `OXCCL_*` setting of [`CommConfig::from_env`]: a
+    /// malformed one is an error, and `OXCCL_ALGO=ring` leaves out the
+    /// shared arena).
     ///
     /// # Errors
     ///
@@ -950,8 +961,8 @@ impl Communicator {
 
     /// The algorithm a collective of `bytes` (nccl-tests' size: the largest
     /// buffer) and element type `T` would use on this communicator, as
-    /// `oxccl-perf` reports it: `zerocopy`, `lane`, `oneshot`, `twoshot`, `direct`,
-    /// `ring`, `chain` or `dissemination`.
+    /// `oxccl-perf` reports it: `zerocopy`, `lane`, `mailbox`, `oneshot`,
+    /// `twoshot`, `cma`, `direct`, `ring`, `chain` or `dissemination`.
     pub fn algorithm_for<T: Element>(&self, op: OpKind, bytes: usize) -> &'static str {
         let elem = T::DTYPE.size();
         let desc = self.desc::<T>(op);

@@ -9,8 +9,9 @@
 //! |---|---|
 //! | typed API | [`Communicator`], [`Element`], [`ReduceOp`] |
 //! | argument check | [`CollectiveDesc::validate`] — every call, before any data moves |
-//! | schedules (pure data) | [`schedule`] — ring and chain plans as lists of [`schedule::Step`] |
+//! | schedules (pure data) | [`schedule`] — ring, chain, direct and dissemination plans as lists of [`schedule::Step`] |
 //! | host executor | runs plans over a transport with the CPU reductions in [`host::reduce`] |
+//! | shared arena | one mapping every local rank reads and writes: lanes, mailboxes and staged rounds for an all-local group, zero copy between threads and for [`Communicator::alloc_shared`] buffers |
 //! | transports | in-process (threads); shared memory and TCP between processes ([`TransportKind`]) |
 //! | bootstrap | [`bootstrap`] — stores for rendezvous, launcher variables ([`Communicator::from_env`]) |
 //! | launcher | [`launch`] — `oxccl-run` starts, supervises and stops one node's ranks |

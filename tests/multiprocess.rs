@@ -33,6 +33,7 @@ const LAUNCH_VARS: &[&str] = &[
     "OMPI_COMM_WORLD_LOCAL_SIZE",
     "SLURM_PROCID",
     "SLURM_NTASKS",
+    "SLURM_STEP_NUM_TASKS",
     "SLURM_LOCALID",
     "SLURM_NNODES",
     "SLURM_JOB_NODELIST",
@@ -855,4 +856,82 @@ fn a_rank_that_leaves_after_its_last_call_fails_no_one() {
             );
         }
     }
+}
+
+/// One rank of [`a_second_communicator_from_the_same_variables_says_so`]
+/// (ignored otherwise): makes a communicator from the launcher's variables,
+/// then another from the same while the first lives.
+#[test]
+#[ignore]
+fn child_second_from_env() {
+    if std::env::var("OXCCL_TEST_SECOND_FROM_ENV").is_err() {
+        return;
+    }
+    let mut first = oxccl::Communicator::from_env().unwrap();
+    first.barrier().unwrap();
+    match oxccl::Communicator::from_env() {
+        Ok(_) => println!("second: made"),
+        Err(e) => println!("second: {e}"),
+    }
+    // The first lives until the test has also tried a stranger on it.
+    let go = std::path::PathBuf::from(std::env::var("OXCCL_TEST_GO").unwrap());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !go.exists() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    first.barrier().unwrap();
+}
+
+/// A second communicator made from the same launcher variables while the
+/// first still lives finds the first's store (rank 0: the port, the others:
+/// their rank already claimed). Each rank is told that it is its own
+/// process's communicator in the way, not "another job"; a process of
+/// another job given the same rendezvous and rank is told that, with the
+/// holder's pid.
+#[test]
+fn a_second_communicator_from_the_same_variables_says_so() {
+    let port = free_port();
+    let go = std::env::temp_dir().join(format!("oxccl-mp-second-{}-{port}", std::process::id()));
+    let _ = std::fs::remove_file(&go);
+    let mut ranks: Vec<Running> = (0..2)
+        .map(|r| {
+            let mut cmd = Command::new(std::env::current_exe().unwrap());
+            rank_env(&mut cmd, r, 2, port, "shm")
+                .args(["--exact", "child_second_from_env", "--ignored"])
+                .args(["--nocapture", "--test-threads", "1"])
+                .env("OXCCL_TEST_SECOND_FROM_ENV", "1")
+                .env("OXCCL_TEST_GO", &go)
+                .env("OXCCL_TIMEOUT", "20");
+            Running::spawn(&mut cmd)
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    for rank in &mut ranks {
+        rank.wait_for("second: ", deadline);
+    }
+    let holder = ranks[1].child.id();
+    let stranger = Running::spawn(&mut rank_cmd(1, 2, port, "shm")).finish(deadline);
+    std::fs::write(&go, b"").unwrap();
+    let stranger_text = format!("{}{}", stranger.1, stranger.2);
+    assert_ne!(stranger.0, Some(0), "{stranger_text}");
+    assert!(
+        stranger_text.contains(&format!("is already taken (by pid {holder} on host ")),
+        "{stranger_text}"
+    );
+    for (r, rank) in ranks.into_iter().enumerate() {
+        let (code, out, err) = rank.finish(deadline);
+        assert_eq!(code, Some(0), "rank {r}\n{out}\n{err}");
+        // The harness prints the test's name on the same line.
+        let second = out
+            .lines()
+            .find_map(|l| l.split_once("second: ").map(|(_, rest)| rest))
+            .unwrap_or_else(|| panic!("rank {r}\n{out}\n{err}"));
+        let expected = if r == 0 {
+            "by a store this process hosts"
+        } else {
+            "already taken by this same process"
+        };
+        assert!(second.contains(expected), "rank {r}: {second}");
+    }
+    let _ = std::fs::remove_file(&go);
 }

@@ -338,10 +338,14 @@ fn a_second_claim_of_a_rank_and_a_foreign_world_size_are_refused() {
         Err(e) => e.to_string(),
         Ok(_) => panic!("a second rank 1 joined"),
     };
+    // Both claimants are this process here (another process's claim is
+    // in tests/multiprocess.rs): told as such.
     let pid = std::process::id();
     assert!(
         text.contains("rank 1 of the job at")
-            && text.contains(&format!("is already taken (by pid {pid} on host "))
+            && text.contains(&format!(
+                "is already taken by this same process (pid {pid})"
+            ))
             && text.contains("MASTER_PORT"),
         "{text}"
     );

@@ -809,8 +809,7 @@ fn bench<T: Element>(comm: &mut Communicator, a: &Args) -> oxccl::Result<RunResu
 
 /// Whether a launcher started this process as one rank of a job.
 fn under_launcher() -> bool {
-    let set = |v: &str| std::env::var_os(v).is_some();
-    set("RANK") || set("OMPI_COMM_WORLD_RANK") || (set("SLURM_PROCID") && set("SLURM_STEP_ID"))
+    oxccl::bootstrap::LaunchEnv::launcher_present()
 }
 
 /// The table's header, printed by rank 0 once it knows the transport.

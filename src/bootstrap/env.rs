@@ -16,7 +16,7 @@ pub enum LaunchSource {
     Torchrun,
     /// `OMPI_COMM_WORLD_*`: Open MPI's `mpirun`.
     OpenMpi,
-    /// `SLURM_PROCID` and `SLURM_NTASKS`: Slurm's `srun`.
+    /// `SLURM_PROCID` and `SLURM_STEP_NUM_TASKS`: Slurm's `srun`.
     Slurm,
 }
 
@@ -29,7 +29,7 @@ pub enum LaunchSource {
 /// |---|---|---|
 /// | torchrun, `oxccl-run` | `RANK`, `WORLD_SIZE` | `LOCAL_RANK`, `LOCAL_WORLD_SIZE` |
 /// | Open MPI | `OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE` | `OMPI_COMM_WORLD_LOCAL_RANK`, `OMPI_COMM_WORLD_LOCAL_SIZE` |
-/// | Slurm | `SLURM_PROCID`, `SLURM_NTASKS` | `SLURM_LOCALID`, see below |
+/// | Slurm (`srun`) | `SLURM_PROCID`, `SLURM_STEP_NUM_TASKS` | `SLURM_LOCALID`, see below |
 ///
 /// When several are present, torchrun's win over Open MPI's, which win over
 /// Slurm's. If `RANK`/`WORLD_SIZE` disagree with Open MPI's or Slurm's
@@ -39,6 +39,13 @@ pub enum LaunchSource {
 /// not this rank, and its variables describe the launcher. Slurm's variables
 /// are ignored under Open MPI, since `mpirun` inside an allocation sees the
 /// batch script's `SLURM_PROCID`.
+///
+/// Slurm counts only inside a job step that `srun` started, marked by
+/// `SLURM_STEP_NUM_TASKS`, which only `srun` sets: a batch script has
+/// `SLURM_PROCID=0`, `SLURM_LOCALID=0` and the allocation's `SLURM_NTASKS`
+/// too, but it is one process, not task 0 of them (a program run straight
+/// from it would wait for ranks that never start, and a launcher run from it
+/// would have its ranks' `RANK` read as disagreeing with `SLURM_PROCID=0`).
 ///
 /// A missing local rank defaults to `rank % local_size` when the local size
 /// is known, else to `rank`; a missing local size defaults to the world size
@@ -107,7 +114,7 @@ const OMPI: Names = Names {
 const SLURM: Names = Names {
     source: LaunchSource::Slurm,
     rank: "SLURM_PROCID",
-    size: "SLURM_NTASKS",
+    size: "SLURM_STEP_NUM_TASKS",
     local_rank: "SLURM_LOCALID",
     local_size: "SLURM_TASKS_PER_NODE",
 };
@@ -142,6 +149,16 @@ impl LaunchEnv {
         })
     }
 
+    /// Whether a launcher started this process as one rank of a job: its
+    /// rank variable is set (`RANK`, `OMPI_COMM_WORLD_RANK`, or
+    /// `SLURM_PROCID` inside an `srun` step, as [`from_env`](LaunchEnv::from_env)
+    /// reads them). Looks at nothing else, so it holds where the other
+    /// variables are malformed.
+    pub fn launcher_present() -> bool {
+        let set = |name: &str| std::env::var_os(name).is_some_and(|v| !v.is_empty());
+        set(TORCH.rank) || set(OMPI.rank) || (set(SLURM.rank) && set(SLURM.size))
+    }
+
     /// As [`from_env`](LaunchEnv::from_env), reading variables through `get`.
     ///
     /// # Errors
@@ -173,7 +190,7 @@ impl LaunchEnv {
                 "RANK",
                 "",
                 "no launcher variables found: set RANK and WORLD_SIZE (torchrun/oxccl-run), or \
-                 run under mpirun (OMPI_COMM_WORLD_*) or srun (SLURM_PROCID/SLURM_NTASKS); or \
+                 run under mpirun (OMPI_COMM_WORLD_*) or srun (SLURM_PROCID/SLURM_STEP_NUM_TASKS); or \
                  build the communicator explicitly with CommBuilder",
             ));
         };
@@ -314,7 +331,7 @@ fn parse_count(name: &str, value: &str) -> Result<usize> {
 
 /// One launcher's rank and world size. A lone half is an error when
 /// `strict`, and means "absent" otherwise (a Slurm batch script outside
-/// `srun` has `SLURM_NTASKS` but no `SLURM_PROCID`).
+/// `srun` has `SLURM_PROCID` but no `SLURM_STEP_NUM_TASKS`).
 fn find(
     var: &impl Fn(&str) -> Option<String>,
     names: &'static Names,
@@ -583,7 +600,7 @@ mod tests {
     fn slurm() {
         let base = [
             ("SLURM_PROCID", "5"),
-            ("SLURM_NTASKS", "6"),
+            ("SLURM_STEP_NUM_TASKS", "6"),
             ("SLURM_LOCALID", "1"),
             ("SLURM_NODEID", "1"),
             ("SLURM_TASKS_PER_NODE", "4,2"),
@@ -603,7 +620,7 @@ mod tests {
         // Run-length lists and SLURM_NTASKS_PER_NODE.
         let e = env(&[
             ("SLURM_PROCID", "9"),
-            ("SLURM_NTASKS", "10"),
+            ("SLURM_STEP_NUM_TASKS", "10"),
             ("SLURM_LOCALID", "0"),
             ("SLURM_NODEID", "3"),
             ("SLURM_TASKS_PER_NODE", "3(x3),1"),
@@ -613,7 +630,7 @@ mod tests {
         assert_eq!(e.local_world_size, 1);
         let (name, _) = config_err(&[
             ("SLURM_PROCID", "8"),
-            ("SLURM_NTASKS", "10"),
+            ("SLURM_STEP_NUM_TASKS", "10"),
             ("SLURM_LOCALID", "3"),
             ("SLURM_NODEID", "2"),
             ("SLURM_TASKS_PER_NODE", "3(x3),1"),
@@ -622,7 +639,7 @@ mod tests {
         assert_eq!(name, "SLURM_LOCALID");
         let e = env(&[
             ("SLURM_PROCID", "3"),
-            ("SLURM_NTASKS", "8"),
+            ("SLURM_STEP_NUM_TASKS", "8"),
             ("SLURM_LOCALID", "3"),
             ("SLURM_NTASKS_PER_NODE", "4"),
             ("MASTER_ADDR", "h"),
@@ -632,28 +649,47 @@ mod tests {
         // One node: the local size is the world size.
         let e = env(&[
             ("SLURM_PROCID", "1"),
-            ("SLURM_NTASKS", "2"),
+            ("SLURM_STEP_NUM_TASKS", "2"),
             ("SLURM_NNODES", "1"),
         ])
         .unwrap();
         assert_eq!((e.local_rank, e.local_world_size), (1, 2));
         assert_eq!(e.master_addr, "127.0.0.1");
         // Several nodes and no layout: an error naming the missing variable.
-        let (name, _) = config_err(&[("SLURM_PROCID", "1"), ("SLURM_NTASKS", "2")]);
+        let (name, _) = config_err(&[("SLURM_PROCID", "1"), ("SLURM_STEP_NUM_TASKS", "2")]);
         assert_eq!(name, "SLURM_TASKS_PER_NODE");
-        // A batch script outside srun (no SLURM_PROCID) is no launcher.
-        let (name, msg) = config_err(&[("SLURM_NTASKS", "2")]);
+        // A batch script (what sbatch sets: SLURM_PROCID=0 and the
+        // allocation's SLURM_NTASKS, but no SLURM_STEP_NUM_TASKS, which
+        // only srun sets) is no launcher: one process, not task 0 of four.
+        let batch = [
+            ("SLURM_PROCID", "0"),
+            ("SLURM_LOCALID", "0"),
+            ("SLURM_NODEID", "0"),
+            ("SLURM_NTASKS", "4"),
+            ("SLURM_NNODES", "1"),
+            ("SLURM_TASKS_PER_NODE", "4"),
+        ];
+        let (name, msg) = config_err(&batch);
         assert_eq!(name, "RANK");
         assert!(msg.contains("no launcher variables found"), "{msg}");
+        // Ranks a script starts by hand (or another launcher) inside it are
+        // not compared with the script's SLURM_PROCID.
+        let mut v = batch.to_vec();
+        v.extend([("RANK", "2"), ("WORLD_SIZE", "4")]);
+        let e = env(&v).unwrap();
+        assert_eq!(
+            (e.source, e.rank, e.world_size),
+            (LaunchSource::Torchrun, 2, 4)
+        );
         let (name, _) = config_err(&[
             ("SLURM_PROCID", "1"),
-            ("SLURM_NTASKS", "2"),
+            ("SLURM_STEP_NUM_TASKS", "2"),
             ("SLURM_TASKS_PER_NODE", "two"),
         ]);
         assert_eq!(name, "SLURM_TASKS_PER_NODE");
         let (name, _) = config_err(&[
             ("SLURM_PROCID", "1"),
-            ("SLURM_NTASKS", "4"),
+            ("SLURM_STEP_NUM_TASKS", "4"),
             ("SLURM_TASKS_PER_NODE", "2(x2)"),
             ("SLURM_JOB_NODELIST", "node[01"),
         ]);
@@ -688,7 +724,7 @@ mod tests {
 
         let slurm = [
             ("SLURM_PROCID", "0"),
-            ("SLURM_NTASKS", "2"),
+            ("SLURM_STEP_NUM_TASKS", "2"),
             ("SLURM_NNODES", "1"),
         ];
         let mut v = slurm.to_vec();

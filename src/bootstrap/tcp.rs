@@ -126,6 +126,13 @@ impl TcpStore {
         let listener = TcpListener::bind(bind).map_err(|e| Error::Bootstrap {
             context: context.clone(),
             detail: match e.kind() {
+                io::ErrorKind::AddrInUse if hosted_here(bind.port()) => format!(
+                    "port {} is already in use ({e}) by a store this process hosts for a \
+                     communicator that is still alive: make one communicator per job and \
+                     split it, drop the first before making another, or give the second \
+                     its own MASTER_PORT",
+                    bind.port()
+                ),
                 io::ErrorKind::AddrInUse => format!(
                     "port {} is already in use ({e}): another job, or an earlier run still \
                      exiting? Choose another MASTER_PORT (oxccl-run --master-port)",
@@ -157,6 +164,7 @@ impl TcpStore {
                     detail: format!("cannot start the server thread: {e}"),
                 })?
         };
+        hosted_ports().push(addr.port());
         Ok(TcpStore {
             inner: Inner::Host(Host {
                 map,
@@ -235,8 +243,26 @@ impl Drop for TcpStore {
                 // it closes the listener before drop returns.
                 let _ = acceptor.join();
             }
+            let mut ports = hosted_ports();
+            if let Some(i) = ports.iter().position(|&p| p == host.addr.port()) {
+                ports.swap_remove(i);
+            }
         }
     }
+}
+
+/// The ports this process hosts stores on, so that a second store on one
+/// of them (a second communicator from the same variables while the first
+/// lives) is told as such rather than as another job's.
+fn hosted_ports() -> std::sync::MutexGuard<'static, Vec<u16>> {
+    static PORTS: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    PORTS
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn hosted_here(port: u16) -> bool {
+    hosted_ports().contains(&port)
 }
 
 impl Store for TcpStore {

@@ -19,7 +19,7 @@
 //!
 //! Sends are eager: a send queues its frame on the peer's link and writes
 //! what fits at once (over TCP, frames of 64 KiB and more wait until 1 MiB
-//! is queued or the next progress pass, to go out several per `writev`);
+//! is queued or the next progress pass, to go out several per `sendmsg`);
 //! the rest goes out whenever this rank next makes progress. Every wait (for a frame, or for queued bytes to drain at the end
 //! of a call) makes progress on *every* link: it writes what is queued and
 //! reads everything that has arrived into a table keyed like the in-process
@@ -326,9 +326,9 @@ const READ_AHEAD_BYTES: usize = 16 << 20;
 const HOLD_MIN_BYTES: usize = 64 << 10;
 
 /// At most this many buffers (a header and a payload per frame) per TCP
-/// `writev` (well under `IOV_MAX`, 1024 on Linux).
+/// `sendmsg` (well under `IOV_MAX`, 1024 on Linux).
 const TCP_WRITE_SLICES: usize = 64;
-/// A TCP `writev` gathers frames until it holds at least this many bytes.
+/// A TCP `sendmsg` gathers frames until it holds at least this many bytes.
 const TCP_WRITE_BYTES: usize = 4 << 20;
 /// Frames of at least this many bytes are not written when sent over TCP
 /// but by the next progress pass, together with those queued after them.
@@ -523,7 +523,7 @@ impl Fabric {
 
     /// [`write_queued`](Self::write_queued) over TCP: the queued frames
     /// go out several at a time, up to [`TCP_WRITE_SLICES`] buffers and
-    /// [`TCP_WRITE_BYTES`] per `writev` (see `send`).
+    /// [`TCP_WRITE_BYTES`] per `sendmsg` (see `send`).
     fn write_queued_tcp(
         link: &mut TcpLink,
         out: &mut VecDeque<Outgoing>,
@@ -1176,7 +1176,7 @@ impl NetEndpoint {
         };
         // A large frame over TCP waits until the queue holds
         // [`TCP_BATCH_BYTES`] or the next progress pass (at the latest the
-        // call's flush), which writes what is queued with as few `writev`s
+        // call's flush), which writes what is queued with as few `sendmsg` calls
         // as it can: a loopback stream here moves 3.1 GB/s in 256 KiB
         // writes and 6.4 GB/s in 1 MiB ones (iperf3). Writing once a batch
         // is full keeps a sender that does local work between its sends (a
@@ -1523,14 +1523,32 @@ fn claim_rank(store: &dyn Store, rank: usize) -> Result<()> {
     if store.add(&format!("oxccl/claim/{rank}"), 1)? == 1 {
         return Ok(());
     }
-    let holder = store
-        .try_get(&rank_key(rank))?
-        .map(|entry| {
-            let entry = String::from_utf8_lossy(&entry);
-            let pid = entry_field(&entry, "pid").unwrap_or_else(|| "?".into());
-            let host = entry_field(&entry, "host").unwrap_or_else(|| "?".into());
-            format!("by pid {pid} on host {host}")
-        })
+    let holder = store.try_get(&rank_key(rank))?.map(|entry| {
+        let entry = String::from_utf8_lossy(&entry);
+        let pid = entry_field(&entry, "pid").unwrap_or_else(|| "?".into());
+        let host = entry_field(&entry, "host").unwrap_or_else(|| "?".into());
+        (pid, host)
+    });
+    if let Some((pid, host)) = &holder {
+        if *pid == std::process::id().to_string() && *host == shm::host_identity() {
+            // Not another job: this process made a communicator from the
+            // same rendezvous before and it is still alive (its store, on
+            // rank 0, still answers).
+            return Err(bootstrap_error(
+                rank,
+                "rendezvous",
+                format!(
+                    "rank {rank} of the job at {} is already taken by this same process \
+                     (pid {pid}): a communicator it made from the same rendezvous is still \
+                     alive. Make one communicator per job and split it, drop the first \
+                     before making another, or give the second its own MASTER_PORT",
+                    store.describe()
+                ),
+            ));
+        }
+    }
+    let holder = holder
+        .map(|(pid, host)| format!("by pid {pid} on host {host}"))
         .unwrap_or_else(|| "by a process that has not announced itself yet".into());
     Err(bootstrap_error(
         rank,
