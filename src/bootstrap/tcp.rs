@@ -507,11 +507,13 @@ fn wait_sliced(
     stop: &AtomicBool,
 ) -> Vec<String> {
     let deadline = deadline_after(Instant::now(), timeout);
+    let mut missing = keys.to_vec();
     loop {
         let now = Instant::now();
         let slice = deadline.saturating_duration_since(now).min(POLL);
-        // MemoryStore::wait cannot fail.
-        let missing = map.wait(keys, slice).unwrap_or_else(|_| keys.to_vec());
+        // MemoryStore::wait cannot fail. Keys are never removed, so each
+        // slice waits only for those the last one still missed.
+        missing = map.wait(&missing, slice).unwrap_or(missing);
         if missing.is_empty() || Instant::now() >= deadline || stop.load(Ordering::SeqCst) {
             return missing;
         }
