@@ -194,7 +194,9 @@ fn bench_threads(c: &mut Criterion) {
             .warm_up_time(Duration::from_millis(300))
             .measurement_time(Duration::from_secs(1));
         for bytes in SIZES {
-            group.throughput(Throughput::Bytes((bytes as f64 * coll.bus_factor()) as u64));
+            group.throughput(Throughput::BytesDecimal(
+                (bytes as f64 * coll.bus_factor()) as u64,
+            ));
             group.bench_with_input(BenchmarkId::from_parameter(bytes), &bytes, |b, &bytes| {
                 b.iter_custom(|iters| run_threads(coll, bytes, iters))
             });
@@ -212,7 +214,9 @@ fn bench_processes(c: &mut Criterion) {
             .warm_up_time(Duration::from_millis(300))
             .measurement_time(Duration::from_secs(1));
         for bytes in SIZES {
-            group.throughput(Throughput::Bytes((bytes as f64 * coll.bus_factor()) as u64));
+            group.throughput(Throughput::BytesDecimal(
+                (bytes as f64 * coll.bus_factor()) as u64,
+            ));
             group.bench_with_input(BenchmarkId::from_parameter(bytes), &bytes, |b, &bytes| {
                 b.iter_custom(|iters| procs.run(coll, bytes, iters))
             });

@@ -22,7 +22,7 @@ fn bench_type<T: Element + Kernels>(c: &mut Criterion, make: impl Fn(usize) -> T
         let a: Vec<T> = (0..n).map(&make).collect();
         let b: Vec<T> = (0..n).map(|i| make(i + 7)).collect();
         let mut out = vec![T::zeroed(); n];
-        group.throughput(Throughput::Bytes(3 * bytes as u64));
+        group.throughput(Throughput::BytesDecimal(3 * bytes as u64));
         for op in [ReduceOp::Sum, ReduceOp::Max] {
             group.bench_with_input(BenchmarkId::new(op.name(), bytes), &bytes, |bench, _| {
                 bench.iter(|| T::combine_into(op, &mut out, &a, &b));

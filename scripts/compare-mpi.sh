@@ -69,8 +69,23 @@ if ! command -v mpicc >/dev/null || ! command -v mpirun >/dev/null; then
     fi
 fi
 
+# Open MPI's benchmark gives every rank cnt / nranks elements of its
+# all-gather and reduce-scatter and checks with that division: 8 B (two
+# floats) over more than two ranks is a division by zero there, and a rank
+# count that does not divide a size moves fewer bytes than it reports.
+case ",$COLLS," in
+    *,allgather,*|*,reduce_scatter,*)
+        if [ "$RANKS" -gt 2 ]; then
+            echo "compare-mpi.sh: --ranks $RANKS with allgather or reduce_scatter: Open MPI's benchmark" \
+                "cannot split 8 B over more than 2 ranks; use --colls allreduce,broadcast," \
+                "or oxccl-perf alone (docs/performance.md, 4 ranks on 2 cores)" >&2
+            exit 2
+        fi ;;
+esac
+
 mkdir -p "$OUT/bin" "$OUT/raw"
-rm -f "$OUT"/raw/*
+# Earlier runs' curves must not reappear in this run's plots.
+rm -rf "$OUT"/raw/* "$OUT/plot"
 mpicc -O2 -o "$OUT/bin/mpi_coll_bench" "$ANCHORS/mpi_coll_bench.c" -lm
 gcc -O3 -march=native -Wall -o "$OUT/bin/shm_ceiling" "$ANCHORS/shm_ceiling.c" -lpthread -lm
 (cd "$ROOT" && cargo build --release --quiet --bin oxccl-perf)
@@ -147,8 +162,12 @@ run_perf() {
     local iters=()
     while [ "$1" != -- ]; do iters+=("$1"); shift; done
     shift
-    # -a 3: the slowest rank's time, as mpi_coll_bench reports (oxccl-perf's
-    # default is nccl-tests' mean over the ranks).
+    # -a 3: the slowest rank's time, as mpi_coll_bench takes it (oxccl-perf's
+    # default is nccl-tests' mean over the ranks). Not the same statistic
+    # all the same: oxccl-perf's is the mean over its -n calls (nccl-tests'),
+    # mpi_coll_bench's the median over samples (batches of at least 2 ms);
+    # a mean keeps every preemption that a median drops, which leans
+    # against oxccl, most where calls are short.
     OXCCL_TRANSPORT=$TRANSPORT "$PERF" -np "$RANKS" "$@" --sizes "$sizes" "${iters[@]}" -c 1 -a 3 \
         -J "$OUT/raw/oxccl-$rep-$label.json" >"$OUT/raw/oxccl-$rep-$label.txt" 2>&1
 }
@@ -244,6 +263,9 @@ for path in glob.glob(os.path.join(out, "raw", "mpi-*.txt")):
     for line in open(path):
         if line.startswith("RESULT,"):
             f = line.strip().split(",")
+            # Field 11: the benchmark's own check of its first call.
+            if f[11] != "ok":
+                sys.exit(f"Open MPI's benchmark failed its check in {path}: {line.strip()}")
             key = (f[2], int(f[3]))
             mpi_rep.setdefault(key, {})[rep] = {"busbw": float(f[6]), "time": float(f[4])}
             mpi.setdefault(key, {"busbw": [], "time": []})
@@ -251,7 +273,9 @@ for path in glob.glob(os.path.join(out, "raw", "mpi-*.txt")):
             mpi[key]["time"].append(float(f[4]))
 for path in glob.glob(os.path.join(out, "raw", "ceiling-*.txt")):
     for line in open(path):
-        m = re.match(r"AR (\w) +(\d+) +time_us +([\d.]+).*busbw_GBs +([\d.]+)", line)
+        m = re.match(r"AR (\w) +(\d+) +time_us +([\d.]+).*busbw_GBs +([\d.]+).*check (\w+)", line)
+        if m and m.group(5) != "ok":
+            sys.exit(f"the ceiling failed its check in {path}: {line.strip()}")
         if m:
             key = (m.group(1), int(m.group(2)))
             ceil.setdefault(key, {"busbw": [], "time": []})
@@ -354,7 +378,9 @@ print("`oxccl / MPI per repetition` is the median of the ratios taken within eac
 print("repetition, where the two ran within a minute, over the pairs whose vCPU")
 print("placement held (core-to-core latency before, between and after the pair")
 print("within 1.6×; \"(k/n)\": k of n pairs held); the columns before it divide")
-print("medians taken over all repetitions.")
+print("medians taken over all repetitions. Within a repetition oxccl's figure")
+print("is the slowest rank's mean over its calls (nccl-tests' statistic) and Open")
+print("MPI's the median over its samples of the slowest rank's time.")
 
 # The medians as oxccl-perf JSON, one file per curve, for `--plot`.
 def dump(name, label, rows):

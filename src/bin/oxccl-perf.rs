@@ -112,11 +112,14 @@ impl Coll {
         }
     }
 
-    /// The variants measured: out of place, and in place where the
-    /// collective has one (all-to-all has none here, as in NCCL: its
-    /// in-place columns read N/A).
-    fn variants(self) -> &'static [bool] {
-        if self == Coll::AllToAll {
+    /// The variants measured on `backend`: out of place, and in place
+    /// where the collective has one (all-to-all has none, as in NCCL; nor
+    /// has send/recv on GPUs, whose send and receive run concurrently in
+    /// one group and cannot share a buffer): the others' in-place columns
+    /// read N/A.
+    fn variants(self, backend: &str) -> &'static [bool] {
+        let device = backend != "host";
+        if self == Coll::AllToAll || (device && self == Coll::SendRecv) {
             &[false]
         } else {
             &[false, true]
@@ -727,7 +730,7 @@ fn print_row(a: &Args, row: &Row, n: usize) {
         } else {
             "N/A".into()
         };
-        if k >= a.coll.variants().len() {
+        if k >= a.coll.variants(&a.backend).len() {
             cols += &format!("  {:>7}  {:>6}  {:>6}  {:>5}", "N/A", "N/A", "N/A", "N/A");
             continue;
         }
@@ -782,7 +785,7 @@ fn bench<T: Element>(comm: &mut Communicator, a: &Args) -> oxccl::Result<RunResu
             algo: comm.algorithm_for::<T>(op_kind(a.coll), bytes).to_string(),
             ..Row::default()
         };
-        for (k, &in_place) in a.coll.variants().iter().enumerate() {
+        for (k, &in_place) in a.coll.variants(&a.backend).iter().enumerate() {
             let s = measure::<T>(comm, a, count, in_place)?;
             if a.shared {
                 // What actually ran: zero copy needs every rank's buffers

@@ -4,8 +4,8 @@
 //! for NCCL, one rank per process under a launcher). Inputs and expected
 //! outputs are the host benchmark's (`prepare`), copied to the GPU; each
 //! size is timed with CUDA events around `-n` back-to-back calls on the
-//! communicator's stream, like nccl-tests, and the slowest rank's time is
-//! reported.
+//! communicator's stream, and reported over the ranks as `-a` asks (default:
+//! their mean, as nccl-tests). The self-check runs after the timed calls.
 
 use cudarc::driver::{sys::CUevent_flags, CudaSlice, DeviceRepr};
 use oxccl::{DeviceBackend, DeviceCommunicator, Element, ReduceOp};
@@ -42,9 +42,8 @@ fn run_once<T: Element>(
         (Coll::Reduce, false) => comm.reduce(&b.send, &mut b.recv, a.op, a.root),
         (Coll::Reduce, true) => comm.reduce_in_place(&mut b.recv, a.op, a.root),
         (Coll::SendRecv, _) => {
-            // Both directions in one group, as nccl-tests' sendrecv does. In
-            // place, the receive buffer starts as a copy of the send buffer,
-            // so sending the latter moves the same bytes.
+            // Both directions in one group, as nccl-tests' sendrecv does
+            // (out of place only: `Coll::variants`).
             let mut group = comm.group()?;
             group.send(&b.send, next)?;
             group.recv(&mut b.recv, prev)?;
@@ -78,8 +77,30 @@ fn measure<T: Element + DeviceRepr>(
         send: upload(comm, &host.send)?,
         recv: upload(comm, &host.recv)?,
     };
+    for _ in 0..a.warmup {
+        run_once(comm, a, &mut b, in_place).map_err(err)?;
+    }
+    comm.barrier().map_err(err)?;
+    let timing = Some(CUevent_flags::CU_EVENT_DEFAULT);
+    let cuda = |e: cudarc::driver::DriverError| format!("rank {rank}: CUDA event: {e}");
+    let start = comm.stream().record_event(timing).map_err(cuda)?;
+    for _ in 0..a.iters {
+        run_once(comm, a, &mut b, in_place).map_err(err)?;
+    }
+    let end = comm.stream().record_event(timing).map_err(cuda)?;
+    comm.synchronize().map_err(err)?;
+    let ms = start.elapsed_ms(&end).map_err(cuda)?;
+    let mut time_us = f64::from(ms) * 1e3 / a.iters as f64;
+    // Checked after the timed calls, on the same buffers filled afresh, as
+    // nccl-tests does: the call checked takes the path the timed ones took
+    // (whatever changes after a communicator's first calls), and the check
+    // is not timed.
     let mut wrong = 0u64;
     if a.check {
+        b = DeviceBufs {
+            send: upload(comm, &host.send)?,
+            recv: upload(comm, &host.recv)?,
+        };
         run_once(comm, a, &mut b, in_place).map_err(err)?;
         comm.synchronize().map_err(err)?;
         let got = comm
@@ -97,20 +118,6 @@ fn measure<T: Element + DeviceRepr>(
             .filter(|(g, e)| e.is_some_and(|e| **g != e))
             .count() as u64;
     }
-    for _ in 0..a.warmup {
-        run_once(comm, a, &mut b, in_place).map_err(err)?;
-    }
-    comm.barrier().map_err(err)?;
-    let timing = Some(CUevent_flags::CU_EVENT_DEFAULT);
-    let cuda = |e: cudarc::driver::DriverError| format!("rank {rank}: CUDA event: {e}");
-    let start = comm.stream().record_event(timing).map_err(cuda)?;
-    for _ in 0..a.iters {
-        run_once(comm, a, &mut b, in_place).map_err(err)?;
-    }
-    let end = comm.stream().record_event(timing).map_err(cuda)?;
-    comm.synchronize().map_err(err)?;
-    let ms = start.elapsed_ms(&end).map_err(cuda)?;
-    let mut time_us = f64::from(ms) * 1e3 / a.iters as f64;
     // The ranks' time as `-a` asks and every rank's wrong count, reduced
     // on the GPUs themselves (the only link device communicators have).
     let mut t = upload(comm, &[a.average.contribution(time_us, rank)])?;
@@ -156,7 +163,7 @@ fn bench<T: Element + DeviceRepr>(
             algo: comm.algorithm_for(super::op_kind(a.coll)).into(),
             ..Row::default()
         };
-        for (k, &in_place) in a.coll.variants().iter().enumerate() {
+        for (k, &in_place) in a.coll.variants(&a.backend).iter().enumerate() {
             let (time_us, wrong) = measure::<T>(comm, a, count, in_place)?;
             let algbw = bytes as f64 / time_us / 1e3;
             let busbw = algbw * a.coll.bus_factor(n);

@@ -70,7 +70,7 @@ pub fn to_json(label: &str, a: &Args, run: &RunResult) -> String {
             r.wrong[0],
         );
         // A collective without an in-place variant has no in-place fields.
-        if a.coll.variants().len() > 1 {
+        if a.coll.variants(&a.backend).len() > 1 {
             out += &format!(
                 ", \"time_us_ip\": {}, \"algbw_ip\": {}, \"busbw_ip\": {}, \"wrong_ip\": {}",
                 num(r.time_us[1]),
