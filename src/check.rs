@@ -162,7 +162,7 @@ pub fn every_collective<T: Element>(
             })?;
 
             // reduce to every root
-            for root in [0, world - 1] {
+            for root in 0..world {
                 let mut recv = vec![T::zeroed(); if rank == root { count } else { 0 }];
                 comm.reduce(&send, &mut recv, op, root)?;
                 ensure(count_wrong_reduced(&recv, world, 0, op), || {

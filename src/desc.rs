@@ -288,6 +288,13 @@ impl CollectiveDesc {
         let (send, recv) = (self.send_len(), self.recv_len());
         let is_root = self.root == Some(self.rank);
         match (self.op, self.in_place) {
+            // No schedule runs it in place (each round receives into a block
+            // a later round still sends), and no API offers it.
+            (OpKind::AllToAll, true) => Err(self.invalid(
+                "recv",
+                "all-to-all has no in-place form; give it separate send and receive buffers"
+                    .into(),
+            )),
             (OpKind::AllReduce, false) | (OpKind::AllToAll, false) if send != recv => Err(self.invalid(
                 "recv",
                 format!("recv has {recv} elements but send has {send}; they must be equal"),
@@ -460,5 +467,11 @@ mod tests {
         let a2a = desc(OpKind::AllToAll).with_send(host(8)).with_recv(host(8));
         assert_eq!(a2a.count(), 2);
         assert_eq!(a2a.bytes(), 32);
+    }
+
+    #[test]
+    fn all_to_all_in_place_is_refused() {
+        let a2a = desc(OpKind::AllToAll).with_in_place(host(8));
+        assert_eq!(arg_of(a2a.validate()), "recv");
     }
 }

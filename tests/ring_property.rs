@@ -1,13 +1,18 @@
 //! The central property: all_reduce(x) == all_gather(reduce_scatter(x)) bit
-//! for bit, every rank holds identical bits, and the result matches an f64
-//! reference within the dtype's tolerance (exactly for integers).
+//! for bit, every rank holds identical bits, the in-place calls give the
+//! out-of-place bits, and the result matches an f64 reference within the
+//! dtype's tolerance (exactly for integers, min and max). Float inputs have
+//! full mantissas, both signs and a spread of magnitudes, so that a rank
+//! or schedule summing in another order gets other bits. Ranks run as
+//! threads (the shared arena, or the ring schedules with `Algo::Ring`) and
+//! over TCP (the schedules `choose` picks, or the forced family).
 
 mod common;
 
 use std::time::Duration;
 
-use common::run_ranks_with;
-use oxccl::{bf16, f16, Algo, Communicator, Element, ReduceOp};
+use common::{run_ranks_net, run_ranks_with};
+use oxccl::{bf16, f16, Algo, Communicator, Element, ReduceOp, TransportKind};
 use proptest::prelude::*;
 
 /// Relative rounding unit of each dtype (0 for integers: exact).
@@ -32,13 +37,22 @@ fn raw_int(seed: u64, rank: usize, i: usize) -> i64 {
     (mix(seed, rank, i) % 100) as i64
 }
 
-/// Inputs: as [`raw_int`] for integers; values in [0.5, 2) for floats so
-/// products stay finite.
-fn value<T: Element>(seed: u64, rank: usize, i: usize) -> T {
-    if T::DTYPE.is_float() {
-        T::from_f64(0.5 + (mix(seed, rank, i) % 1536) as f64 / 1024.0)
-    } else {
+/// Inputs: as [`raw_int`] for integers. For floats: for `Prod`, values in
+/// [0.5, 2) so products stay finite; otherwise ±(1 + a full 52-bit
+/// fraction) · 2^(−8..8), rounded to the type, so sums round at every step
+/// and their order shows in the bits (values like k/1024 add exactly, in
+/// any order).
+fn value<T: Element>(seed: u64, rank: usize, i: usize, op: ReduceOp) -> T {
+    let z = mix(seed, rank, i);
+    if !T::DTYPE.is_float() {
         T::from_i64_wrapping(raw_int(seed, rank, i))
+    } else if op == ReduceOp::Prod {
+        T::from_f64(0.5 + (z % 1536) as f64 / 1024.0)
+    } else {
+        let fraction = (z >> 12) as f64 / (1u64 << 52) as f64;
+        let exponent = ((z >> 4) % 16) as i32 - 8;
+        let sign = if z & 1 == 1 { -1.0 } else { 1.0 };
+        T::from_f64(sign * (1.0 + fraction) * 2f64.powi(exponent))
     }
 }
 
@@ -59,17 +73,48 @@ fn int_expected<T: Element>(seed: u64, world: usize, i: usize, op: ReduceOp) -> 
     }
 }
 
-fn reference<T: Element>(seed: u64, world: usize, i: usize, op: ReduceOp) -> f64 {
+/// The f64 reference and the magnitude its rounding error scales with: the
+/// sum of the terms' magnitudes for sums (a sum that cancels keeps the
+/// error of its terms), the result for products, 0 for min and max (exact).
+fn reference<T: Element>(seed: u64, world: usize, i: usize, op: ReduceOp) -> (f64, f64) {
     let vals: Vec<f64> = (0..world)
-        .map(|r| value::<T>(seed, r, i).to_f64())
+        .map(|r| value::<T>(seed, r, i, op).to_f64())
         .collect();
+    let magnitude: f64 = vals.iter().map(|v| v.abs()).sum();
     match op {
-        ReduceOp::Sum => vals.iter().sum(),
-        ReduceOp::Avg => vals.iter().sum::<f64>() / world as f64,
-        ReduceOp::Prod => vals.iter().product(),
-        ReduceOp::Min => vals.iter().cloned().fold(f64::INFINITY, f64::min),
-        ReduceOp::Max => vals.iter().cloned().fold(f64::NEG_INFINITY, f64::max),
+        ReduceOp::Sum => (vals.iter().sum(), magnitude),
+        ReduceOp::Avg => (
+            vals.iter().sum::<f64>() / world as f64,
+            magnitude / world as f64,
+        ),
+        ReduceOp::Prod => {
+            let p: f64 = vals.iter().product();
+            (p, p.abs())
+        }
+        ReduceOp::Min => (vals.iter().cloned().fold(f64::INFINITY, f64::min), 0.0),
+        ReduceOp::Max => (vals.iter().cloned().fold(f64::NEG_INFINITY, f64::max), 0.0),
     }
+}
+
+/// Where the ranks run.
+#[derive(Clone, Copy, Debug)]
+enum Ranks {
+    /// Threads of one group (the shared arena unless `Algo::Ring`).
+    Threads,
+    /// Threads joined over TCP, as processes on several hosts would be.
+    Tcp,
+}
+
+/// One rank's results for one op: all-reduce, the composed reduce-scatter
+/// then all-gather, the three in-place calls, and an all-reduce of a count
+/// the world size does not divide.
+struct OpResults<T> {
+    op: ReduceOp,
+    all_reduce: Vec<T>,
+    composed: Vec<T>,
+    all_reduce_in_place: Vec<T>,
+    composed_in_place: Vec<T>,
+    uneven: Vec<T>,
 }
 
 fn check<T: Element>(
@@ -77,64 +122,96 @@ fn check<T: Element>(
     per_rank: usize,
     seed: u64,
     chunk_bytes: usize,
-    algo: Algo,
+    (algo, ranks): (Algo, Ranks),
 ) -> Result<(), String> {
     let builder = Communicator::builder()
         .timeout(Duration::from_secs(20))
         .chunk_bytes(chunk_bytes)
         .algo(algo);
-    let results = run_ranks_with(world, builder, move |comm| {
+    let body = move |comm: &mut Communicator| {
         let (rank, world) = (comm.rank(), comm.world_size());
         let count = per_rank * world;
-        let x: Vec<T> = (0..count).map(|i| value::<T>(seed, rank, i)).collect();
+        // One more element than a multiple of the world, and fewer than the
+        // world when per_rank is 0: chunks of different sizes, empty pieces.
+        let uneven_count = count + 1 + per_rank % world.max(1);
         let mut out = Vec::new();
         for op in ReduceOp::ALL {
-            let mut ar = vec![T::zeroed(); count];
-            comm.all_reduce(&x, &mut ar, op)?;
+            let x: Vec<T> = (0..uneven_count)
+                .map(|i| value::<T>(seed, rank, i, op))
+                .collect();
+            let x_even = &x[..count];
+            let mut all_reduce = vec![T::zeroed(); count];
+            comm.all_reduce(x_even, &mut all_reduce, op)?;
             let mut part = vec![T::zeroed(); per_rank];
-            comm.reduce_scatter(&x, &mut part, op)?;
+            comm.reduce_scatter(x_even, &mut part, op)?;
             let mut composed = vec![T::zeroed(); count];
             comm.all_gather(&part, &mut composed)?;
-            out.push((op, ar, composed));
+
+            let mut all_reduce_in_place = x_even.to_vec();
+            comm.all_reduce_in_place(&mut all_reduce_in_place, op)?;
+            let mut composed_in_place = x_even.to_vec();
+            comm.reduce_scatter_in_place(&mut composed_in_place, op)?;
+            comm.all_gather_in_place(&mut composed_in_place)?;
+
+            let mut uneven = vec![T::zeroed(); uneven_count];
+            comm.all_reduce(&x, &mut uneven, op)?;
+            out.push(OpResults {
+                op,
+                all_reduce,
+                composed,
+                all_reduce_in_place,
+                composed_in_place,
+                uneven,
+            });
         }
         Ok(out)
-    })?;
+    };
+    let results = match ranks {
+        Ranks::Threads => run_ranks_with(world, builder, body)?,
+        Ranks::Tcp => run_ranks_net(world, builder, TransportKind::Tcp, body)?,
+    };
     let eps = epsilon::<T>();
+    let bits = |v: &[T]| -> Vec<u8> { bytemuck::cast_slice(v).to_vec() };
+    let what = |op: ReduceOp| format!("{} {op} world {world} {algo:?} {ranks:?}", T::DTYPE);
     for (rank, per_op) in results.iter().enumerate() {
-        for (k, (op, ar, composed)) in per_op.iter().enumerate() {
-            let ar_bits: &[u8] = bytemuck::cast_slice(ar);
-            let composed_bits: &[u8] = bytemuck::cast_slice(composed);
-            if ar_bits != composed_bits {
-                return Err(format!(
-                    "{} {op}: all_reduce != all_gather(reduce_scatter) on rank {rank}",
-                    T::DTYPE
-                ));
+        for (k, r) in per_op.iter().enumerate() {
+            let op = r.op;
+            let ar = bits(&r.all_reduce);
+            for (name, other) in [
+                ("all_gather(reduce_scatter)", &r.composed),
+                ("all_reduce_in_place", &r.all_reduce_in_place),
+                ("in-place all_gather(reduce_scatter)", &r.composed_in_place),
+            ] {
+                if ar != bits(other) {
+                    return Err(format!("{}: all_reduce != {name} on rank {rank}", what(op)));
+                }
             }
-            let rank0: &[u8] = bytemuck::cast_slice(&results[0][k].1);
-            if ar_bits != rank0 {
-                return Err(format!(
-                    "{} {op}: rank {rank} bits differ from rank 0",
-                    T::DTYPE
-                ));
+            let rank0 = &results[0][k];
+            if ar != bits(&rank0.all_reduce) || bits(&r.uneven) != bits(&rank0.uneven) {
+                return Err(format!("{}: rank {rank} bits differ from rank 0", what(op)));
             }
-            for (i, v) in ar.iter().enumerate() {
-                let got = v.to_f64();
-                let want = if eps == 0.0 {
-                    int_expected::<T>(seed, world, i, *op).to_f64()
+            for (i, v) in r.all_reduce.iter().chain(&r.uneven).enumerate() {
+                // Element i of the uneven all-reduce follows the even one.
+                let i = if i < r.all_reduce.len() {
+                    i
                 } else {
-                    reference::<T>(seed, world, i, *op)
+                    i - r.all_reduce.len()
                 };
-                let ok = if eps == 0.0 {
-                    *v == int_expected::<T>(seed, world, i, *op)
+                let (got, want, ok) = if eps == 0.0 {
+                    let want = int_expected::<T>(seed, world, i, op);
+                    (v.to_f64(), want.to_f64(), *v == want)
                 } else {
-                    // One rounding per step plus the final one, relative to the magnitude.
-                    let bound = (world as f64 + 1.0) * eps * want.abs().max(1e-300) * 2.0;
-                    (got - want).abs() <= bound
+                    let (want, magnitude) = reference::<T>(seed, world, i, op);
+                    // One rounding per step plus the final one, and the
+                    // rounding of the reference's inputs already in it.
+                    let bound = (world as f64 + 1.0) * eps * magnitude * 2.0;
+                    let got = v.to_f64();
+                    (got, want, (got - want).abs() <= bound)
                 };
                 if !ok {
                     return Err(format!(
-                        "{} {op} world {world} element {i}: got {got}, reference {want}",
-                        T::DTYPE
+                        "{} element {i}: got {got}, reference {want}",
+                        what(op)
                     ));
                 }
             }
@@ -148,8 +225,21 @@ macro_rules! prop_for {
         proptest! {
             #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
             #[test]
-            fn $name(world in 1usize..=8, per_rank in 0usize..40, seed in any::<u64>(), chunk in prop::sample::select(vec![2usize, 16, 64, 1 << 20]), algo in prop::sample::select(vec![Algo::Ring, Algo::Direct])) {
-                check::<$t>(world, per_rank, seed, chunk, algo).map_err(TestCaseError::fail)?;
+            fn $name(
+                world in 1usize..=8,
+                // Small counts, and counts past the direct schedules' limit
+                // over TCP (64 KiB sent by each rank) for most worlds.
+                per_rank in prop_oneof![3 => 0usize..40, 1 => 300usize..9000],
+                seed in any::<u64>(),
+                chunk in prop::sample::select(vec![2usize, 16, 64, 1 << 20]),
+                algo in prop::sample::select(vec![Algo::Auto, Algo::Ring, Algo::Direct]),
+                ranks in prop::sample::select(vec![Ranks::Threads, Ranks::Tcp]),
+            ) {
+                // Pieces of a few bytes over thousands of elements would be
+                // hundreds of thousands of frames: large counts get pieces
+                // of at least 4 KiB.
+                let chunk = if per_rank >= 300 { chunk.max(4096) } else { chunk };
+                check::<$t>(world, per_rank, seed, chunk, (algo, ranks)).map_err(TestCaseError::fail)?;
             }
         }
     };
@@ -172,8 +262,9 @@ prop_for!(ring_property_u64, u64);
 #[test]
 fn direct_all_reduce_equals_all_gather_of_reduce_scatter() {
     for world in [2, 3] {
-        check::<f32>(world, 40_000, 7, 1 << 20, Algo::Direct).unwrap();
-        check::<bf16>(world, 70_001, 8, 1 << 20, Algo::Direct).unwrap();
-        check::<i32>(world, 33_333, 9, 1 << 20, Algo::Direct).unwrap();
+        let arena = (Algo::Direct, Ranks::Threads);
+        check::<f32>(world, 40_000, 7, 1 << 20, arena).unwrap();
+        check::<bf16>(world, 70_001, 8, 1 << 20, arena).unwrap();
+        check::<i32>(world, 33_333, 9, 1 << 20, arena).unwrap();
     }
 }

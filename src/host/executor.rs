@@ -67,6 +67,13 @@ impl<'a, T: Element> RawBufs<'a, T> {
     /// `span` of the send buffer (out of place) or of the written buffer
     /// (scratch is the executor's). Panics out of bounds, as slicing would.
     fn read(&self, span: Span) -> &[T] {
+        // Scratch lives apart from the user's buffers: only the steps that
+        // take it (`Send`, `Copy`, `ReduceLocal`) may name it, and they
+        // read it themselves. Anywhere else it would read the output here.
+        debug_assert!(
+            span.buf != BufId::Scratch,
+            "scratch span read as a user buffer"
+        );
         let (base, len) = match span.buf {
             BufId::Send if !self.in_place => (self.send, self.send_len),
             _ => (self.recv.cast_const(), self.recv_len),
@@ -85,6 +92,13 @@ impl<'a, T: Element> RawBufs<'a, T> {
     /// destination of a plan lies there). Panics out of bounds.
     #[allow(clippy::mut_from_ref)]
     fn write(&self, span: Span) -> &mut [T] {
+        // As in `read`: a plan writes scratch only through the steps that
+        // take it, and never the send buffer.
+        debug_assert!(
+            span.buf != BufId::Scratch && (span.buf != BufId::Send || self.in_place),
+            "span {:?} written as the output",
+            span.buf
+        );
         assert!(
             within(span.offset, span.len, self.recv_len),
             "span outside the output"

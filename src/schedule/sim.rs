@@ -7,6 +7,10 @@
 //! in the executors), each contribution is combined exactly once (so a reduced
 //! element is combined exactly N-1 times), `Avg` divides exactly once, and
 //! every element ends where the sequential definition of the collective puts it.
+//! Each element also carries a fingerprint of how its terms were grouped, so
+//! that a run checks that every rank reduces an element in the same order
+//! (the ranks' bits agree), that all-reduce groups as reduce-scatter does,
+//! and that the direct plans fold in rank order.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -14,13 +18,15 @@ use super::{plan_with, BufId, Family, Plan, Span, Step};
 use crate::desc::{BufDesc, CollectiveDesc, MemoryKind};
 use crate::types::{DType, OpKind, ReduceOp};
 
-/// A symbolic element: logical index, contributing ranks, combine and divide counts.
+/// A symbolic element: logical index, contributing ranks, combine and divide
+/// counts, and the grouping fingerprint ([`leaf`], [`node`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Sym {
     elem: usize,
     ranks: u64,
     combines: u32,
     divides: u32,
+    tree: u64,
 }
 
 const UNSET: Sym = Sym {
@@ -28,6 +34,7 @@ const UNSET: Sym = Sym {
     ranks: 0,
     combines: 0,
     divides: 0,
+    tree: 0,
 };
 
 fn input(elem: usize, rank: usize) -> Sym {
@@ -36,6 +43,33 @@ fn input(elem: usize, rank: usize) -> Sym {
         ranks: 1 << rank,
         combines: 0,
         divides: 0,
+        tree: leaf(rank),
+    }
+}
+
+fn splitmix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The fingerprint of rank `rank`'s term.
+fn leaf(rank: usize) -> u64 {
+    splitmix(rank as u64 + 1)
+}
+
+/// The fingerprint of combining two groups: the operands' order does not
+/// count (IEEE addition and multiplication commute bit for bit), the
+/// grouping does (they do not associate).
+fn node(a: u64, b: u64) -> u64 {
+    splitmix(a.min(b) ^ splitmix(a.max(b)))
+}
+
+impl Sym {
+    /// Everything but the grouping, to compare with [`reduced`].
+    fn ungrouped(self) -> Sym {
+        Sym { tree: 0, ..self }
     }
 }
 
@@ -57,6 +91,7 @@ fn combine(local: Sym, incoming: Sym) -> Result<Sym, String> {
         ranks: local.ranks | incoming.ranks,
         combines: local.combines + incoming.combines + 1,
         divides: 0,
+        tree: node(local.tree, incoming.tree),
     })
 }
 
@@ -274,6 +309,7 @@ fn reduced(elem: usize, world: usize, avg: bool) -> Sym {
         ranks: full(world),
         combines: world as u32 - 1,
         divides: u32::from(avg && world > 1),
+        tree: 0,
     }
 }
 
@@ -311,7 +347,7 @@ fn all_reduce_plans_reduce_every_element_exactly_once_per_rank() {
                             for (r, buf) in out.iter().enumerate() {
                                 for (i, s) in buf.iter().enumerate() {
                                     assert_eq!(
-                                        *s,
+                                        s.ungrouped(),
                                         reduced(i, world, avg),
                                         "rank {r} world {world} count {count} piece {piece}"
                                     );
@@ -352,7 +388,7 @@ fn reduce_scatter_and_all_gather_plans_match_their_definitions() {
                                 &buf[..]
                             };
                             for (i, s) in mine.iter().enumerate() {
-                                assert_eq!(*s, reduced(r * per + i, world, false));
+                                assert_eq!(s.ungrouped(), reduced(r * per + i, world, false));
                             }
                         }
                         let out = run(
@@ -447,7 +483,7 @@ fn rooted_plans_match_their_definitions() {
                                 for (i, s) in buf.iter().enumerate() {
                                     if r == root {
                                         assert_eq!(
-                                            *s,
+                                            s.ungrouped(),
                                             reduced(i, world, true),
                                             "reduce world {world} root {root}"
                                         );
@@ -546,4 +582,70 @@ fn a_plan_with_a_missing_receive_is_caught() {
         })
         .collect();
     assert!(simulate(&plans, ranks).unwrap_err().contains("deadlock"));
+}
+
+/// Every rank of an all-reduce holds each element grouped alike (so the
+/// ranks' bits agree), reduce-scatter groups each element as all-reduce
+/// does (all-reduce = all-gather of reduce-scatter, bit for bit), and the
+/// direct plans fold in rank order, ((x0 ⊕ x1) ⊕ x2) ⊕ …, whichever rank
+/// folds.
+#[test]
+fn reductions_group_alike_on_every_rank() {
+    for family in [Family::Ring, Family::Direct] {
+        for world in WORLDS {
+            for per in [1, 2, 9] {
+                for piece in PIECES {
+                    for in_place in [false, true] {
+                        let count = per * world;
+                        let sum = Some(ReduceOp::Sum);
+                        let what = format!(
+                            "{family:?} world {world} per {per} piece {piece} in place {in_place}"
+                        );
+                        let ar = run(
+                            family,
+                            OpKind::AllReduce,
+                            world,
+                            count,
+                            count,
+                            in_place,
+                            sum,
+                            None,
+                            piece,
+                            |r, i| input(i, r),
+                        )
+                        .unwrap();
+                        let rs = run(
+                            family,
+                            OpKind::ReduceScatter,
+                            world,
+                            count,
+                            if in_place { count } else { per },
+                            in_place,
+                            sum,
+                            None,
+                            piece,
+                            |r, i| input(i, r),
+                        )
+                        .unwrap();
+                        let rank_order = (1..world).fold(leaf(0), |acc, r| node(acc, leaf(r)));
+                        for i in 0..count {
+                            let tree = ar[0][i].tree;
+                            for (r, buf) in ar.iter().enumerate() {
+                                assert_eq!(buf[i].tree, tree, "{what}: rank {r} element {i}");
+                            }
+                            let (owner, j) = (i / per, i % per);
+                            let part = if in_place { owner * per + j } else { j };
+                            assert_eq!(
+                                rs[owner][part].tree, tree,
+                                "{what}: reduce-scatter element {i}"
+                            );
+                            if family == Family::Direct {
+                                assert_eq!(tree, rank_order, "{what}: element {i}");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
 }
