@@ -140,7 +140,8 @@ impl DeviceCommBuilder {
         timeout: Duration,
     ) -> Result<DeviceBackend> {
         // Rank 0 always publishes what it runs, so a rank left on `auto`
-        // follows it even when rank 0 was told explicitly.
+        // follows it even when rank 0 was told explicitly, and a rank told
+        // explicitly is checked against it.
         let key = format!("{prefix}/backend");
         let mine = self.chosen_backend()?;
         let chosen = if rank == 0 {
@@ -150,16 +151,29 @@ impl DeviceCommBuilder {
             };
             store.set(&key, resolved.name().as_bytes())?;
             resolved
-        } else if mine == DeviceBackend::Auto {
+        } else {
             let name = published_by_rank0(store, &key, timeout)?;
             let name = String::from_utf8_lossy(&name).into_owned();
-            DeviceBackend::from_name(&name).ok_or_else(|| Error::Config {
+            let rank0 = DeviceBackend::from_name(&name).ok_or_else(|| Error::Config {
                 name: "OXCCL_BACKEND".into(),
                 value: name.clone(),
                 reason: "rank 0 published a backend this rank does not know".into(),
-            })?
-        } else {
-            mine
+            })?;
+            // A rank told another backend than rank 0 runs would start a
+            // set-up nobody else joins, and wait out its timeout.
+            if mine != DeviceBackend::Auto && mine != rank0 {
+                return Err(Error::Config {
+                    name: "OXCCL_BACKEND".into(),
+                    value: mine.name().into(),
+                    reason: format!(
+                        "rank {rank} was told {} but rank 0 runs {}: every rank must use \
+                         the same backend (or auto, to follow rank 0)",
+                        mine.name(),
+                        rank0.name()
+                    ),
+                });
+            }
+            rank0
         };
         match chosen {
             DeviceBackend::Nccl if !cfg!(feature = "nccl") => Err(Error::Config {
@@ -1473,31 +1487,44 @@ impl NcclEnqueue<'_> {
             }),
             NcclCall::AllToAll { block } => {
                 let group = GroupGuard::start(lib, rank)?;
-                for peer in 0..comm.world() {
-                    // SAFETY: as above; block `peer` of each buffer is in bounds.
-                    let rc = unsafe {
-                        (lib.send)(
-                            at(send, peer * block),
-                            block,
-                            dtype,
-                            peer as i32,
-                            raw,
-                            cu_stream,
-                        )
-                    };
-                    comm.finish_call("ncclSend", rc, &detail)?;
-                    // SAFETY: as above.
-                    let rc = unsafe {
-                        (lib.recv)(
-                            at(recv, peer * block),
-                            block,
-                            dtype,
-                            peer as i32,
-                            raw,
-                            cu_stream,
-                        )
-                    };
-                    comm.finish_call("ncclRecv", rc, &detail)?;
+                let enqueue = |comm: &mut NcclComm| -> Result<()> {
+                    for peer in 0..comm.world() {
+                        // SAFETY: as above; block `peer` of each buffer is in bounds.
+                        let rc = unsafe {
+                            (lib.send)(
+                                at(send, peer * block),
+                                block,
+                                dtype,
+                                peer as i32,
+                                raw,
+                                cu_stream,
+                            )
+                        };
+                        comm.finish_call("ncclSend", rc, &detail)?;
+                        // SAFETY: as above.
+                        let rc = unsafe {
+                            (lib.recv)(
+                                at(recv, peer * block),
+                                block,
+                                dtype,
+                                peer as i32,
+                                raw,
+                                cu_stream,
+                            )
+                        };
+                        comm.finish_call("ncclRecv", rc, &detail)?;
+                    }
+                    Ok(())
+                };
+                if let Err(e) = enqueue(comm) {
+                    // Whatever of the group was queued, unmatched by the
+                    // calls that failed, would leave the peers' halves
+                    // waiting on the device for good: the group is closed
+                    // and the communicator aborted (stopping anything the
+                    // close launched), as for a p2p group that fails.
+                    drop(group);
+                    comm.abort();
+                    return Err(e);
                 }
                 ("ncclGroupEnd", group.end())
             }

@@ -270,3 +270,53 @@ fn child_named_library_missing() {
         "{e:?}"
     );
 }
+
+/// A rank told another backend than the one rank 0 runs is refused at once,
+/// naming both, instead of starting a set-up nobody joins. Rank 0 (told
+/// cuda-ring) publishes its choice in a file store, then fails here for
+/// want of a GPU; rank 1 (told nccl) then reads the choice.
+#[test]
+fn a_rank_told_another_backend_than_rank_0_is_refused() {
+    let dir = scratch_dir("backend-mismatch");
+    let rank = |r: usize, backend: &str| {
+        let out = Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "child_backend_rank", "--ignored", "--nocapture"])
+            .args(["--test-threads=1"])
+            .env("RANK", r.to_string())
+            .env("WORLD_SIZE", "2")
+            .env("LOCAL_WORLD_SIZE", "2")
+            .env("OXCCL_STORE", format!("file:{}", dir.display()))
+            .env("OXCCL_JOB_ID", "backend-mismatch")
+            .env("OXCCL_TEST_BACKEND", backend)
+            .env("OXCCL_TIMEOUT", "10")
+            .env("OXCCL_NCCL_LIBRARY", "/nonexistent/oxccl-test/libnccl.so.2")
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let rank0 = rank(0, "cuda-ring");
+    let rank1 = rank(1, "nccl");
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(rank0.contains("result: "), "{rank0}");
+    assert!(
+        rank1.contains("rank 1 was told nccl but rank 0 runs cuda-ring"),
+        "{rank1}"
+    );
+}
+
+#[test]
+#[ignore = "run by a_rank_told_another_backend_than_rank_0_is_refused"]
+fn child_backend_rank() {
+    let backend = std::env::var("OXCCL_TEST_BACKEND").unwrap();
+    let backend = oxccl::DeviceBackend::from_name(&backend).unwrap();
+    // An explicit device: nothing asks the (absent) driver how many GPUs
+    // there are before the backends are compared.
+    match DeviceCommunicator::builder()
+        .backend(backend)
+        .device(0)
+        .from_env()
+    {
+        Ok(_) => println!("result: made"),
+        Err(e) => println!("result: {e}"),
+    }
+}
