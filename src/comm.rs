@@ -224,11 +224,11 @@ impl CommConfig {
             config.shm_ring_bytes = value
                 .parse::<usize>()
                 .ok()
-                .filter(|&b| b >= 4096 && b.is_power_of_two())
+                .filter(|&b| (4096..=1 << 30).contains(&b) && b.is_power_of_two())
                 .ok_or_else(|| Error::Config {
                     name: "OXCCL_SHM_RING_BYTES".into(),
                     value: value.clone(),
-                    reason: "expected a power of two of at least 4096".into(),
+                    reason: "expected a power of two from 4096 to 1 GiB".into(),
                 })?;
         }
         if let Ok(value) = std::env::var("OXCCL_ALGO") {

@@ -724,6 +724,7 @@ impl RingComm {
     /// (`remote`) exported for peers in other processes.
     fn ensure(
         &mut self,
+        op: OpKind,
         which: Option<Rank>,
         bytes: usize,
         host: bool,
@@ -735,7 +736,10 @@ impl RingComm {
             return Ok(());
         }
         // The old inbox may still be read by work queued earlier.
-        self.drain_stream("draining the stream before growing an inbox")?;
+        self.drain_stream(&format!(
+            "cuda-ring {op} #{}: draining the stream before growing an inbox",
+            self.seq
+        ))?;
         let old = std::mem::take(self.inbox_mut(which));
         if remote && which.is_some() {
             // A peer in another process may still have it mapped.
@@ -1063,11 +1067,11 @@ impl RingComm {
             let host = self.path(from, rank) == Path::HostStaged;
             let bytes = lowered.incoming[from] * elem;
             if bytes > 0 {
-                self.ensure(Some(from), bytes, host, remote)?;
+                self.ensure(op, Some(from), bytes, host, remote)?;
             }
         }
         if lowered.scratch_len > 0 {
-            self.ensure(None, lowered.scratch_len * elem, false, remote)?;
+            self.ensure(op, None, lowered.scratch_len * elem, false, remote)?;
         }
         // Messages per peer, each way, for the pairing check.
         let (mut expected, mut sending_msgs) = (vec![0usize; world], vec![0usize; world]);

@@ -152,6 +152,17 @@ fn decode(b: &[u8; FRAME_HEADER_BYTES]) -> std::result::Result<(u8, FrameHeader)
     ))
 }
 
+/// What a link's error says of its peer: a shared-memory ring whose
+/// counters the peer corrupted (`InvalidData`) is a protocol violation,
+/// anything else a link that broke (`what`: how it showed).
+fn gone_after(e: std::io::Error, what: &str) -> Gone {
+    if e.kind() == std::io::ErrorKind::InvalidData {
+        Gone::Corrupt(e.to_string())
+    } else {
+        Gone::Died(format!("{what}: {e}"))
+    }
+}
+
 /// A byte stream to one peer.
 enum Link {
     Shm(ShmLink),
@@ -163,11 +174,11 @@ impl Link {
     fn write_two(&mut self, a: &[u8], b: &[u8]) -> std::io::Result<usize> {
         match self {
             Link::Shm(link) => {
-                let n = link.write_some(a);
+                let n = link.write_some(a)?;
                 if n < a.len() {
                     return Ok(n);
                 }
-                Ok(n + link.write_some(b))
+                Ok(n + link.write_some(b)?)
             }
             Link::Tcp(link) => {
                 if a.is_empty() {
@@ -183,7 +194,7 @@ impl Link {
 
     fn read_some(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
         match self {
-            Link::Shm(link) => Ok(link.read_some(buf)),
+            Link::Shm(link) => link.read_some(buf),
             Link::Tcp(link) => link.read_some(buf),
         }
     }
@@ -512,8 +523,7 @@ impl Fabric {
                     }
                 }
                 Err(e) => {
-                    peer.gone
-                        .get_or_insert(Gone::Died(format!("link failed: {e}")));
+                    peer.gone.get_or_insert(gone_after(e, "link failed"));
                     break;
                 }
             }
@@ -679,9 +689,10 @@ impl Fabric {
                 // Frames that arrived before the end of the stream are kept.
                 // After a goodbye (perhaps read in this very pass, and
                 // delivered by the caller) the end of the stream is expected.
-                if !delivered.iter().any(|(kind, ..)| *kind == KIND_GOODBYE) {
-                    peer.gone
-                        .get_or_insert(Gone::Died(format!("connection lost: {e}")));
+                if e.kind() == std::io::ErrorKind::InvalidData
+                    || !delivered.iter().any(|(kind, ..)| *kind == KIND_GOODBYE)
+                {
+                    peer.gone.get_or_insert(gone_after(e, "connection lost"));
                 }
                 return moved;
             }

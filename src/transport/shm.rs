@@ -125,13 +125,20 @@ impl Segment {
         ring_bytes: usize,
         region_bytes: usize,
     ) -> io::Result<Segment> {
-        debug_assert!(ring_bytes.is_power_of_two());
+        if !ring_bytes.is_power_of_two() {
+            return Err(io::Error::other(format!(
+                "{name}: rings of {ring_bytes} bytes (must be a power of two)"
+            )));
+        }
         let cname = CString::new(name).map_err(|_| io::Error::other("bad segment name"))?;
-        let len = segment_bytes(slots, ring_bytes)
-            .checked_add(region_bytes)
+        let len = segment_bytes_checked(slots, ring_bytes)
+            .and_then(|bytes| bytes.checked_add(region_bytes))
             .filter(|&l| l <= isize::MAX as usize)
             .ok_or_else(|| {
-                io::Error::other(format!("{name}: {region_bytes} bytes is too large"))
+                io::Error::other(format!(
+                    "{name}: {slots} rings of {ring_bytes} bytes and {region_bytes} more \
+                     bytes are too large"
+                ))
             })?;
         // SAFETY: plain FFI calls with a valid C string; the fd is closed below.
         let fd = unsafe {
@@ -159,19 +166,28 @@ impl Segment {
         }
         // Reserve the pages now: on a tmpfs too small for the segment this
         // fails with ENOSPC here instead of raising SIGBUS on first touch.
-        // SAFETY: fd is valid; posix_fallocate returns an errno value.
-        let rc = unsafe { libc::posix_fallocate(fd, 0, len as libc::off_t) };
+        // A signal arriving while tmpfs reserves pages interrupts it (EINTR,
+        // not restarted by SA_RESTART): reserving again is harmless.
+        let rc = loop {
+            // SAFETY: fd is valid; posix_fallocate returns an errno value.
+            let rc = unsafe { libc::posix_fallocate(fd, 0, len as libc::off_t) };
+            if rc != libc::EINTR {
+                break rc;
+            }
+        };
         if rc != 0 {
             let e = io::Error::from_raw_os_error(rc);
             unsafe { libc::close(fd) };
+            let advice = if rc == libc::ENOSPC {
+                " (is /dev/shm too small? containers often default to 64 MiB: enlarge it, \
+                 e.g. docker --shm-size, lower OXCCL_SHM_RING_BYTES, or use \
+                 OXCCL_TRANSPORT=tcp)"
+            } else {
+                ""
+            };
             return Err(unlink(io::Error::new(
                 e.kind(),
-                format!(
-                    "cannot reserve {len} bytes for {name} in /dev/shm: {e} \
-                     (is /dev/shm too small? containers often default to 64 MiB: \
-                     enlarge it, e.g. docker --shm-size, lower OXCCL_SHM_RING_BYTES, \
-                     or use OXCCL_TRANSPORT=tcp)"
-                ),
+                format!("cannot reserve {len} bytes for {name} in /dev/shm: {e}{advice}"),
             )));
         }
         let base = map(fd, len, name).map_err(unlink)?;
@@ -228,11 +244,14 @@ impl Segment {
             name: name.to_string(),
         };
         let header = segment.header();
+        // The magic first (Acquire): the sizes read after it are the ones
+        // its creator stored before publishing it.
+        let magic = header.magic.load(Ordering::Acquire);
         let (slots, ring_bytes) = (
             header.slots.load(Ordering::Relaxed) as usize,
             header.ring_bytes.load(Ordering::Relaxed) as usize,
         );
-        if header.magic.load(Ordering::Acquire) != SEGMENT_MAGIC
+        if magic != SEGMENT_MAGIC
             || !ring_bytes.is_power_of_two()
             || segment_bytes_checked(slots, ring_bytes).is_none_or(|bytes| bytes > len)
         {
@@ -341,6 +360,17 @@ impl Drop for Segment {
     }
 }
 
+/// The error for ring counters further apart than the ring holds.
+fn corrupt_counters(head: u64, tail: u64, cap: usize) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::InvalidData,
+        format!(
+            "shared-memory ring counters are corrupt (head {head}, tail {tail}, ring of {cap} \
+             bytes): something other than this job's protocol wrote them"
+        ),
+    )
+}
+
 /// Raw pointers to one ring inside a segment; valid while the segment is.
 #[derive(Clone, Copy)]
 struct RingPtr {
@@ -382,49 +412,70 @@ impl ShmLink {
     }
 
     /// Copies as much of `data` as fits into the peer's ring.
-    pub fn write_some(&mut self, data: &[u8]) -> usize {
+    ///
+    /// # Errors
+    ///
+    /// `InvalidData` when the ring's counters hold more than a ring's worth
+    /// between them: the counters live in memory the peer can write, and
+    /// copying by them would run past the ring.
+    pub fn write_some(&mut self, data: &[u8]) -> io::Result<usize> {
         let r = self.out;
         // SAFETY: the control words are valid atomics for the ring's lifetime.
         let (head, tail) = unsafe { (&*r.head, &*r.tail) };
         let t = tail.load(Ordering::Relaxed); // we are the only writer of tail
-        let free = r.cap - (t - head.load(Ordering::Acquire)) as usize;
+        let h = head.load(Ordering::Acquire);
+        let used = t.wrapping_sub(h);
+        if used > r.cap as u64 {
+            return Err(corrupt_counters(h, t, r.cap));
+        }
+        let free = r.cap - used as usize;
         let n = free.min(data.len());
         if n == 0 {
-            return 0;
+            return Ok(0);
         }
         let at = (t as usize) & (r.cap - 1);
         let first = n.min(r.cap - at);
-        // SAFETY: [at, at+first) and [0, n-first) lie in the ring's data, and
-        // the consumer does not read them until `tail` is published below.
+        // SAFETY: [at, at+first) and [0, n-first) lie in the ring's data
+        // (n <= cap, checked above), and the consumer does not read them
+        // until `tail` is published below.
         unsafe {
             std::ptr::copy_nonoverlapping(data.as_ptr(), r.data.add(at), first);
             std::ptr::copy_nonoverlapping(data.as_ptr().add(first), r.data, n - first);
         }
-        tail.store(t + n as u64, Ordering::Release);
-        n
+        tail.store(t.wrapping_add(n as u64), Ordering::Release);
+        Ok(n)
     }
 
     /// Copies as many available bytes as fit into `buf`.
-    pub fn read_some(&mut self, buf: &mut [u8]) -> usize {
+    ///
+    /// # Errors
+    ///
+    /// As [`write_some`](Self::write_some).
+    pub fn read_some(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         let r = self.inp;
         // SAFETY: as in write_some.
         let (head, tail) = unsafe { (&*r.head, &*r.tail) };
         let h = head.load(Ordering::Relaxed); // we are the only writer of head
-        let avail = (tail.load(Ordering::Acquire) - h) as usize;
-        let n = avail.min(buf.len());
+        let t = tail.load(Ordering::Acquire);
+        let avail = t.wrapping_sub(h);
+        if avail > r.cap as u64 {
+            return Err(corrupt_counters(h, t, r.cap));
+        }
+        let n = (avail as usize).min(buf.len());
         if n == 0 {
-            return 0;
+            return Ok(0);
         }
         let at = (h as usize) & (r.cap - 1);
         let first = n.min(r.cap - at);
         // SAFETY: the producer published these bytes (acquire above) and
-        // will not overwrite them until `head` moves past them.
+        // will not overwrite them until `head` moves past them; n <= cap
+        // (checked above), so both ranges lie in the ring's data.
         unsafe {
             std::ptr::copy_nonoverlapping(r.data.add(at), buf.as_mut_ptr(), first);
             std::ptr::copy_nonoverlapping(r.data, buf.as_mut_ptr().add(first), n - first);
         }
-        head.store(h + n as u64, Ordering::Release);
-        n
+        head.store(h.wrapping_add(n as u64), Ordering::Release);
+        Ok(n)
     }
 
     /// Whether the peer dropped its communicator (a clean exit).
@@ -509,15 +560,43 @@ mod tests {
         let data: Vec<u8> = (0..1000u32).map(|i| (i * 7) as u8).collect();
         let (mut sent, mut got) = (0, Vec::new());
         while got.len() < data.len() {
-            sent += a_to_b.write_some(&data[sent..]);
+            sent += a_to_b.write_some(&data[sent..]).unwrap();
             let mut buf = [0u8; 37];
-            let n = b_to_a.read_some(&mut buf);
+            let n = b_to_a.read_some(&mut buf).unwrap();
             got.extend_from_slice(&buf[..n]);
         }
         assert_eq!(got, data);
         assert!(a_to_b.peer_alive() && !a_to_b.peer_departed());
         b.set_departed();
         assert!(a_to_b.peer_departed());
+    }
+
+    /// Ring counters a peer set further apart than the ring holds are an
+    /// error on both sides, not a copy by them past the ring (the writer
+    /// would have written 4 KiB into a 64-byte ring, the reader read as
+    /// much out of it).
+    #[test]
+    fn ring_counters_a_peer_corrupted_are_an_error() {
+        let a_name = unique("x");
+        let b_name = unique("y");
+        let a = Segment::create(&a_name, 1, 64).unwrap();
+        let b = Segment::create(&b_name, 1, 64).unwrap();
+        let mut a_to_b = ShmLink::new(Segment::open(&b_name).unwrap(), 0, &a, 0).unwrap();
+        let mut b_to_a = ShmLink::new(Segment::open(&a_name).unwrap(), 0, &b, 0).unwrap();
+        assert_eq!(a_to_b.write_some(&[1; 10]).unwrap(), 10);
+        // The peer moves the ring's head behind by far (a writer's "free"
+        // would wrap), then its tail ahead by far (a reader's "available").
+        let ring = a_to_b.out;
+        // SAFETY: the ring's control words are valid atomics while `b` lives.
+        unsafe { (*ring.head).store(u64::MAX - 5000, Ordering::Release) };
+        let e = a_to_b.write_some(&[2; 4096]).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidData, "{e}");
+        assert!(e.to_string().contains("corrupt"), "{e}");
+        unsafe { (*ring.head).store(0, Ordering::Release) };
+        unsafe { (*ring.tail).store(1 << 40, Ordering::Release) };
+        let mut buf = vec![0u8; 4096];
+        let e = b_to_a.read_some(&mut buf).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidData, "{e}");
     }
 
     /// A header whose ring sizes multiply past the address space is

@@ -110,6 +110,14 @@ pub(crate) fn connect(
         }
         match TcpStream::connect_timeout(&addr, left.min(Duration::from_secs(5))) {
             Ok(mut stream) => {
+                // What is left now: the connection itself may have taken
+                // up to 5 s of it.
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(format!(
+                        "connected to rank {to} at {addr} only as the deadline passed"
+                    ));
+                }
                 let answer = (|| {
                     stream.set_write_timeout(Some(left))?;
                     stream.write_all(&hello(token, from, to))?;
@@ -158,6 +166,9 @@ pub(crate) fn accept(
 ) -> Result<HashMap<usize, TcpStream>, Vec<usize>> {
     let mut done: HashMap<usize, TcpStream> = HashMap::new();
     let mut pending: Vec<Pending> = Vec::new();
+    // The listener's own failures (EMFILE: out of descriptors) are told
+    // once each: the timeout that may follow names only missing ranks.
+    let mut told: Option<ErrorKind> = None;
     if listener.set_nonblocking(true).is_err() {
         return Err(expected.to_vec());
     }
@@ -178,7 +189,15 @@ pub(crate) fn accept(
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-                Err(_) => break, // e.g. ECONNABORTED: the peer gave up
+                // The peer gave up before we took its connection.
+                Err(e) if e.kind() == ErrorKind::ConnectionAborted => break,
+                Err(e) => {
+                    if told != Some(e.kind()) {
+                        eprintln!("oxccl: rank {me}: accepting peers' connections: {e}");
+                        told = Some(e.kind());
+                    }
+                    break;
+                }
             }
         }
         let mut i = 0;
