@@ -29,9 +29,9 @@ const ACK_MAGIC: u32 = 0x4b4f_584f; // "OXOK"
 const PROTOCOL_VERSION: u32 = 1;
 const HELLO_BYTES: usize = 32;
 
-/// Socket buffer size asked for on every link: a ring step's piece should
-/// not wait for the receiver to wake up (the kernel caps it at
-/// `net.core.{w,r}mem_max`).
+/// Socket buffer size asked for on every link where the kernel allows it
+/// ([`buffer_options`]): a ring step's piece should not wait for the
+/// receiver to wake up.
 const SOCKET_BUFFER_BYTES: libc::c_int = 4 << 20;
 
 fn hello(token: &Token, from: usize, to: usize) -> [u8; HELLO_BYTES] {
@@ -74,10 +74,35 @@ fn check_hello(
     Ok(from)
 }
 
+/// The socket buffer options worth setting here: one the kernel would cap
+/// below [`SOCKET_BUFFER_BYTES`] (`net.core.{w,r}mem_max`, 208 KiB by
+/// default) is left alone, since setting it at all turns off the kernel's
+/// autotuning, which may grow the buffer to `net.ipv4.tcp_{w,r}mem`'s
+/// maximum (4–6 MiB by default) on a link that needs it.
+fn buffer_options() -> &'static [libc::c_int] {
+    static OPTIONS: std::sync::OnceLock<Vec<libc::c_int>> = std::sync::OnceLock::new();
+    OPTIONS.get_or_init(|| {
+        let allows = |path: &str| {
+            std::fs::read_to_string(path)
+                .ok()
+                .and_then(|v| v.trim().parse::<i64>().ok())
+                .is_some_and(|max| max >= i64::from(SOCKET_BUFFER_BYTES))
+        };
+        [
+            (libc::SO_SNDBUF, "/proc/sys/net/core/wmem_max"),
+            (libc::SO_RCVBUF, "/proc/sys/net/core/rmem_max"),
+        ]
+        .into_iter()
+        .filter(|&(_, path)| allows(path))
+        .map(|(opt, _)| opt)
+        .collect()
+    })
+}
+
 /// Makes a link fast and non-blocking.
 fn tune(stream: &TcpStream) -> io::Result<()> {
     stream.set_nodelay(true)?;
-    for opt in [libc::SO_SNDBUF, libc::SO_RCVBUF] {
+    for &opt in buffer_options() {
         // SAFETY: setsockopt with a valid fd and a c_int option value.
         // Failure only leaves the kernel's default size, so it is ignored.
         unsafe {
