@@ -593,6 +593,24 @@ fn disagreeing_roots_followed_only_by_lane_calls_are_found() {
     assert_eq!(result, vec![true, true]);
 }
 
+/// The same when the call after the staged broadcast is a barrier.
+#[test]
+fn disagreeing_roots_followed_by_a_barrier_are_found() {
+    let result = run_ranks_with(2, Communicator::builder(), |comm| {
+        let mut v = vec![1.0f32; 256];
+        let root = comm.rank();
+        let outcome = comm
+            .broadcast_in_place(&mut v, root)
+            .and_then(|()| comm.barrier());
+        Ok(match outcome {
+            Err(Error::Mismatch { detail, .. }) => detail.contains("different root"),
+            _ => false,
+        })
+    })
+    .unwrap();
+    assert_eq!(result, vec![true, true]);
+}
+
 /// The same through the mailboxes (8-byte broadcasts): of two ranks that
 /// each took themselves for the root, at least one learns of the other's
 /// message in that very call (each stores its own, then looks at the

@@ -2444,6 +2444,10 @@ impl Arena {
         self.last_direct = None;
         let k = self.lane_post(sig, |_| {});
         self.lane_await_all(call, sig, k)?;
+        // As in `lane_exchange`: staged rounds no later round compared.
+        if self.rounds_compared < self.round {
+            self.compare_recent_rounds(call)?;
+        }
         self.claim_next_lane(k);
         Ok(())
     }

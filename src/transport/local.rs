@@ -2,7 +2,7 @@
 //! `(source, ctx, space, seq, step)` so receives match exactly and frames of
 //! unrelated calls (a point-to-point send racing a collective) never mix.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -13,8 +13,39 @@ type Key = (usize, u64, Space, u64, u32);
 
 #[derive(Default)]
 struct Mailbox {
-    frames: Mutex<HashMap<Key, (FrameHeader, Payload)>>,
+    frames: Mutex<Frames>,
     arrived: Condvar,
+}
+
+/// A mailbox's frames, and per `(ctx, seq)` how many of them are
+/// collective: the end-of-call check for unclaimed frames looks that up
+/// instead of walking every frame a rank running ahead has left here.
+#[derive(Default)]
+struct Frames {
+    map: HashMap<Key, (FrameHeader, Payload)>,
+    collective: BTreeMap<(u64, u64), usize>,
+}
+
+impl Frames {
+    fn insert(&mut self, key: Key, frame: (FrameHeader, Payload)) {
+        if self.map.insert(key, frame).is_none() && key.2 == Space::Collective {
+            *self.collective.entry((key.1, key.3)).or_default() += 1;
+        }
+    }
+
+    fn remove(&mut self, key: &Key) -> Option<(FrameHeader, Payload)> {
+        let frame = self.map.remove(key)?;
+        if key.2 == Space::Collective {
+            let call = (key.1, key.3);
+            if let Some(count) = self.collective.get_mut(&call) {
+                *count -= 1;
+                if *count == 0 {
+                    self.collective.remove(&call);
+                }
+            }
+        }
+        Some(frame)
+    }
 }
 
 /// State shared by every communicator of one `local_group` (and its splits).
@@ -97,6 +128,11 @@ impl LocalEndpoint {
         let mailbox = &self.group.mailboxes[self.members[self.rank]];
         let frames = lock(&mailbox.frames);
         frames
+            .collective
+            .range((self.ctx, 0)..=(self.ctx, seq))
+            .next()?;
+        frames
+            .map
             .iter()
             .find(|(k, _)| k.1 == self.ctx && k.2 == Space::Collective && k.3 <= seq)
             .and_then(|(k, (header, _))| {

@@ -48,7 +48,7 @@
 //! deadline, and
 //! [`NetShared::abort`] wakes it within a few milliseconds.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -398,6 +398,12 @@ pub(crate) struct Fabric {
     /// Per global rank; `None` for this rank.
     peers: Vec<Option<Peer>>,
     arrived: HashMap<Key, Arrived>,
+    /// Per `(ctx, seq)`: the collective frames in `arrived` (kept with it,
+    /// by [`arrive`](Self::arrive) and [`take_arrived`](Self::take_arrived)),
+    /// so that the end-of-call check for unclaimed frames costs a lookup,
+    /// not a walk over everything buffered: a root that runs ahead leaves
+    /// thousands of later calls' frames here.
+    collective_arrivals: BTreeMap<(u64, u64), usize>,
     /// Receives waiting with a destination (see [`Posted`]).
     posted: HashMap<Key, Posted>,
     /// Per source: payload bytes arrived and not yet taken by a receive
@@ -441,6 +447,31 @@ impl NetShared {
 }
 
 impl Fabric {
+    /// Files a frame in `arrived`, counted in `collective_arrivals`;
+    /// returns the frame it replaced (same key), as `HashMap::insert`.
+    fn arrive(&mut self, key: Key, arrived: Arrived) -> Option<Arrived> {
+        let replaced = self.arrived.insert(key, arrived);
+        if replaced.is_none() && key.2 == Space::Collective {
+            *self.collective_arrivals.entry((key.1, key.3)).or_default() += 1;
+        }
+        replaced
+    }
+
+    /// Takes a frame out of `arrived`, uncounting it.
+    fn take_arrived(&mut self, key: &Key) -> Option<Arrived> {
+        let taken = self.arrived.remove(key)?;
+        if key.2 == Space::Collective {
+            let call = (key.1, key.3);
+            if let Some(count) = self.collective_arrivals.get_mut(&call) {
+                *count -= 1;
+                if *count == 0 {
+                    self.collective_arrivals.remove(&call);
+                }
+            }
+        }
+        Some(taken)
+    }
+
     /// Writes what is queued and reads what has arrived, on every link
     /// (a frame per pass from one past the read-ahead). Returns whether any
     /// byte moved.
@@ -775,12 +806,14 @@ impl Fabric {
             payload,
             landed,
         };
-        if let Some(replaced) = self.arrived.insert(key, arrived) {
+        if let Some(replaced) = self.arrive(key, arrived) {
             self.buffered[source] -= replaced.payload.as_bytes().len();
-            peer.gone = Some(Gone::Corrupt(format!(
-                "duplicate frame: {} #{} step {}",
-                header.op, header.seq, header.step
-            )));
+            if let Some(peer) = self.peers[source].as_mut() {
+                peer.gone = Some(Gone::Corrupt(format!(
+                    "duplicate frame: {} #{} step {}",
+                    header.op, header.seq, header.step
+                )));
+            }
         }
     }
 
@@ -1268,9 +1301,11 @@ impl NetEndpoint {
     /// See [`Transport::unclaimed`](super::Transport::unclaimed).
     pub fn unclaimed(&self, seq: u64) -> Option<(usize, FrameHeader)> {
         let fabric = self.shared.lock();
-        if fabric.arrived.is_empty() {
-            return None;
-        }
+        fabric
+            .collective_arrivals
+            .range((self.ctx, 0)..=(self.ctx, seq))
+            .next()?;
+        // Found one: which (rare, and the call fails).
         fabric
             .arrived
             .iter()
@@ -1317,7 +1352,7 @@ impl NetEndpoint {
                 // looking for the frame: a frame that arrived just before its
                 // sender left is delivered, not reported as lost.
                 fabric.check_liveness();
-                if let Some(arrived) = fabric.arrived.remove(&key) {
+                if let Some(arrived) = fabric.take_arrived(&key) {
                     fabric.buffered[source] -= arrived.payload.as_bytes().len();
                     fabric.unpost(key);
                     fabric
@@ -1917,6 +1952,7 @@ fn connect_rank(setup: Setup) -> Result<(NetEndpoint, Option<Segment>)> {
         buffered: vec![0; peers.len()],
         peers,
         arrived: HashMap::new(),
+        collective_arrivals: BTreeMap::new(),
         posted: HashMap::new(),
         consumed: HashMap::new(),
         entered: HashMap::new(),
@@ -1962,6 +1998,7 @@ mod tests {
                 }),
             ],
             arrived: HashMap::new(),
+            collective_arrivals: BTreeMap::new(),
             posted: HashMap::new(),
             buffered: vec![0; 2],
             consumed: HashMap::new(),
