@@ -48,7 +48,7 @@
 //! deadline, and
 //! [`NetShared::abort`] wakes it within a few milliseconds.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -404,6 +404,10 @@ pub(crate) struct Fabric {
     /// not a walk over everything buffered: a root that runs ahead leaves
     /// thousands of later calls' frames here.
     collective_arrivals: BTreeMap<(u64, u64), usize>,
+    /// The contexts some peer has left (a leave frame arrived): a wait on
+    /// any other context looks up no peer's leave at all (see `failure`,
+    /// which runs at every pass of a wait).
+    left_contexts: HashSet<u64>,
     /// Receives waiting with a destination (see [`Posted`]).
     posted: HashMap<Key, Posted>,
     /// Per source: payload bytes arrived and not yet taken by a receive
@@ -786,6 +790,7 @@ impl Fabric {
             });
             left.entered = left.entered.max(header.seq);
             left.failed |= header.step == LEAVE_FAILED;
+            self.left_contexts.insert(header.ctx);
             return;
         }
         let consumed = self.consumed.get(&(header.ctx, header.space, source));
@@ -1116,7 +1121,12 @@ impl NetEndpoint {
                 return Some(e);
             }
         }
-        let left = |member: usize| fabric.left(self.members[member], self.ctx);
+        let any_left = fabric.left_contexts.contains(&self.ctx);
+        let left = |member: usize| {
+            any_left
+                .then(|| fabric.left(self.members[member], self.ctx))
+                .flatten()
+        };
         if let Some(h) = collective {
             for member in involved.clone() {
                 if let Some(Gone::Departed(entered)) = fabric.gone(self.members[member]) {
@@ -1953,6 +1963,7 @@ fn connect_rank(setup: Setup) -> Result<(NetEndpoint, Option<Segment>)> {
         peers,
         arrived: HashMap::new(),
         collective_arrivals: BTreeMap::new(),
+        left_contexts: HashSet::new(),
         posted: HashMap::new(),
         consumed: HashMap::new(),
         entered: HashMap::new(),
@@ -1999,6 +2010,7 @@ mod tests {
             ],
             arrived: HashMap::new(),
             collective_arrivals: BTreeMap::new(),
+            left_contexts: HashSet::new(),
             posted: HashMap::new(),
             buffered: vec![0; 2],
             consumed: HashMap::new(),
