@@ -438,20 +438,31 @@ impl DeviceCommBuilder {
             comms.push(NcclComm::start_init(library, &id, rank, n, timeout)?);
         }
         let rc = group.end();
-        let mut out = Vec::with_capacity(n);
-        for (ctx, mut comm) in contexts.into_iter().zip(comms) {
+        let mut out: Vec<DeviceCommunicator> = Vec::with_capacity(n);
+        let mut pending = contexts.into_iter().zip(comms);
+        while let Some((ctx, mut comm)) = pending.next() {
             let rank = comm.rank();
-            ctx.bind_to_thread()
-                .map_err(cuda_error(rank, "binding the GPU to this thread"))?;
-            comm.finish_call(
-                "ncclGroupEnd",
-                rc,
-                &format!("group of {n} communicators, rank {rank} on GPU {rank}"),
-            )?;
-            comm.wait_ready(
-                "ncclCommInitRankConfig",
-                &format!("group of {n} communicators, rank {rank} on GPU {rank}"),
-            )?;
+            let detail = format!("group of {n} communicators, rank {rank} on GPU {rank}");
+            let ready = ctx
+                .bind_to_thread()
+                .map_err(cuda_error(rank, "binding the GPU to this thread"))
+                .and_then(|()| comm.finish_call("ncclGroupEnd", rc, &detail))
+                .and_then(|()| comm.wait_ready("ncclCommInitRankConfig", &detail));
+            if let Err(e) = ready {
+                // The others of the group cannot finish their set-up
+                // without this one: abort them now. Dropped as they are,
+                // each would first try to finalize, one timeout apiece.
+                comm.abort();
+                for (_, mut rest) in pending {
+                    rest.abort();
+                }
+                for made in &mut out {
+                    if let Engine::Nccl { comm, .. } = &mut made.engine {
+                        comm.abort();
+                    }
+                }
+                return Err(e);
+            }
             out.push(DeviceCommunicator::assemble(ctx, comm, timeout)?);
         }
         Ok(out)
