@@ -50,7 +50,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::net::{IpAddr, SocketAddr, TcpListener};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -435,6 +435,9 @@ pub(crate) struct NetShared {
     fabric: Mutex<Fabric>,
     /// Set by `abort()`; shared with the arena, which waits outside the fabric.
     aborted: Arc<AtomicBool>,
+    /// Live endpoints (communicators) on this fabric. Not the `Arc`'s count:
+    /// an `AbortHandle` holds the fabric too, and is no communicator.
+    endpoints: AtomicUsize,
 }
 
 impl NetShared {
@@ -1053,6 +1056,7 @@ impl NetEndpoint {
 
     /// An endpoint for a sub-communicator of `members` (ranks of this one).
     pub fn child(&self, ctx: u64, members: &[usize]) -> NetEndpoint {
+        self.shared.endpoints.fetch_add(1, Ordering::SeqCst);
         NetEndpoint {
             shared: self.shared.clone(),
             ctx,
@@ -1161,7 +1165,7 @@ impl NetEndpoint {
     /// it sent before leaving arrives first; what is not written now is
     /// written by the next progress pass of any call, or the goodbye.
     fn leave(&self, reason: u32) {
-        if reason == LEAVE_DROPPED && Arc::strong_count(&self.shared) == 1 {
+        if reason == LEAVE_DROPPED && self.shared.endpoints.load(Ordering::SeqCst) == 0 {
             // The last endpoint of the fabric: the goodbye that follows at
             // once says it for every context. (Writing both to a peer that
             // already closed its end would fail the second write and read
@@ -1459,6 +1463,7 @@ impl NetEndpoint {
 impl Drop for NetEndpoint {
     /// A dropped communicator leaves its group (see [`NetEndpoint::leave`]).
     fn drop(&mut self) {
+        self.shared.endpoints.fetch_sub(1, Ordering::SeqCst);
         self.leave(LEAVE_DROPPED);
     }
 }
@@ -1976,6 +1981,7 @@ fn connect_rank(setup: Setup) -> Result<(NetEndpoint, Option<Segment>)> {
         shared: Arc::new(NetShared {
             fabric: Mutex::new(fabric),
             aborted: Arc::new(AtomicBool::new(false)),
+            endpoints: AtomicUsize::new(1),
         }),
         ctx: 0,
         members: all,
@@ -2024,6 +2030,7 @@ mod tests {
             shared: Arc::new(NetShared {
                 fabric: Mutex::new(fabric),
                 aborted: Arc::new(AtomicBool::new(false)),
+                endpoints: AtomicUsize::new(1),
             }),
             ctx: 0,
             members: vec![0, 1],
