@@ -247,9 +247,17 @@ impl LaunchSpec {
 
     /// The job id the ranks will see: `OXCCL_JOB_ID` from `extra_env`, else
     /// from the launcher's environment, else (several nodes) a hash of
-    /// `master_addr:master_port`, which every node computes alike, else
-    /// (one node) a random 16-hex-digit id.
+    /// `master_addr:master_port` and, under Slurm, the job and step ids
+    /// (`SLURM_JOB_ID`, `SLURM_STEP_ID`), which every node of a step computes
+    /// alike and consecutive jobs on one address do not, else (one node) a
+    /// random 16-hex-digit id.
     pub fn job_id(&self) -> String {
+        self.job_id_with(|name| std::env::var_os(name))
+    }
+
+    /// [`job_id`](Self::job_id), reading the launcher's environment through
+    /// `var`.
+    fn job_id_with(&self, var: impl Fn(&str) -> Option<std::ffi::OsString>) -> String {
         if let Some((_, v)) = self
             .extra_env
             .iter()
@@ -258,11 +266,23 @@ impl LaunchSpec {
         {
             return v.to_string_lossy().into_owned();
         }
-        if let Some(v) = std::env::var_os(JOB_ID_VAR) {
+        if let Some(v) = var(JOB_ID_VAR) {
             return v.to_string_lossy().into_owned();
         }
         if self.nnodes > 1 {
-            let key = format!("{}:{}", self.master_addr, self.master_port);
+            // Without the scheduler's ids, two jobs given the same address
+            // and port one after the other would share an id, and the
+            // first's clean-up could remove the second's segments on a
+            // node where the second had started already.
+            let scheduler: Vec<String> = ["SLURM_JOB_ID", "SLURM_STEP_ID"]
+                .iter()
+                .filter_map(|name| var(name))
+                .map(|v| v.to_string_lossy().into_owned())
+                .collect();
+            let mut key = format!("{}:{}", self.master_addr, self.master_port);
+            if !scheduler.is_empty() {
+                key = format!("{key}:{}", scheduler.join("."));
+            }
             format!("{:016x}", fnv1a(key.as_bytes()))
         } else {
             format!("{:016x}", random_u64())
@@ -1030,12 +1050,25 @@ mod tests {
         spec.extra_env.push((JOB_ID_VAR.into(), "given".into()));
         assert_eq!(spec.job_id(), "given");
         spec.extra_env.clear();
-        if std::env::var_os(JOB_ID_VAR).is_none() {
-            let id = spec.job_id();
-            assert_eq!(id, spec.job_id());
-            assert_eq!(id.len(), 16);
-            spec.master_port += 1;
-            assert_ne!(id, spec.job_id());
-        }
+        let none = |_: &str| None;
+        let id = spec.job_id_with(none);
+        assert_eq!(id, spec.job_id_with(none));
+        assert_eq!(id.len(), 16);
+        // Another Slurm job (or step) on the same address gets another id;
+        // the nodes of one step agree.
+        let slurm = |job: &'static str, step: &'static str| {
+            move |name: &str| match name {
+                "SLURM_JOB_ID" => Some(job.into()),
+                "SLURM_STEP_ID" => Some(step.into()),
+                _ => None,
+            }
+        };
+        let first = spec.job_id_with(slurm("1001", "0"));
+        assert_eq!(first, spec.job_id_with(slurm("1001", "0")));
+        assert_ne!(first, spec.job_id_with(slurm("1002", "0")));
+        assert_ne!(first, spec.job_id_with(slurm("1001", "1")));
+        assert_ne!(first, id);
+        spec.master_port += 1;
+        assert_ne!(id, spec.job_id_with(none));
     }
 }
