@@ -2,12 +2,12 @@
 //! `(source, ctx, space, seq, step)` so receives match exactly and frames of
 //! unrelated calls (a point-to-point send racing a collective) never mix.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::{FrameHeader, Payload, Space, TransportError};
+use super::{CollectiveArrivals, FrameHeader, Payload, Space, TransportError};
 
 type Key = (usize, u64, Space, u64, u32);
 
@@ -17,33 +17,23 @@ struct Mailbox {
     arrived: Condvar,
 }
 
-/// A mailbox's frames, and per `(ctx, seq)` how many of them are
-/// collective: the end-of-call check for unclaimed frames looks that up
-/// instead of walking every frame a rank running ahead has left here.
+/// A mailbox's frames, counted per call ([`CollectiveArrivals`]).
 #[derive(Default)]
 struct Frames {
     map: HashMap<Key, (FrameHeader, Payload)>,
-    collective: BTreeMap<(u64, u64), usize>,
+    collective: CollectiveArrivals,
 }
 
 impl Frames {
     fn insert(&mut self, key: Key, frame: (FrameHeader, Payload)) {
-        if self.map.insert(key, frame).is_none() && key.2 == Space::Collective {
-            *self.collective.entry((key.1, key.3)).or_default() += 1;
+        if self.map.insert(key, frame).is_none() {
+            self.collective.filed(key.1, key.2, key.3);
         }
     }
 
     fn remove(&mut self, key: &Key) -> Option<(FrameHeader, Payload)> {
         let frame = self.map.remove(key)?;
-        if key.2 == Space::Collective {
-            let call = (key.1, key.3);
-            if let Some(count) = self.collective.get_mut(&call) {
-                *count -= 1;
-                if *count == 0 {
-                    self.collective.remove(&call);
-                }
-            }
-        }
+        self.collective.taken(key.1, key.2, key.3);
         Some(frame)
     }
 }
@@ -127,10 +117,9 @@ impl LocalEndpoint {
     pub fn unclaimed(&self, seq: u64) -> Option<(usize, FrameHeader)> {
         let mailbox = &self.group.mailboxes[self.members[self.rank]];
         let frames = lock(&mailbox.frames);
-        frames
-            .collective
-            .range((self.ctx, 0)..=(self.ctx, seq))
-            .next()?;
+        if !frames.collective.any_up_to(self.ctx, seq) {
+            return None;
+        }
         frames
             .map
             .iter()

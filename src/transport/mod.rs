@@ -19,6 +19,42 @@ pub(crate) enum Space {
     PointToPoint,
 }
 
+/// Per `(ctx, seq)`, how many collective frames wait in a transport's
+/// buffer of arrived frames, kept beside it: the end-of-call check for
+/// frames no receive took ([`Transport::unclaimed`]) is then a range lookup,
+/// not a walk over every frame buffered (a rank running ahead leaves
+/// thousands of later calls' frames there).
+#[derive(Default)]
+pub(crate) struct CollectiveArrivals(std::collections::BTreeMap<(u64, u64), usize>);
+
+impl CollectiveArrivals {
+    /// A frame of `(ctx, space, seq)` was filed.
+    pub(crate) fn filed(&mut self, ctx: u64, space: Space, seq: u64) {
+        if space == Space::Collective {
+            *self.0.entry((ctx, seq)).or_default() += 1;
+        }
+    }
+
+    /// A frame of `(ctx, space, seq)` was taken out.
+    pub(crate) fn taken(&mut self, ctx: u64, space: Space, seq: u64) {
+        if space != Space::Collective {
+            return;
+        }
+        if let Some(count) = self.0.get_mut(&(ctx, seq)) {
+            *count -= 1;
+            if *count == 0 {
+                self.0.remove(&(ctx, seq));
+            }
+        }
+    }
+
+    /// Whether a collective frame of context `ctx`, call `seq` or earlier,
+    /// is filed.
+    pub(crate) fn any_up_to(&self, ctx: u64, seq: u64) -> bool {
+        self.0.range((ctx, 0)..=(ctx, seq)).next().is_some()
+    }
+}
+
 /// What identifies and describes a frame. `(source, ctx, space, seq, step)`
 /// identifies it; `op`, `bytes` and `call` are checked on arrival so that
 /// ranks running different calls are told so instead of corrupting data.

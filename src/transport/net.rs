@@ -48,7 +48,7 @@
 //! deadline, and
 //! [`NetShared::abort`] wakes it within a few milliseconds.
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -56,7 +56,7 @@ use std::time::{Duration, Instant};
 
 use super::shm::{self, Segment, ShmLink};
 use super::tcp::{self, TcpLink, Token};
-use super::{FrameHeader, Payload, Space, TransportError};
+use super::{CollectiveArrivals, FrameHeader, Payload, Space, TransportError};
 use crate::bootstrap::Store;
 use crate::error::{Error, Result};
 use crate::types::{OpKind, Rank};
@@ -398,12 +398,9 @@ pub(crate) struct Fabric {
     /// Per global rank; `None` for this rank.
     peers: Vec<Option<Peer>>,
     arrived: HashMap<Key, Arrived>,
-    /// Per `(ctx, seq)`: the collective frames in `arrived` (kept with it,
-    /// by [`arrive`](Self::arrive) and [`take_arrived`](Self::take_arrived)),
-    /// so that the end-of-call check for unclaimed frames costs a lookup,
-    /// not a walk over everything buffered: a root that runs ahead leaves
-    /// thousands of later calls' frames here.
-    collective_arrivals: BTreeMap<(u64, u64), usize>,
+    /// The collective frames in `arrived`, per call (kept with it by
+    /// [`arrive`](Self::arrive) and [`take_arrived`](Self::take_arrived)).
+    collective_arrivals: CollectiveArrivals,
     /// The contexts some peer has left (a leave frame arrived): a wait on
     /// any other context looks up no peer's leave at all (see `failure`,
     /// which runs at every pass of a wait).
@@ -458,8 +455,8 @@ impl Fabric {
     /// returns the frame it replaced (same key), as `HashMap::insert`.
     fn arrive(&mut self, key: Key, arrived: Arrived) -> Option<Arrived> {
         let replaced = self.arrived.insert(key, arrived);
-        if replaced.is_none() && key.2 == Space::Collective {
-            *self.collective_arrivals.entry((key.1, key.3)).or_default() += 1;
+        if replaced.is_none() {
+            self.collective_arrivals.filed(key.1, key.2, key.3);
         }
         replaced
     }
@@ -467,15 +464,7 @@ impl Fabric {
     /// Takes a frame out of `arrived`, uncounting it.
     fn take_arrived(&mut self, key: &Key) -> Option<Arrived> {
         let taken = self.arrived.remove(key)?;
-        if key.2 == Space::Collective {
-            let call = (key.1, key.3);
-            if let Some(count) = self.collective_arrivals.get_mut(&call) {
-                *count -= 1;
-                if *count == 0 {
-                    self.collective_arrivals.remove(&call);
-                }
-            }
-        }
+        self.collective_arrivals.taken(key.1, key.2, key.3);
         Some(taken)
     }
 
@@ -1315,10 +1304,9 @@ impl NetEndpoint {
     /// See [`Transport::unclaimed`](super::Transport::unclaimed).
     pub fn unclaimed(&self, seq: u64) -> Option<(usize, FrameHeader)> {
         let fabric = self.shared.lock();
-        fabric
-            .collective_arrivals
-            .range((self.ctx, 0)..=(self.ctx, seq))
-            .next()?;
+        if !fabric.collective_arrivals.any_up_to(self.ctx, seq) {
+            return None;
+        }
         // Found one: which (rare, and the call fails).
         fabric
             .arrived
@@ -1967,7 +1955,7 @@ fn connect_rank(setup: Setup) -> Result<(NetEndpoint, Option<Segment>)> {
         buffered: vec![0; peers.len()],
         peers,
         arrived: HashMap::new(),
-        collective_arrivals: BTreeMap::new(),
+        collective_arrivals: CollectiveArrivals::default(),
         left_contexts: HashSet::new(),
         posted: HashMap::new(),
         consumed: HashMap::new(),
@@ -2015,7 +2003,7 @@ mod tests {
                 }),
             ],
             arrived: HashMap::new(),
-            collective_arrivals: BTreeMap::new(),
+            collective_arrivals: CollectiveArrivals::default(),
             left_contexts: HashSet::new(),
             posted: HashMap::new(),
             buffered: vec![0; 2],
