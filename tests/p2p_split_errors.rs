@@ -611,6 +611,31 @@ fn disagreeing_roots_followed_by_a_barrier_are_found() {
     assert_eq!(result, vec![true, true]);
 }
 
+/// The same when the calls after the staged broadcast are mailbox
+/// broadcasts (8 bytes), whose root waits for nobody: a rank that receives
+/// finds the disagreement (the root had posted its staged round), and the
+/// communicator fails on that rank at once and on the other at its next
+/// wait at the latest.
+#[test]
+fn disagreeing_roots_followed_by_mailbox_broadcasts_are_found() {
+    let result = run_ranks_with(2, Communicator::builder(), |comm| {
+        let mut v = vec![1.0f32; 256];
+        let root = comm.rank();
+        let mut outcome = comm.broadcast_in_place(&mut v, root);
+        let mut small = [1.0f32, 2.0];
+        for _ in 0..4 {
+            outcome = outcome.and_then(|()| comm.broadcast_in_place(&mut small, 0));
+        }
+        let found_here = matches!(&outcome, Err(Error::Mismatch { detail, .. }) if detail.contains("different root"));
+        let later = outcome.is_err() || comm.barrier().is_err();
+        Ok((found_here, later))
+    })
+    .unwrap();
+    // Rank 1 receives from rank 0, which had posted its staged round.
+    assert!(result[1].0, "{result:?}");
+    assert!(result.iter().all(|&(_, later)| later), "{result:?}");
+}
+
 /// The same through the mailboxes (8-byte broadcasts): of two ranks that
 /// each took themselves for the root, at least one learns of the other's
 /// message in that very call (each stores its own, then looks at the

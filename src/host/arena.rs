@@ -2602,6 +2602,13 @@ impl Arena {
             }
         }
         self.mailbox_next[root] = end;
+        // As in `lane_exchange`, without waiting, the staged rounds every
+        // peer has posted by now: a rank that received has them all from
+        // the root; the root, which waits for nobody, compares what its
+        // peers have posted, here or at a later call.
+        if self.rounds_compared < self.round {
+            self.compare_recent_rounds(call)?;
+        }
         Ok(())
     }
 
