@@ -662,3 +662,69 @@ fn a_mailbox_broadcast_with_disagreeing_roots_is_found() {
         "{result:?}"
     );
 }
+
+/// A message of no elements is still a message: it is matched against the
+/// receive it meets, like any other. A 3-element send against an empty
+/// receive (or the other way round) is a `Mismatch` on the receiver at
+/// once, not an `Ok` that leaves the elements behind (nor a timeout), and
+/// empty messages that agree pass and keep the pairs' order.
+#[test]
+fn an_empty_message_is_matched_like_any_other() {
+    let transports: [Option<oxccl::TransportKind>; 3] = [
+        None,
+        Some(oxccl::TransportKind::Tcp),
+        Some(oxccl::TransportKind::Shm),
+    ];
+    for transport in transports {
+        for empty_sender in [true, false] {
+            let builder = Communicator::builder().timeout(Duration::from_secs(10));
+            let body = move |comm: &mut Communicator| {
+                let start = std::time::Instant::now();
+                let outcome = if comm.rank() == 0 {
+                    let data: &[u32] = if empty_sender { &[] } else { &[1, 2, 3] };
+                    comm.send(data, 1)
+                } else {
+                    let mut buf = vec![0u32; if empty_sender { 3 } else { 0 }];
+                    comm.recv(&mut buf, 0)
+                };
+                Ok((
+                    matches!(outcome, Err(Error::Mismatch { .. })),
+                    outcome.is_ok(),
+                    start.elapsed(),
+                ))
+            };
+            let results = match transport {
+                None => run_ranks_with(2, builder, body),
+                Some(kind) => common::run_ranks_net(2, builder, kind, body),
+            }
+            .unwrap();
+            let (mismatch, _, waited) = results[1];
+            assert!(
+                mismatch && waited < Duration::from_secs(5),
+                "{transport:?}, empty sender {empty_sender}: receiver {results:?}"
+            );
+            assert!(results[0].1, "{transport:?}: the sender's call is fine");
+        }
+        // Empty messages that agree: delivered in order between others.
+        let builder = Communicator::builder().timeout(Duration::from_secs(10));
+        let body = |comm: &mut Communicator| {
+            if comm.rank() == 0 {
+                comm.send::<u32>(&[], 1)?;
+                comm.send(&[5u32, 6], 1)?;
+                comm.send::<u32>(&[], 1)?;
+            } else {
+                comm.recv::<u32>(&mut [], 0)?;
+                let mut got = [0u32; 2];
+                comm.recv(&mut got, 0)?;
+                assert_eq!(got, [5, 6]);
+                comm.recv::<u32>(&mut [], 0)?;
+            }
+            Ok(())
+        };
+        match transport {
+            None => run_ranks_with(2, builder, body),
+            Some(kind) => common::run_ranks_net(2, builder, kind, body),
+        }
+        .unwrap();
+    }
+}

@@ -105,6 +105,15 @@ pub fn reduce_chain(
 
 /// Point-to-point send of `count` elements to `peer`.
 pub fn send(peer: Rank, count: usize, piece_elems: usize, steps: &mut Vec<Step>) {
+    if count == 0 {
+        // An empty message is still one frame: its header carries the
+        // call's digest, so the receive it meets is matched (a non-empty
+        // receive gets a mismatch, not a silent pass or a timeout).
+        steps.push(Step::Send {
+            peer,
+            src: Span::new(BufId::Send, 0, 0),
+        });
+    }
     for_each_piece(0, count, piece_elems, |offset, len| {
         steps.push(Step::Send {
             peer,
@@ -113,8 +122,15 @@ pub fn send(peer: Rank, count: usize, piece_elems: usize, steps: &mut Vec<Step>)
     });
 }
 
-/// Point-to-point receive of `count` elements from `peer`.
+/// Point-to-point receive of `count` elements from `peer` (one empty frame
+/// when `count` is 0, as [`send`] sends).
 pub fn recv(peer: Rank, count: usize, piece_elems: usize, steps: &mut Vec<Step>) {
+    if count == 0 {
+        steps.push(Step::Recv {
+            peer,
+            dst: Span::new(BufId::Recv, 0, 0),
+        });
+    }
     for_each_piece(0, count, piece_elems, |offset, len| {
         steps.push(Step::Recv {
             peer,
