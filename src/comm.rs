@@ -290,8 +290,9 @@ enum Backend {
 ///
 /// Every call in progress on every communicator of the group in this process
 /// (including split sub-communicators) returns [`Error::Aborted`] within a few
-/// milliseconds; every later call on those communicators returns
-/// [`Error::Failed`] naming the abort. Ranks in other processes see this
+/// milliseconds; a communicator that was between calls returns it from its
+/// next call, whatever the call (one that moves no data included); every
+/// call after that returns [`Error::Failed`] naming the abort. Ranks in other processes see this
 /// rank leave once its communicators are dropped.
 #[derive(Clone)]
 pub struct AbortHandle {
@@ -591,9 +592,6 @@ fn run_in_arena<T: Element>(
     info: &CallInfo,
     bufs: Bufs<'_, T>,
 ) -> Result<()> {
-    if arena.aborted() {
-        return Err(info.error(desc.rank, TransportError::Aborted));
-    }
     arena.maybe_remeasure_stores(info)?;
     let count = desc.count();
     let root = desc.root.unwrap_or(0);
@@ -884,6 +882,7 @@ impl Communicator {
             },
         };
         let result = match (in_arena, self.arena.as_mut()) {
+            _ if transport.is_aborted() => Err(info.error(self.rank, TransportError::Aborted)),
             (true, Some(arena)) => run_in_arena(arena, &desc, &info, bufs),
             _ => {
                 let family = self.plan_family(&desc);

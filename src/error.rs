@@ -84,8 +84,10 @@ pub enum Error {
 
     /// The communicator was aborted with [`Communicator::abort`](crate::Communicator::abort)
     /// (by any thread holding an [`AbortHandle`](crate::AbortHandle) of its
-    /// group in this process); every call in progress and every later call
-    /// returns this. Other processes see the rank leave once it drops its
+    /// group in this process). A call in progress returns this, as does
+    /// the next call of a communicator that was between calls (one that
+    /// moves no data included); after that, calls return [`Error::Failed`]
+    /// naming it. Other processes see the rank leave once it drops its
     /// communicators.
     #[error("rank {rank}: {op} #{seq}: communicator aborted")]
     Aborted {

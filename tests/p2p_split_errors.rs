@@ -728,3 +728,29 @@ fn an_empty_message_is_matched_like_any_other() {
         .unwrap();
     }
 }
+
+/// After an abort, a call that moves nothing over the links (no elements,
+/// or a group of one) fails as every other call does: `Aborted` first,
+/// then `Failed` naming it, never `Ok`.
+#[test]
+fn a_call_that_moves_nothing_fails_after_abort() {
+    let mut solo = Communicator::builder().local_group(1).unwrap().remove(0);
+    solo.abort();
+    let first = solo.all_reduce_in_place(&mut [1.0f32], ReduceOp::Sum);
+    assert!(matches!(first, Err(Error::Aborted { .. })), "{first:?}");
+    let next = solo.barrier();
+    assert!(matches!(next, Err(Error::Failed { .. })), "{next:?}");
+
+    let aborted = std::sync::Arc::new(std::sync::Barrier::new(2));
+    let builder = Communicator::builder().algo(oxccl::Algo::Ring);
+    let outcomes = run_ranks_with(2, builder, move |comm| {
+        if comm.rank() == 0 {
+            comm.abort();
+        }
+        aborted.wait();
+        let empty = comm.all_reduce_in_place::<f32>(&mut [], ReduceOp::Sum);
+        Ok(matches!(empty, Err(Error::Aborted { .. })))
+    })
+    .unwrap();
+    assert_eq!(outcomes, [true, true]);
+}

@@ -80,6 +80,10 @@ impl LocalGroup {
     }
 
     /// Makes every wait of every communicator in the group return `Aborted`.
+    pub fn is_aborted(&self) -> bool {
+        self.aborted.load(Ordering::SeqCst)
+    }
+
     pub fn abort(&self) {
         self.aborted.store(true, Ordering::SeqCst);
         self.wake_all();

@@ -319,6 +319,16 @@ pub(crate) enum Transport {
 }
 
 impl Transport {
+    /// Whether the group was aborted. A call looks before it starts, so
+    /// one that moves nothing over the links (no elements, one rank) fails
+    /// after an abort as every other call does.
+    pub fn is_aborted(&self) -> bool {
+        match self {
+            Transport::Local(t) => t.group().is_aborted(),
+            Transport::Net(t) => t.shared().is_aborted(),
+        }
+    }
+
     pub fn send(
         &self,
         peer: usize,

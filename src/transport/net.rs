@@ -448,6 +448,10 @@ impl NetShared {
     pub fn abort(&self) {
         self.aborted.store(true, Ordering::SeqCst);
     }
+
+    pub fn is_aborted(&self) -> bool {
+        self.aborted.load(Ordering::SeqCst)
+    }
 }
 
 impl Fabric {
