@@ -34,9 +34,11 @@ pub fn fill<T: Element>(buf: &mut [T], rank: Rank, first_index: usize, op: Reduc
     }
 }
 
-/// The reduction over `world` ranks of the inputs at `index`.
+/// The reduction over `world` ranks of the inputs at `index` (over no
+/// ranks, `world` 0: 1 for a product, else 0; never a division by zero).
 pub fn reduced_value<T: Element>(world: usize, index: usize, op: ReduceOp) -> T {
     let values = (0..world).map(|r| input_value(r, index, op));
+    let divisor = world.max(1);
     match op {
         ReduceOp::Sum => T::from_i64_wrapping(values.sum()),
         ReduceOp::Prod => T::from_i64_wrapping(values.fold(1i64, i64::wrapping_mul)),
@@ -45,14 +47,14 @@ pub fn reduced_value<T: Element>(world: usize, index: usize, op: ReduceOp) -> T 
         ReduceOp::Avg => {
             let sum: i64 = values.sum();
             if T::DTYPE.is_float() {
-                T::from_f64(sum as f64 / world as f64)
+                T::from_f64(sum as f64 / divisor as f64)
             } else {
                 // As the reductions do: the sum wraps in the type (an `i8`
                 // sum of 128 is -128), then the quotient truncates toward
                 // zero. `to_f64` is exact for every integer of 32 bits or
                 // less, and 64-bit sums here are far from wrapping.
                 let wrapped = T::from_i64_wrapping(sum).to_f64() as i64;
-                T::from_i64_wrapping(wrapped / world as i64)
+                T::from_i64_wrapping(wrapped / divisor as i64)
             }
         }
     }
@@ -506,6 +508,14 @@ pub fn every_collective_every_dtype(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_reduction_over_no_ranks_is_zero_not_a_panic() {
+        for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Min] {
+            assert_eq!(reduced_value::<i32>(0, 3, op), 0, "{op:?}");
+            assert_eq!(reduced_value::<f32>(0, 3, op), 0.0, "{op:?}");
+        }
+    }
 
     /// Integer averages wrap the sum in the type before dividing, as the
     /// reductions do: 64 ranks' `i8` inputs sum past 127 (about 128 on

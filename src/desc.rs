@@ -205,9 +205,12 @@ impl CollectiveDesc {
         }
     }
 
-    /// Total bytes of the call's largest buffer (what nccl-tests calls size).
+    /// Total bytes of the call's largest buffer (what nccl-tests calls size;
+    /// `usize::MAX` for lengths no memory holds).
     pub fn bytes(&self) -> usize {
-        self.send_len().max(self.recv_len()) * self.dtype.size()
+        self.send_len()
+            .max(self.recv_len())
+            .saturating_mul(self.dtype.size())
     }
 
     fn invalid(&self, arg: &'static str, reason: String) -> Error {
@@ -303,18 +306,20 @@ impl CollectiveDesc {
                 "send",
                 format!("{recv} elements do not split into {world} equal blocks, one per rank"),
             )),
-            (OpKind::ReduceScatter, false) if send != recv * world => Err(self.invalid(
+            // Checked: the fields are public, and a product that wrapped
+            // could equal the other length.
+            (OpKind::ReduceScatter, false) if recv.checked_mul(world) != Some(send) => Err(self.invalid(
                 "send",
                 format!(
-                    "send has {send} elements but must have recv ({recv}) × world size ({world}) = {}",
-                    recv * world
+                    "send has {send} elements but must have recv ({recv}) × world size ({world}){}",
+                    times(recv, world)
                 ),
             )),
-            (OpKind::AllGather, false) if recv != send * world => Err(self.invalid(
+            (OpKind::AllGather, false) if send.checked_mul(world) != Some(recv) => Err(self.invalid(
                 "recv",
                 format!(
-                    "recv has {recv} elements but must have send ({send}) × world size ({world}) = {}",
-                    send * world
+                    "recv has {recv} elements but must have send ({send}) × world size ({world}){}",
+                    times(send, world)
                 ),
             )),
             (OpKind::ReduceScatter | OpKind::AllGather, true) if recv % world != 0 => Err(self.invalid(
@@ -346,6 +351,14 @@ impl CollectiveDesc {
     }
 }
 
+/// " = n × world" for a length message, or nothing where the product
+/// overflows (no buffer has that many elements).
+fn times(n: usize, world: usize) -> String {
+    n.checked_mul(world)
+        .map(|product| format!(" = {product}"))
+        .unwrap_or_default()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -366,6 +379,27 @@ mod tests {
             Err(Error::InvalidArgument { arg, .. }) => arg,
             other => panic!("expected InvalidArgument, got {other:?}"),
         }
+    }
+
+    /// The fields are public: lengths whose product with the world size
+    /// wraps are refused (in debug builds the product panicked; in
+    /// release, 2^63 × 4 wrapped to 0 and matched an empty buffer).
+    #[test]
+    fn lengths_whose_product_overflows_are_refused_not_wrapped() {
+        let huge = 1usize << 63;
+        let gather = desc(OpKind::AllGather)
+            .with_send(host(huge))
+            .with_recv(host(0));
+        assert_eq!(arg_of(gather.validate()), "recv");
+        let scatter = desc(OpKind::ReduceScatter)
+            .with_reduce_op(ReduceOp::Sum)
+            .with_send(host(0))
+            .with_recv(host(huge));
+        assert_eq!(arg_of(scatter.validate()), "send");
+        assert_eq!(
+            desc(OpKind::AllReduce).with_send(host(huge)).bytes(),
+            usize::MAX
+        );
     }
 
     #[test]
