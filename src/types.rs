@@ -14,8 +14,9 @@
 //!
 //! NaN propagation in Min/Max follows PyTorch's `torch.min`/`torch.max`
 //! rather than C's `fmin`, so a diverged rank is visible in every rank's result
-//! instead of being silently dropped. Which NaN payload survives is unspecified;
-//! every rank still receives identical bits.
+//! instead of being silently dropped. Which NaN payload survives two NaNs
+//! meeting in one step is the backend's (on the host, in every float op: the
+//! operand folded first, quieted); every rank still receives identical bits.
 
 use std::fmt;
 
@@ -307,11 +308,15 @@ pub trait Element:
     /// The value as an `f64` (exact for every type but 64-bit integers beyond 2^53).
     fn to_f64(self) -> f64;
 
-    /// The nearest value of this type (integers: saturating, NaN to 0).
+    /// The value in this type: integers saturate (NaN to 0), `f32` rounds
+    /// to nearest, `f16`/`bf16` convert as the `half` crate does (which
+    /// can round twice: `bf16::from_f64(1 + 2^-8 + 2^-40)` is 1, not the
+    /// nearest, 1 + 2^-7).
     fn from_f64(value: f64) -> Self;
 
     /// `value` reduced modulo 2^bits for integers (two's complement wrap);
-    /// the nearest value for floats. Used to state closed-form expectations.
+    /// for floats rounded as [`from_f64`](Self::from_f64) rounds (through
+    /// `f64` for the 16-bit ones). Used to state closed-form expectations.
     fn from_i64_wrapping(value: i64) -> Self;
 }
 

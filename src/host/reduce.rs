@@ -31,8 +31,9 @@ pub enum Walk {
     Down,
 }
 
-/// Per-type reduction kernels. Sealed: a supertrait of [`crate::Element`]
-/// that users can neither name nor implement.
+/// Per-type reduction kernels, a supertrait of [`crate::Element`]. Public
+/// for the kernel benchmark (`benches/reduce.rs`); a type implementing it
+/// reaches no collective, since `Element` is sealed.
 pub trait Kernels: Sized + Copy {
     /// `out[i] = a[i] ⊕ b[i]`. `Avg` combines as `Sum`.
     fn combine_into(op: ReduceOp, out: &mut [Self], a: &[Self], b: &[Self]);
@@ -421,26 +422,32 @@ macro_rules! float_kernels {
     ($($t:ty),*) => {$(
         impl Kernels for $t {
             fn combine_into(op: ReduceOp, out: &mut [Self], a: &[Self], b: &[Self]) {
-                dispatch_op!(op, |f| zip_into(out, a, b, f), |x: $t, y: $t| x + y, |x: $t, y: $t| x * y, nan_min::<$t>, nan_max::<$t>)
+                dispatch_op!(op, |f| zip_into(out, a, b, f), nan_sum::<$t>, nan_prod::<$t>, nan_min::<$t>, nan_max::<$t>)
             }
             fn combine_assign(op: ReduceOp, acc: &mut [Self], x: &[Self]) {
-                dispatch_op!(op, |f| zip_assign(acc, x, f), |x: $t, y: $t| x + y, |x: $t, y: $t| x * y, nan_min::<$t>, nan_max::<$t>)
+                dispatch_op!(op, |f| zip_assign(acc, x, f), nan_sum::<$t>, nan_prod::<$t>, nan_min::<$t>, nan_max::<$t>)
             }
             fn combine_assign_rev(op: ReduceOp, acc: &mut [Self], x: &[Self]) {
                 dispatch_op!(
                     op,
                     |f| zip_assign(acc, x, f),
-                    |a: $t, x: $t| x + a,
-                    |a: $t, x: $t| x * a,
+                    |a: $t, x: $t| nan_sum(x, a),
+                    |a: $t, x: $t| nan_prod(x, a),
                     |a: $t, x: $t| nan_min(x, a),
                     |a: $t, x: $t| nan_max(x, a)
                 )
             }
             unsafe fn combine_into_both(op: ReduceOp, d: (*mut Self, *mut Self), x: (*const Self, *const Self), n: usize, walk: Walk) {
                 // SAFETY: the caller's contract.
-                dispatch_op!(op, |f| unsafe { zip_into_both(d, x, n, walk, f) }, |x: $t, y: $t| x + y, |x: $t, y: $t| x * y, nan_min::<$t>, nan_max::<$t>)
+                dispatch_op!(op, |f| unsafe { zip_into_both(d, x, n, walk, f) }, nan_sum::<$t>, nan_prod::<$t>, nan_min::<$t>, nan_max::<$t>)
             }
             fn divide_by(acc: &mut [Self], n: usize) {
+                // By one: the values as they are (x / 1 would quiet a
+                // signalling NaN, which the plans that skip the division
+                // for one rank keep).
+                if n == 1 {
+                    return;
+                }
                 let divisor = n as $t;
                 acc.iter_mut().for_each(|a| *a /= divisor);
             }
@@ -448,6 +455,26 @@ macro_rules! float_kernels {
     )*};
 }
 float_kernels!(f32, f64);
+
+/// `a + b`, and of two NaNs the first, quieted (x + x keeps x's payload
+/// and sign). A bare `a + b` leaves that pick to the compiler, which
+/// commutes the operands in one loop and not in another (`combine_assign`
+/// gave `b`'s NaN where `combine_into` gave `a`'s), so ranks folding
+/// through different kernels got different NaNs. With one NaN, or none,
+/// the sum is the same whichever operand comes first.
+#[inline(always)]
+fn nan_sum<T: num_like::Float>(a: T, b: T) -> T {
+    // One addition of a picked operand (a compare and a blend more than
+    // `a + b`), not two additions and a pick.
+    a.add_(if a.is_nan_() { a } else { b })
+}
+
+/// `a · b`, and of two NaNs the first, quieted: see [`nan_sum`].
+#[inline(always)]
+fn nan_prod<T: num_like::Float>(a: T, b: T) -> T {
+    // a · a keeps a NaN's payload and sign as a + a does.
+    a.mul_(if a.is_nan_() { a } else { b })
+}
 
 /// Minimum that propagates NaN (unlike `f32::min`, which drops it).
 #[inline(always)]
@@ -484,10 +511,11 @@ fn nan_max<T: num_like::Float>(a: T, b: T) -> T {
 }
 
 mod num_like {
-    /// The two float operations `nan_min`/`nan_max` need, for `f32` and `f64`.
+    /// The float operations the NaN-picking folds need, for `f32` and `f64`.
     pub trait Float: Copy + PartialOrd {
         fn is_nan_(self) -> bool;
         fn add_(self, other: Self) -> Self;
+        fn mul_(self, other: Self) -> Self;
     }
     impl Float for f32 {
         fn is_nan_(self) -> bool {
@@ -496,6 +524,9 @@ mod num_like {
         fn add_(self, other: Self) -> Self {
             self + other
         }
+        fn mul_(self, other: Self) -> Self {
+            self * other
+        }
     }
     impl Float for f64 {
         fn is_nan_(self) -> bool {
@@ -503,6 +534,9 @@ mod num_like {
         }
         fn add_(self, other: Self) -> Self {
             self + other
+        }
+        fn mul_(self, other: Self) -> Self {
+            self * other
         }
     }
 }
@@ -711,6 +745,9 @@ macro_rules! half_kernels {
                 }
             }
             fn divide_by(acc: &mut [Self], n: usize) {
+                if n == 1 {
+                    return;
+                }
                 let divisor = n as f32;
                 let mut fa = [0f32; HALF_BLOCK];
                 for a in acc.chunks_mut(HALF_BLOCK) {
@@ -729,6 +766,139 @@ half_kernels!(half::f16, half::bf16);
 mod tests {
     use super::*;
     use half::{bf16, f16};
+
+    /// `a ⊕ b` has the same bits by every kernel, at every alignment of
+    /// the output, for two NaNs of different payloads (every rank of a
+    /// collective must get the same bits, and ranks fold through different
+    /// kernels at different alignments): the float ops pick `a`'s NaN as
+    /// `combine_into` does, whatever operand order the compiler chose.
+    fn same_bits_by_every_kernel<T: Kernels + PartialEq + std::fmt::Debug>(
+        nan_a: T,
+        nan_b: T,
+        one: T,
+        bits: fn(T) -> u64,
+    ) {
+        let n = 40;
+        // NaN against NaN (every third element), NaN against a number, a
+        // number against NaN, and numbers.
+        let a: Vec<T> = (0..n)
+            .map(|i| if i % 3 == 0 || i % 5 == 1 { nan_a } else { one })
+            .collect();
+        let b: Vec<T> = (0..n)
+            .map(|i| if i % 3 == 0 || i % 7 == 2 { nan_b } else { one })
+            .collect();
+        let as_bits = |v: &[T]| v.iter().map(|&x| bits(x)).collect::<Vec<u64>>();
+        for op in [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max] {
+            let mut want = vec![one; n];
+            T::combine_into(op, &mut want, &a, &b);
+            let want = as_bits(&want);
+            for shift in 0..8 {
+                let mut store = vec![one; n + 8];
+                let out = &mut store[shift..shift + n];
+                T::combine_into(op, out, &a, &b);
+                assert_eq!(as_bits(out), want, "{op:?} combine_into, shift {shift}");
+                out.copy_from_slice(&a);
+                T::combine_assign(op, out, &b);
+                assert_eq!(as_bits(out), want, "{op:?} combine_assign, shift {shift}");
+                out.copy_from_slice(&b);
+                T::combine_assign_rev(op, out, &a);
+                assert_eq!(
+                    as_bits(out),
+                    want,
+                    "{op:?} combine_assign_rev, shift {shift}"
+                );
+                for walk in [Walk::Up, Walk::Down] {
+                    let mut d1 = vec![one; n + 8];
+                    let (d0, d1) = (
+                        &mut store[shift..shift + n],
+                        &mut d1[8 - shift..8 - shift + n],
+                    );
+                    // SAFETY: four separate buffers of `n` elements.
+                    unsafe {
+                        T::combine_into_both(
+                            op,
+                            (d0.as_mut_ptr(), d1.as_mut_ptr()),
+                            (a.as_ptr(), b.as_ptr()),
+                            n,
+                            walk,
+                        )
+                    };
+                    assert_eq!(
+                        as_bits(d0),
+                        want,
+                        "{op:?} both (d0), shift {shift}, {walk:?}"
+                    );
+                    assert_eq!(
+                        as_bits(d1),
+                        want,
+                        "{op:?} both (d1), shift {shift}, {walk:?}"
+                    );
+                    // In place: d0 is x0, d1 is x1.
+                    d0.copy_from_slice(&a);
+                    d1.copy_from_slice(&b);
+                    // SAFETY: each output is its own input; two buffers.
+                    unsafe {
+                        T::combine_into_both(
+                            op,
+                            (d0.as_mut_ptr(), d1.as_mut_ptr()),
+                            (d0.as_ptr(), d1.as_ptr()),
+                            n,
+                            walk,
+                        )
+                    };
+                    assert_eq!(
+                        as_bits(d0),
+                        want,
+                        "{op:?} both in place (d0), shift {shift}, {walk:?}"
+                    );
+                    assert_eq!(
+                        as_bits(d1),
+                        want,
+                        "{op:?} both in place (d1), shift {shift}, {walk:?}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn dividing_by_one_keeps_the_bits() {
+        let signalling = f32::from_bits(0x7f80_0001);
+        let mut v = [signalling, 1.5];
+        f32::divide_by(&mut v, 1);
+        assert_eq!(v[0].to_bits(), 0x7f80_0001);
+        let mut h = [f16::from_bits(0x7c01)];
+        f16::divide_by(&mut h, 1);
+        assert_eq!(h[0].to_bits(), 0x7c01);
+    }
+
+    #[test]
+    fn nan_payloads_are_chosen_alike_by_every_kernel() {
+        same_bits_by_every_kernel(
+            f32::from_bits(0x7fc0_0001),
+            f32::from_bits(0xffc0_0002),
+            1.5f32,
+            |x| u64::from(x.to_bits()),
+        );
+        same_bits_by_every_kernel(
+            f64::from_bits(0x7ff8_0000_0000_0001),
+            f64::from_bits(0xfff8_0000_0000_0002),
+            1.5f64,
+            f64::to_bits,
+        );
+        same_bits_by_every_kernel(
+            f16::from_bits(0x7e01),
+            f16::from_bits(0xfe02),
+            f16::from_f32(1.5),
+            |x| u64::from(x.to_bits()),
+        );
+        same_bits_by_every_kernel(
+            bf16::from_bits(0x7fc1),
+            bf16::from_bits(0xffc2),
+            bf16::from_f32(1.5),
+            |x| u64::from(x.to_bits()),
+        );
+    }
 
     /// `Walk::Up` visits the elements from the first to the last and
     /// `Walk::Down` from the last to the first (step by step; a step's
