@@ -18,13 +18,17 @@
 #
 # Usage: scripts/compare-mpi.sh [options]
 #   --reps N            alternating repetitions (default 3)
-#   --max-bytes SIZE    largest size in bytes (default 268435456 = 256 MiB)
+#   --max-bytes SIZE    largest size in bytes, K/M/G allowed (default 256M)
 #   --colls LIST        allreduce,allgather,reduce_scatter,broadcast (default: all four)
 #   --ranks N           ranks (default 2; the ceiling exists for 2 only)
 #   --transport shm|tcp oxccl's OXCCL_TRANSPORT and Open MPI's btl (default shm)
 #   --anchors DIR       where the C programs are (default ../shared/anchors)
 #   --out DIR           raw outputs and the table (default target/compare-mpi)
 #   --budget SECONDS    Open MPI's timed seconds per size (default 0.3)
+#   --stat median|mean  oxccl's statistic (default median: batches of calls,
+#                       each after a barrier, the slowest rank's time per
+#                       batch, the median batch, as mpi_coll_bench takes
+#                       Open MPI's; mean: nccl-tests' mean over all calls)
 #
 # Needs gcc, Open MPI (mpicc, mpirun; installed with apt-get when missing and
 # run as root), python3 and cargo. Takes about REPS × 1–3 minutes at 256 MiB.
@@ -36,6 +40,7 @@ COLLS=allreduce,allgather,reduce_scatter,broadcast
 RANKS=2
 TRANSPORT=shm
 BUDGET=0.3
+STAT=median
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 ANCHORS="$ROOT/../shared/anchors"
 OUT="$ROOT/target/compare-mpi"
@@ -50,11 +55,23 @@ while [ $# -gt 0 ]; do
     --anchors) ANCHORS="$2"; shift 2 ;;
     --out) OUT="$2"; shift 2 ;;
     --budget) BUDGET="$2"; shift 2 ;;
-    -h|--help) sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --stat) STAT="$2"; shift 2 ;;
+    -h|--help) sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "compare-mpi.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
 done
 case "$TRANSPORT" in shm|tcp) ;; *) echo "compare-mpi.sh: --transport shm or tcp" >&2; exit 2 ;; esac
+case "$STAT" in median|mean) ;; *) echo "compare-mpi.sh: --stat median or mean" >&2; exit 2 ;; esac
+# A size with a K/M/G suffix in bytes; mpi_coll_bench reads digits only
+# (strtoull: "64M" was 64 bytes, and its buffers overflowed at 1 KiB).
+case "$MAX_BYTES" in
+*[kK]) MAX_BYTES=$((${MAX_BYTES%?} << 10)) ;;
+*[mM]) MAX_BYTES=$((${MAX_BYTES%?} << 20)) ;;
+*[gG]) MAX_BYTES=$((${MAX_BYTES%?} << 30)) ;;
+esac
+case "$MAX_BYTES" in
+'' | *[!0-9]*) echo "compare-mpi.sh: --max-bytes takes bytes, optionally with K, M or G" >&2; exit 2 ;;
+esac
 for f in mpi_coll_bench.c shm_ceiling.c; do
     [ -f "$ANCHORS/$f" ] || { echo "compare-mpi.sh: $ANCHORS/$f not found (use --anchors DIR)" >&2; exit 2; }
 done
@@ -101,16 +118,21 @@ while [ "$s" -le "$MAX_BYTES" ]; do SIZES="$SIZES,$s"; s=$((s * 4)); done
 SMALL=$(echo "$SIZES" | tr , '\n' | awk '$1 <= 65536' | paste -sd,)
 MEDIUM=$(echo "$SIZES" | tr , '\n' | awk '$1 > 65536 && $1 <= 4194304' | paste -sd,)
 LARGE=$(echo "$SIZES" | tr , '\n' | awk '$1 > 4194304' | paste -sd,)
-# Iterations (-n) and warm-up (-w) per group. 20000 small calls last
-# 2–200 ms (2000 lasted 0.2 ms at 8 B, short enough for one scheduler
-# tick or placement change to move the median).
-SMALL_ITERS=(-n 20000 -w 2000)
-MEDIUM_ITERS=(-n 100 -w 10)
-LARGE_ITERS=(-n 10 -w 3)
+# Iterations (-n), samples (--samples) and warm-up (-w) per group. 20000
+# small calls last 2–200 ms (2000 lasted 0.2 ms at 8 B, short enough for
+# one scheduler tick or placement change to move the median). With
+# --stat median the calls run in batches (small: 10 of 2000 calls; medium:
+# 20 of 10; large: one call each, as mpi_coll_bench's batch of 1 beyond
+# 2 ms), and the median batch is reported, as Open MPI's figure is; with
+# --stat mean one batch of all of them (nccl-tests' mean).
+samples() { if [ "$STAT" = median ]; then echo "$1"; else echo 1; fi; }
+SMALL_ITERS=(-n 20000 --samples "$(samples 10)" -w 2000)
+MEDIUM_ITERS=(-n 200 --samples "$(samples 20)" -w 10)
+LARGE_ITERS=(-n 10 --samples "$(samples 10)" -w 3)
 # alloc_shared up to 4 MiB: zero copy takes 1–2 µs at 64 KiB, so 100
 # calls lasted 0.1–0.2 ms and one repetition's 64 KiB figure ranged over
 # 0.83–1.97 µs (stop 23's run); 2000 last 2–100 ms.
-SHARED_MEDIUM_ITERS=(-n 2000 -w 200)
+SHARED_MEDIUM_ITERS=(-n 2000 --samples "$(samples 10)" -w 200)
 # alloc_shared runs from 64 KiB, where the targets against (a) start.
 SHARED=$(echo "$SIZES" | tr , '\n' | awk '$1 >= 65536' | paste -sd,)
 
@@ -163,11 +185,11 @@ run_perf() {
     while [ "$1" != -- ]; do iters+=("$1"); shift; done
     shift
     # -a 3: the slowest rank's time, as mpi_coll_bench takes it (oxccl-perf's
-    # default is nccl-tests' mean over the ranks). Not the same statistic
-    # all the same: oxccl-perf's is the mean over its -n calls (nccl-tests'),
-    # mpi_coll_bench's the median over samples (batches of at least 2 ms);
-    # a mean keeps every preemption that a median drops, which leans
-    # against oxccl, most where calls are short.
+    # default is nccl-tests' mean over the ranks). With --stat median (the
+    # default) per batch, the median batch reported, as mpi_coll_bench does;
+    # with --stat mean, the mean over all -n calls (nccl-tests'), which keeps
+    # every preemption that a median drops: it leans against oxccl, most
+    # where calls are short.
     OXCCL_TRANSPORT=$TRANSPORT "$PERF" -np "$RANKS" "$@" --sizes "$sizes" "${iters[@]}" -c 1 -a 3 \
         -J "$OUT/raw/oxccl-$rep-$label.json" >"$OUT/raw/oxccl-$rep-$label.txt" 2>&1
 }
@@ -231,9 +253,9 @@ for rep in $(seq 1 "$REPS"); do
     [ -z "$stores" ] || echo "# repetition $rep: oxccl's slot stores: $stores"
 done
 
-python3 - "$OUT" "$COLLS" "$TRANSPORT" <<'PY' | tee "$OUT/table.md"
+python3 - "$OUT" "$COLLS" "$TRANSPORT" "$STAT" <<'PY' | tee "$OUT/table.md"
 import glob, json, os, re, statistics, sys
-out, colls, transport = sys.argv[1], sys.argv[2].split(","), sys.argv[3]
+out, colls, transport, stat = sys.argv[1], sys.argv[2].split(","), sys.argv[3], sys.argv[4]
 ox, mpi, ceil = {}, {}, {}
 # Per repetition, for ratios of runs made side by side: (coll, bytes) ->
 # {rep: figures}.
@@ -378,9 +400,13 @@ print("`oxccl / MPI per repetition` is the median of the ratios taken within eac
 print("repetition, where the two ran within a minute, over the pairs whose vCPU")
 print("placement held (core-to-core latency before, between and after the pair")
 print("within 1.6×; \"(k/n)\": k of n pairs held); the columns before it divide")
-print("medians taken over all repetitions. Within a repetition oxccl's figure")
-print("is the slowest rank's mean over its calls (nccl-tests' statistic) and Open")
-print("MPI's the median over its samples of the slowest rank's time.")
+print("medians taken over all repetitions. Within a repetition Open MPI's figure")
+print("is the median over its samples (batches) of the slowest rank's time, and")
+if stat == "median":
+    print("oxccl's the same statistic (--stat median).")
+else:
+    print("oxccl's the slowest rank's mean over all its calls (--stat mean,")
+    print("nccl-tests' statistic), which keeps the preemptions a median drops.")
 
 # The medians as oxccl-perf JSON, one file per curve, for `--plot`.
 def dump(name, label, rows):

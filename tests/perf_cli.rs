@@ -34,6 +34,8 @@ fn sizes_that_never_end_or_overflow_are_usage_errors() {
         (&["-b", "0", "-e", "64"][..], "-b >= 1"),
         (&["--sizes", "17179869184G"][..], "bad size"),
         (&["-e", "17179869200G"][..], "bad size"),
+        (&["-n", "10", "--samples", "3"][..], "divide -n"),
+        (&["-n", "10", "--samples", "0"][..], "divide -n"),
     ] {
         let out = perf(args);
         let stderr = String::from_utf8_lossy(&out.stderr);
@@ -75,4 +77,45 @@ fn a_launched_run_knows_its_world_size() {
     let _ = std::fs::remove_file(&json);
     assert!(written.contains("\"ranks\": 3"), "{written}");
     assert!(written.contains("3xproc"), "{written}");
+}
+
+/// `--samples`: the timed calls run as batches, each after a barrier; the
+/// header says which statistic the time column holds, and the JSON keeps
+/// it, so runs with different statistics are not mistaken for each other.
+#[test]
+fn samples_are_named_in_the_header_and_the_json() {
+    let json = std::env::temp_dir().join(format!("oxccl-perf-samples-{}.json", std::process::id()));
+    let json_arg = json.to_string_lossy().to_string();
+    let out = perf(&[
+        "-t",
+        "2",
+        "-b",
+        "8",
+        "-e",
+        "1K",
+        "-f",
+        "128",
+        "-n",
+        "12",
+        "--samples",
+        "4",
+        "-w",
+        "1",
+        "-J",
+        &json_arg,
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("iters: 12 (median of 4 samples)"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("Out of bounds values : 0 OK"), "{stdout}");
+    let written = std::fs::read_to_string(&json).expect("JSON written");
+    let _ = std::fs::remove_file(&json);
+    assert!(
+        written.contains("\"iters\": 12, \"samples\": 4"),
+        "{written}"
+    );
 }

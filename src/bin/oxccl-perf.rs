@@ -26,6 +26,12 @@ usage: oxccl-perf [options]
   -f, --stepfactor <n>    multiply the size by n each step (default 2)
   -n, --iters <n>         timed iterations per size (default 20)
   -w, --warmup_iters <n>  untimed iterations per size (default 5)
+      --samples <s>       time the -n iterations as s samples of n/s calls, each
+                          after a barrier, and report the median sample (the
+                          upper one for even s; each sample's time across ranks
+                          as -a asks), as Open MPI's and OSU-style benchmarks do;
+                          s must divide n (default 1: the mean over the n calls,
+                          as nccl-tests; host backend only)
   -c, --check <0|1>       check results (default 1)
   -a, --average <0..3>    the time reported: rank 0's (0), the ranks' mean (1, default,
                           as nccl-tests), their minimum (2) or maximum (3)
@@ -180,6 +186,10 @@ struct Args {
     max_bytes: usize,
     factor: usize,
     iters: usize,
+    /// `--samples`: the `iters` timed calls split into this many equal
+    /// batches, each after a barrier; the reported time is the median
+    /// batch. 1 (the default) is nccl-tests' mean over all calls.
+    samples: usize,
     warmup: usize,
     check: bool,
     /// `-a`: how the ranks' times make the one reported.
@@ -224,6 +234,7 @@ fn parse_args() -> Result<Args, String> {
         max_bytes: 32 << 20,
         factor: 2,
         iters: 20,
+        samples: 1,
         warmup: 5,
         check: true,
         average: TimeAcrossRanks::Mean,
@@ -273,6 +284,7 @@ fn parse_args() -> Result<Args, String> {
             "-f" | "--stepfactor" => a.factor = num()?,
             "-n" | "--iters" => a.iters = num()?,
             "-w" | "--warmup_iters" => a.warmup = num()?,
+            "--samples" => a.samples = num()?,
             "-c" | "--check" => a.check = num()? != 0,
             "-a" | "--average" => {
                 a.average = TimeAcrossRanks::from_code(num()?)
@@ -322,6 +334,16 @@ fn parse_args() -> Result<Args, String> {
     }
     if a.ranks == 0 || a.factor < 2 || a.min_bytes > a.max_bytes || a.iters == 0 {
         return Err("need -t >= 1, -f >= 2, -b <= -e and -n >= 1".into());
+    }
+    if a.samples == 0 || !a.iters.is_multiple_of(a.samples) {
+        return Err(format!(
+            "--samples {} must be at least 1 and divide -n {}",
+            a.samples, a.iters
+        ));
+    }
+    if a.samples > 1 && a.backend != "host" {
+        // GPU runs time one stream of calls with CUDA events.
+        return Err("--samples: host backend only".into());
     }
     if a.min_bytes == 0 && a.sizes.is_none() {
         // 0 times the factor stays 0: the size list would never end.
@@ -600,7 +622,7 @@ fn prepare<T: Element>(
     (Bufs { send, recv }, expected)
 }
 
-struct Sample {
+struct Measurement {
     time_us: f64,
     wrong: u64,
     /// How the timed calls reached their peers, when directly.
@@ -612,19 +634,25 @@ fn measure<T: Element>(
     a: &Args,
     count: usize,
     in_place: bool,
-) -> oxccl::Result<Sample> {
+) -> oxccl::Result<Measurement> {
     let (rank, n) = (comm.rank(), comm.world_size());
     let (b, _) = prepare::<T>(a, rank, n, count, in_place);
     let mut b = place(comm, a, b)?;
     for _ in 0..a.warmup {
         run_once(comm, a, &mut b, in_place)?;
     }
-    comm.barrier()?;
-    let start = Instant::now();
-    for _ in 0..a.iters {
-        run_once(comm, a, &mut b, in_place)?;
+    // One batch of calls per sample, each started after a barrier; this
+    // rank's µs per call in each.
+    let batch = a.iters / a.samples;
+    let mut mine = Vec::with_capacity(a.samples);
+    for _ in 0..a.samples {
+        comm.barrier()?;
+        let start = Instant::now();
+        for _ in 0..batch {
+            run_once(comm, a, &mut b, in_place)?;
+        }
+        mine.push(start.elapsed().as_secs_f64() * 1e6 / batch as f64);
     }
-    let elapsed = start.elapsed();
     let direct = comm.last_direct_algorithm();
     let mut wrong = 0u64;
     if a.check {
@@ -647,17 +675,29 @@ fn measure<T: Element>(
             .count() as u64;
     }
     drop(b);
-    let mine = elapsed.as_secs_f64() * 1e6 / a.iters as f64;
-    // The ranks' time as `-a` asks, and every rank's wrong values.
-    let mut t = [a.average.contribution(mine, rank)];
+    // Each sample's time across the ranks as `-a` asks, then the median
+    // sample (one sample: the mean over all the calls); and every rank's
+    // wrong values.
+    let mut t: Vec<f64> = mine
+        .iter()
+        .map(|&us| a.average.contribution(us, rank))
+        .collect();
     comm.all_reduce_in_place(&mut t, a.average.reduce_op())?;
+    let time_us = median_sample(&mut t) / a.average.divisor(n);
     let mut w = [wrong];
     comm.all_reduce_in_place(&mut w, ReduceOp::Sum)?;
-    Ok(Sample {
-        time_us: t[0] / a.average.divisor(n),
+    Ok(Measurement {
+        time_us,
         wrong: w[0],
         direct,
     })
+}
+
+/// The median of the samples, the upper one of an even count (as Open
+/// MPI's benchmark in `shared/anchors` takes it). Sorts `samples`.
+fn median_sample(samples: &mut [f64]) -> f64 {
+    samples.sort_by(f64::total_cmp);
+    samples[samples.len() / 2]
 }
 
 /// One size's results, as printed and as written with `-J`.
@@ -822,12 +862,17 @@ fn print_header(a: &Args, ranks: usize, what: &str, transport: &str) {
         a.coll, a.backend
     );
     println!(
-        "#  minBytes {} maxBytes {} step: {}(factor) warmup iters: {} iters: {} validation: {}",
+        "#  minBytes {} maxBytes {} step: {}(factor) warmup iters: {} iters: {} {} validation: {}",
         a.min_bytes,
         a.max_bytes,
         a.factor,
         a.warmup,
         a.iters,
+        if a.samples > 1 {
+            format!("(median of {} samples)", a.samples)
+        } else {
+            "(mean)".to_string()
+        },
         u8::from(a.check)
     );
     println!("#");
@@ -1104,5 +1149,17 @@ fn launch_self(n: usize) -> ExitCode {
             eprintln!("oxccl-perf: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::median_sample;
+
+    #[test]
+    fn the_median_sample_is_the_middle_one_or_the_upper_of_two() {
+        assert_eq!(median_sample(&mut [3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median_sample(&mut [4.0, 1.0, 3.0, 2.0]), 3.0);
+        assert_eq!(median_sample(&mut [5.0]), 5.0);
     }
 }

@@ -46,13 +46,16 @@ pub fn to_json(label: &str, a: &Args, run: &RunResult) -> String {
         .unwrap_or(0);
     let mut out = format!(
         "{{\"tool\": \"oxccl-perf\", \"label\": {}, \"collective\": {}, \"dtype\": {}, \
-         \"op\": {}, \"ranks\": {}, \"transport\": {}, \"unix_time\": {unix_time},\n \"rows\": [",
+         \"op\": {}, \"ranks\": {}, \"transport\": {}, \"iters\": {}, \"samples\": {}, \
+         \"unix_time\": {unix_time},\n \"rows\": [",
         quote(label),
         quote(a.coll.name()),
         quote(a.dtype.name()),
         quote(a.op.name()),
         run.ranks,
         quote(&run.transport),
+        a.iters,
+        a.samples,
     );
     for (i, r) in run.rows.iter().enumerate() {
         if i > 0 {
