@@ -653,11 +653,14 @@ impl Arena {
         Ok(arena)
     }
 
-    /// The call and signature of the set-up rounds.
+    /// The call and signature of the set-up rounds. Errors name the call
+    /// `init #0` (the communicator's set-up, as the user called it; they
+    /// named a "barrier #18446744073709551615" nobody called); the rounds'
+    /// own sequence number stays out of the users' range.
     fn setup_call(&self, magic: u64) -> (CallInfo, CallSig) {
         let call = CallInfo {
-            op: OpKind::Barrier,
-            seq: u64::MAX,
+            op: OpKind::Init,
+            seq: 0,
             space: crate::transport::Space::Collective,
             ctx: 0,
             rank: self.rank,
@@ -3767,6 +3770,33 @@ fn futex_wake(word: &AtomicU32) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A peer that never attaches makes the set-up time out naming the
+    /// communicator's set-up (`init`) and the peer, not a barrier with a
+    /// sequence number nobody called.
+    #[test]
+    fn a_set_up_timeout_names_init_and_the_peer() {
+        let geometry = Geometry::new(2);
+        let name =
+            crate::transport::shm::segment_name("test", &format!("setup{}", std::process::id()), 0);
+        let segment = Segment::create_with_region(&name, 0, 4096, geometry.bytes()).unwrap();
+        let err = Arena::shared(
+            segment,
+            geometry,
+            0,
+            Arc::new(AtomicBool::new(false)),
+            Duration::from_millis(200),
+            crate::ShmStores::Cached,
+        )
+        .err()
+        .expect("no peer attached: a timeout");
+        let text = err.to_string();
+        assert!(
+            text.contains("init #0") && text.contains("rank 1"),
+            "{text}"
+        );
+        assert!(!text.contains("18446744073709551615"), "{text}");
+    }
 
     #[test]
     fn a_place_word_holds_allocation_and_offset_or_says_nowhere() {
