@@ -30,7 +30,7 @@ use crate::comm::{launch_store, Algo, CommConfig};
 use crate::cuda::lower::{concat, lower, lower_peer_direct, Lowered};
 use crate::cuda::ring::{CallBufs, RingComm, RingGroup};
 use crate::desc::{BufDesc, Buffer, CollectiveDesc, MemoryKind};
-use crate::error::{Error, Result};
+use crate::error::{as_ranks_store_error, Error, RendezvousStage, Result};
 #[cfg(feature = "nccl")]
 use crate::nccl::{self, sys, GroupGuard, NcclCall, NcclComm, UniqueId};
 use crate::schedule::{self, Family};
@@ -149,10 +149,13 @@ impl DeviceCommBuilder {
                 DeviceBackend::Auto => auto_backend()?,
                 other => other,
             };
-            store.set(&key, resolved.name().as_bytes())?;
+            store
+                .set(&key, resolved.name().as_bytes())
+                .map_err(|e| as_ranks_store_error(e, rank, "publishing the device backend"))?;
             resolved
         } else {
-            let name = published_by_rank0(store, &key, timeout)?;
+            let name =
+                published_by_rank0(store, (rank, RendezvousStage::BackendChoice), &key, timeout)?;
             let name = String::from_utf8_lossy(&name).into_owned();
             let rank0 = DeviceBackend::from_name(&name).ok_or_else(|| Error::Config {
                 name: "OXCCL_BACKEND".into(),
@@ -302,10 +305,13 @@ impl DeviceCommBuilder {
         let key = format!("{prefix}/unique-id");
         let id = if rank == 0 {
             let id = UniqueId::new()?;
-            store.set(&key, id.as_bytes())?;
+            store
+                .set(&key, id.as_bytes())
+                .map_err(|e| as_ranks_store_error(e, rank, "publishing NCCL's unique id"))?;
             id
         } else {
-            UniqueId::from_bytes(&published_by_rank0(&*store, &key, timeout)?)?
+            let stage = (rank, RendezvousStage::NcclUniqueId);
+            UniqueId::from_bytes(&published_by_rank0(&*store, stage, &key, timeout)?)?
         };
         let mut comm = NcclComm::start_init(library, &id, rank, world_size, timeout)?;
         comm.wait_ready(
@@ -470,17 +476,31 @@ impl DeviceCommBuilder {
 }
 
 /// The value rank 0 publishes at `key` (the backend it runs, NCCL's unique
-/// id), waited for with the deadline: `RendezvousTimeout` naming rank 0.
-fn published_by_rank0(store: &dyn Store, key: &str, timeout: Duration) -> Result<Vec<u8>> {
-    let missing = store.wait(&[key.to_owned()], timeout)?;
+/// id: `stage`), waited for by `rank` with the deadline:
+/// `RendezvousTimeout` naming rank 0; the store's errors name `rank`.
+fn published_by_rank0(
+    store: &dyn Store,
+    (rank, stage): (Rank, RendezvousStage),
+    key: &str,
+    timeout: Duration,
+) -> Result<Vec<u8>> {
+    let what = "waiting for rank 0's set-up";
+    let missing = store
+        .wait(&[key.to_owned()], timeout)
+        .map_err(|e| as_ranks_store_error(e, rank, what))?;
     if !missing.is_empty() {
         return Err(Error::RendezvousTimeout {
+            rank,
             store: store.describe(),
             waited: timeout,
+            stage,
             missing: vec![0],
         });
     }
-    Ok(store.try_get(key)?.unwrap_or_default())
+    Ok(store
+        .try_get(key)
+        .map_err(|e| as_ranks_store_error(e, rank, what))?
+        .unwrap_or_default())
 }
 
 /// The number of GPUs the driver shows, with a clear error when it shows none.

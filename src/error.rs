@@ -111,21 +111,26 @@ pub enum Error {
         reason: String,
     },
 
-    /// Rendezvous did not complete: some ranks never published themselves to
-    /// the store before the deadline. Every rank that waited reports the same
-    /// list, so any one log line says which ranks to look at.
+    /// Rendezvous did not complete: some ranks never reached a step of the
+    /// set-up (`stage`: joining, sharing memory, connecting) before the
+    /// deadline. Every rank that waited reports the same list, so any one
+    /// log line says which ranks to look at.
     #[error(
-        "rendezvous at {store} timed out after {waited:?}: {} (are they running, and do \
-         they use the same MASTER_ADDR/MASTER_PORT and WORLD_SIZE?)",
-        describe_missing(missing)
+        "rank {rank}: rendezvous at {store} timed out after {waited:?}: {} ({})",
+        describe_missing(missing, *stage),
+        stage.hint()
     )]
     RendezvousTimeout {
+        /// The rank that waited (and reports).
+        rank: Rank,
         /// Where the store is ([`Store::describe`](crate::bootstrap::Store::describe)),
         /// e.g. `10.0.0.1:29500` or `file:/shared/job42`.
         store: String,
         /// How long this rank waited.
         waited: Duration,
-        /// The ranks that never joined, ascending.
+        /// The step of the set-up the missing ranks never reached.
+        stage: RendezvousStage,
+        /// The ranks that never reached it, ascending.
         missing: Vec<Rank>,
     },
 
@@ -217,13 +222,84 @@ pub enum Error {
 }
 
 /// `rank 3 never joined` / `ranks 2 and 5 never joined` / `ranks 1, 2 and 4 never joined`.
-pub(crate) fn describe_missing(missing: &[Rank]) -> String {
+/// The step of a communicator's set-up that a [`Error::RendezvousTimeout`]
+/// waited for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RendezvousStage {
+    /// Registering with the store (the first step: a rank missing here did
+    /// not start, or joined another store or world size).
+    Join,
+    /// Publishing its shared-memory inbox (after joining).
+    ShmInbox,
+    /// Mapping the other ranks' shared-memory inboxes.
+    ShmMapped,
+    /// Opening its TCP link to the reporting rank.
+    Connect,
+    /// Rank 0 publishing the device backend it chose.
+    BackendChoice,
+    /// Rank 0 publishing NCCL's unique id.
+    NcclUniqueId,
+}
+
+impl RendezvousStage {
+    /// What a missing rank never did, after "rank N".
+    fn never(self) -> &'static str {
+        match self {
+            RendezvousStage::Join => "never joined",
+            RendezvousStage::ShmInbox => "joined but never published its shared-memory inbox",
+            RendezvousStage::ShmMapped => {
+                "joined but never mapped the others' shared-memory inboxes"
+            }
+            RendezvousStage::Connect => "joined but never connected to this rank",
+            RendezvousStage::BackendChoice => "never published the device backend it chose",
+            RendezvousStage::NcclUniqueId => "never published NCCL's unique id",
+        }
+    }
+
+    /// Where to look.
+    fn hint(self) -> &'static str {
+        match self {
+            RendezvousStage::Join => {
+                "are they running, and do they use the same MASTER_ADDR/MASTER_PORT and WORLD_SIZE?"
+            }
+            RendezvousStage::ShmInbox | RendezvousStage::ShmMapped => {
+                "they stopped or failed while setting up shared memory: see their output; \
+                 is /dev/shm full?"
+            }
+            RendezvousStage::Connect => {
+                "their own error says why: usually the network interface or a firewall"
+            }
+            RendezvousStage::BackendChoice | RendezvousStage::NcclUniqueId => {
+                "is rank 0 running, and did its own set-up fail? see its output"
+            }
+        }
+    }
+}
+
+/// A store's error (it names the store and the key, not the rank that met
+/// it) told as this rank's, in the set-up step `what`: every rank reports,
+/// so say which. Errors that already name a rank pass unchanged.
+pub(crate) fn as_ranks_store_error(e: Error, rank: Rank, what: &str) -> Error {
+    match e {
+        Error::Bootstrap { context, detail } if !context.starts_with("rank ") => Error::Bootstrap {
+            context: format!("rank {rank}: {what} through {context}"),
+            detail,
+        },
+        other => other,
+    }
+}
+
+pub(crate) fn describe_missing(missing: &[Rank], stage: RendezvousStage) -> String {
+    let never = stage.never();
     match missing {
-        [] => "every rank joined".into(),
-        [one] => format!("rank {one} never joined"),
+        [] => "every rank arrived".into(),
+        [one] => format!("rank {one} {never}"),
         [init @ .., last] => {
             let init: Vec<String> = init.iter().map(|r| r.to_string()).collect();
-            format!("ranks {} and {last} never joined", init.join(", "))
+            // "ranks 2 and 5 never joined": the verb for several.
+            let never = never.replace("its ", "their ");
+            format!("ranks {} and {last} {never}", init.join(", "))
         }
     }
 }
@@ -234,19 +310,29 @@ mod tests {
 
     #[test]
     fn missing_ranks_read_as_english() {
-        assert_eq!(describe_missing(&[3]), "rank 3 never joined");
-        assert_eq!(describe_missing(&[2, 5]), "ranks 2 and 5 never joined");
+        let join = RendezvousStage::Join;
+        assert_eq!(describe_missing(&[3], join), "rank 3 never joined");
         assert_eq!(
-            describe_missing(&[1, 2, 4]),
+            describe_missing(&[2, 5], join),
+            "ranks 2 and 5 never joined"
+        );
+        assert_eq!(
+            describe_missing(&[1, 2, 4], join),
             "ranks 1, 2 and 4 never joined"
         );
+        assert_eq!(
+            describe_missing(&[2, 5], RendezvousStage::ShmInbox),
+            "ranks 2 and 5 joined but never published their shared-memory inbox"
+        );
         let e = Error::RendezvousTimeout {
+            rank: 1,
             store: "10.0.0.1:29500".into(),
             waited: Duration::from_secs(30),
+            stage: join,
             missing: vec![2, 5],
         };
         assert!(e.to_string().starts_with(
-            "rendezvous at 10.0.0.1:29500 timed out after 30s: ranks 2 and 5 never joined"
+            "rank 1: rendezvous at 10.0.0.1:29500 timed out after 30s: ranks 2 and 5 never joined"
         ));
     }
 }

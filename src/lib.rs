@@ -59,7 +59,7 @@ pub use comm::{
 pub use desc::{BufDesc, Buffer, CollectiveDesc, MemoryKind};
 #[cfg(feature = "cuda")]
 pub use device::{DeviceBackend, DeviceCommBuilder, DeviceCommunicator, P2pGroup};
-pub use error::{Error, Result};
+pub use error::{Error, RendezvousStage, Result};
 pub use half::{bf16, f16};
 pub use host::SharedBuffer;
 pub use transport::net::TransportKind;

@@ -309,7 +309,44 @@ fn rendezvous_names_the_ranks_that_never_joined() {
     };
     let text = err.to_string();
     assert!(
-        text.contains("ranks 1, 2, 3, 4 and 5 never joined"),
+        text.starts_with("rank 0: ") && text.contains("ranks 1, 2, 3, 4 and 5 never joined"),
+        "{text}"
+    );
+}
+
+/// Ranks that joined but never set up their shared memory (stopped,
+/// failed, or told another transport) are not reported as never having
+/// joined: the message names the step they missed.
+#[test]
+fn rendezvous_names_the_step_a_joined_rank_missed() {
+    use oxccl::bootstrap::Store;
+    let store = std::sync::Arc::new(oxccl::bootstrap::MemoryStore::new());
+    let builder = Communicator::builder()
+        .transport(TransportKind::Shm)
+        .timeout(Duration::from_millis(500));
+    // Rank 1 "joins" by hand: it announces itself as rank 1 does (the
+    // keys a rank sets first) by copying what rank 0 sets, then stops.
+    let joiner = {
+        let store = store.clone();
+        std::thread::spawn(move || {
+            let deadline = std::time::Instant::now() + Duration::from_secs(5);
+            while std::time::Instant::now() < deadline {
+                if let Ok(Some(mine)) = store.try_get("oxccl/rank/0") {
+                    let _ = store.set("oxccl/rank/1", &mine);
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        })
+    };
+    let err = match builder.init(0, 2, store) {
+        Err(e) => e,
+        Ok(_) => panic!("set-up with a stopped peer succeeded"),
+    };
+    joiner.join().unwrap();
+    let text = err.to_string();
+    assert!(
+        text.starts_with("rank 0: ") && !text.contains("never joined"),
         "{text}"
     );
 }

@@ -58,7 +58,7 @@ use super::shm::{self, Segment, ShmLink};
 use super::tcp::{self, TcpLink, Token};
 use super::{CollectiveArrivals, FrameHeader, Payload, Space, TransportError};
 use crate::bootstrap::Store;
-use crate::error::{Error, Result};
+use crate::error::{as_ranks_store_error, Error, RendezvousStage, Result};
 use crate::types::{OpKind, Rank};
 
 const FRAME_MAGIC: u32 = 0x4652_584f; // "OXRF"
@@ -1643,9 +1643,10 @@ fn bootstrap_error(rank: usize, what: &str, detail: impl Into<String>) -> Error 
 }
 
 /// Waits for `keys` (one per rank in `ranks`) and turns missing keys into
-/// the error that names the ranks.
+/// the error that names this rank, the ranks and the `stage` they missed.
 fn wait_for_ranks(
     store: &dyn Store,
+    (rank, stage): (usize, RendezvousStage),
     ranks: &[usize],
     key: impl Fn(usize) -> String,
     deadline: Instant,
@@ -1663,8 +1664,10 @@ fn wait_for_ranks(
         .map(|(&r, _)| r)
         .collect();
     Err(Error::RendezvousTimeout {
+        rank,
         store: store.describe(),
         waited: start.elapsed(),
+        stage,
         missing,
     })
 }
@@ -1675,15 +1678,7 @@ fn wait_for_ranks(
 /// every rank, its name already removed) of `arena_bytes`.
 pub(crate) fn connect(setup: Setup) -> Result<(NetEndpoint, Option<Segment>)> {
     let rank = setup.rank;
-    connect_rank(setup).map_err(|e| match e {
-        // The store's own errors name the store and the key, not the rank
-        // that met them; every rank reports, so say which.
-        Error::Bootstrap { context, detail } if !context.starts_with("rank ") => Error::Bootstrap {
-            context: format!("rank {rank}: rendezvous through {context}"),
-            detail,
-        },
-        other => other,
-    })
+    connect_rank(setup).map_err(|e| as_ranks_store_error(e, rank, "rendezvous"))
 }
 
 fn connect_rank(setup: Setup) -> Result<(NetEndpoint, Option<Segment>)> {
@@ -1751,7 +1746,13 @@ fn connect_rank(setup: Setup) -> Result<(NetEndpoint, Option<Segment>)> {
     } else {
         deadline
     };
-    wait_for_ranks(&*store, &all, rank_key, rendezvous_deadline)?;
+    wait_for_ranks(
+        &*store,
+        (rank, RendezvousStage::Join),
+        &all,
+        rank_key,
+        rendezvous_deadline,
+    )?;
     let token: Token = {
         let bytes = store.get(
             "oxccl/token",
@@ -1882,7 +1883,13 @@ fn connect_rank(setup: Setup) -> Result<(NetEndpoint, Option<Segment>)> {
         }
         let shm_key = |r: usize| format!("oxccl/shm/{r}");
         store.set(&shm_key(rank), name.as_bytes())?;
-        wait_for_ranks(&*store, &shm_peers, shm_key, deadline)?;
+        wait_for_ranks(
+            &*store,
+            (rank, RendezvousStage::ShmInbox),
+            &shm_peers,
+            shm_key,
+            deadline,
+        )?;
         if all_on_shm && rank != 0 {
             // Rank 0's name, not ours: job ids may differ between ranks.
             let published = store.try_get("oxccl/arena")?.unwrap_or_default();
@@ -1911,7 +1918,13 @@ fn connect_rank(setup: Setup) -> Result<(NetEndpoint, Option<Segment>)> {
         }
         let mapped_key = |r: usize| format!("oxccl/shm-mapped/{r}");
         store.set(&mapped_key(rank), b"1")?;
-        wait_for_ranks(&*store, &shm_peers, mapped_key, deadline)?;
+        wait_for_ranks(
+            &*store,
+            (rank, RendezvousStage::ShmMapped),
+            &shm_peers,
+            mapped_key,
+            deadline,
+        )?;
         // Every local peer has mapped our inbox: remove its name now, so
         // nothing is left in /dev/shm however this process ends.
         segment.unlink();
@@ -1937,11 +1950,10 @@ fn connect_rank(setup: Setup) -> Result<(NetEndpoint, Option<Segment>)> {
         let accepted =
             tcp::accept(listener, &token, rank, &higher, deadline).map_err(|missing| {
                 Error::RendezvousTimeout {
-                    store: format!(
-                        "{} (rank {rank} accepting peer connections)",
-                        infos[rank].addr
-                    ),
+                    rank,
+                    store: format!("{} (accepting peer connections)", infos[rank].addr),
                     waited: timeout,
+                    stage: RendezvousStage::Connect,
                     missing,
                 }
             })?;
