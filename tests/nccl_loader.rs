@@ -45,8 +45,8 @@ fn a_missing_library_names_every_candidate_and_the_fix() {
 
 /// Builds a shared library exporting every NCCL entry point oxccl resolves
 /// (all returning success) whose `ncclGetVersion` reports `version_code`,
-/// or, with `omit` set, lacking that symbol.
-fn fake_nccl(dir: &Path, version_code: u32, omit: Option<&str>) -> Option<PathBuf> {
+/// but for the symbols in `omit`.
+fn fake_nccl(dir: &Path, version_code: u32, omit: &[&str]) -> Option<PathBuf> {
     if Command::new("cc").arg("--version").output().is_err() {
         // CI always has one (Rust links with it); a bare GPU machine may not.
         assert!(
@@ -79,10 +79,17 @@ fn fake_nccl(dir: &Path, version_code: u32, omit: Option<&str>) -> Option<PathBu
         "ncclGroupEnd",
     ];
     let mut c = format!("int ncclGetVersion(int* v) {{ *v = {version_code}; return 0; }}\n");
-    for s in symbols.iter().filter(|s| Some(**s) != omit) {
+    for s in symbols.iter().filter(|s| !omit.contains(s)) {
         c.push_str(&format!("int {s}(void) {{ return 0; }}\n"));
     }
-    let name = format!("fake-{version_code}-{}", omit.unwrap_or("full"));
+    let name = format!(
+        "fake-{version_code}-{}",
+        if omit.is_empty() {
+            "full".to_owned()
+        } else {
+            omit.join("-")
+        }
+    );
     let source = dir.join(format!("{name}.c"));
     let library = dir.join(format!("lib{name}.so"));
     std::fs::write(&source, c).unwrap();
@@ -105,7 +112,7 @@ fn scratch_dir(name: &str) -> PathBuf {
 #[test]
 fn an_nccl_older_than_the_minimum_is_refused_with_both_versions() {
     let dir = scratch_dir("old-nccl");
-    let Some(old) = fake_nccl(&dir, 2708, None) else {
+    let Some(old) = fake_nccl(&dir, 2708, &[]) else {
         return;
     };
     let e = probe_library(&[old.display().to_string()]).unwrap_err();
@@ -120,8 +127,26 @@ fn an_nccl_older_than_the_minimum_is_refused_with_both_versions() {
         "{text}"
     );
 
+    // A real NCCL 2.12 lacks what came in 2.13 and 2.14: still told as
+    // too old, not as "not NCCL".
+    let older = fake_nccl(
+        &dir,
+        21212,
+        &[
+            "ncclGetLastError",
+            "ncclCommInitRankConfig",
+            "ncclCommFinalize",
+        ],
+    )
+    .unwrap();
+    let e = probe_library(&[older.display().to_string()]).unwrap_err();
+    assert!(
+        matches!(&e, Error::LibraryUnsupported { detail, .. } if detail.contains("is NCCL 2.12.12")),
+        "expected LibraryUnsupported naming 2.12.12, got {e:?}"
+    );
+
     // The same stub claiming a supported version loads.
-    let new = fake_nccl(&dir, 22005, None).unwrap();
+    let new = fake_nccl(&dir, 22005, &[]).unwrap();
     let info = probe_library(&[new.display().to_string()]).unwrap();
     assert_eq!(info.version.to_string(), "2.20.5");
     std::fs::remove_dir_all(&dir).ok();
@@ -130,7 +155,7 @@ fn an_nccl_older_than_the_minimum_is_refused_with_both_versions() {
 #[test]
 fn a_library_missing_an_entry_point_is_not_taken_for_nccl() {
     let dir = scratch_dir("partial-nccl");
-    let Some(partial) = fake_nccl(&dir, 22005, Some("ncclAllReduce")) else {
+    let Some(partial) = fake_nccl(&dir, 22005, &["ncclAllReduce"]) else {
         return;
     };
     let e = probe_library(&[partial.display().to_string()]).unwrap_err();

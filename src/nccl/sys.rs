@@ -173,8 +173,9 @@ macro_rules! nccl_api {
         }
 
         impl NcclLibrary {
-            /// Resolves every entry point of `library`, which was loaded from `path`.
-            fn resolve(library: libloading::Library, path: String) -> std::result::Result<NcclLibrary, String> {
+            /// Resolves every entry point of `library`, which was loaded from
+            /// `path` and reported `version` ([`version_of`]).
+            fn resolve(library: libloading::Library, path: String, version: NcclVersion) -> std::result::Result<NcclLibrary, String> {
                 // SAFETY: each symbol is declared with the signature nccl.h
                 // gives it; the pointers stay valid while `_library` lives,
                 // which is as long as the struct holding them.
@@ -186,20 +187,13 @@ macro_rules! nccl_api {
                         .get::<unsafe extern "C" fn($($oarg),*) $(-> $oret)?>(concat!($osymbol, "\0").as_bytes())
                         .ok()
                         .map(|s| *s); )*
-                    let mut loaded = NcclLibrary {
+                    Ok(NcclLibrary {
                         _library: library,
                         path,
-                        version: NcclVersion::from_code(0),
+                        version,
                         $( $field, )*
                         $( $ofield, )*
-                    };
-                    let mut code: c_int = 0;
-                    let rc = (loaded.get_version)(&mut code);
-                    if rc != NCCL_SUCCESS {
-                        return Err(format!("{}: ncclGetVersion returned {}", loaded.path, result_name(rc)));
-                    }
-                    loaded.version = NcclVersion::from_code(code);
-                    Ok(loaded)
+                    })
                 }
             }
         }
@@ -208,8 +202,7 @@ macro_rules! nccl_api {
 
 nccl_api! {
   required {
-    /// `ncclGetVersion(int*)`.
-    get_version = "ncclGetVersion": fn(*mut c_int) -> NcclResult;
+    // `ncclGetVersion(int*)` is read first, on its own: see `version_of`.
     /// `ncclGetErrorString(ncclResult_t)`.
     get_error_string = "ncclGetErrorString": fn(NcclResult) -> *const c_char;
     /// `ncclGetLastError(ncclComm_t)`: the last error's detail, for this thread.
@@ -318,6 +311,28 @@ fn error_chain(e: &dyn std::error::Error) -> String {
     text
 }
 
+/// `ncclGetVersion` of a library just opened from `path`.
+fn version_of(
+    library: &libloading::Library,
+    path: &str,
+) -> std::result::Result<NcclVersion, String> {
+    // SAFETY: declared as nccl.h declares it; called while `library` lives.
+    unsafe {
+        let get_version = library
+            .get::<unsafe extern "C" fn(*mut c_int) -> NcclResult>(b"ncclGetVersion\0")
+            .map_err(|e| format!("{path}: no symbol ncclGetVersion: {}", error_chain(&e)))?;
+        let mut code: c_int = 0;
+        let rc = get_version(&mut code);
+        if rc != NCCL_SUCCESS {
+            return Err(format!(
+                "{path}: ncclGetVersion returned {}",
+                result_name(rc)
+            ));
+        }
+        Ok(NcclVersion::from_code(code))
+    }
+}
+
 /// Loads the first of `candidates` that opens and resolves, and checks its version.
 ///
 /// # Errors
@@ -337,24 +352,29 @@ pub fn load_from(candidates: &[String]) -> Result<NcclLibrary> {
                 continue;
             }
         };
-        let library = match NcclLibrary::resolve(library, path.clone()) {
-            Ok(library) => library,
+        // The version first: an NCCL too old to have every entry point
+        // (ncclGetLastError came in 2.13, ncclCommInitRankConfig and
+        // ncclCommFinalize in 2.14) is told as too old, not as "not NCCL".
+        let version = match version_of(&library, path) {
+            Ok(version) => version,
             Err(e) => {
                 tried.push(e);
                 continue;
             }
         };
-        if library.version < MIN_VERSION {
+        if version < MIN_VERSION {
             return Err(Error::LibraryUnsupported {
                 library: "NCCL",
                 detail: format!(
-                    "{} is NCCL {}; oxccl needs NCCL {MIN_VERSION} or newer (non-blocking \
-                     initialisation with ncclConfig_t); {INSTALL_HINT}",
-                    library.path, library.version
+                    "{path} is NCCL {version}; oxccl needs NCCL {MIN_VERSION} or newer \
+                     (non-blocking initialisation with ncclConfig_t); {INSTALL_HINT}"
                 ),
             });
         }
-        return Ok(library);
+        match NcclLibrary::resolve(library, path.clone(), version) {
+            Ok(library) => return Ok(library),
+            Err(e) => tried.push(e),
+        }
     }
     Err(Error::LibraryNotFound {
         library: "NCCL",
