@@ -666,6 +666,13 @@ impl RemoteLinks {
             return;
         }
         let (rank, world) = (self.rank, self.world);
+        // Close our mappings of the peers' inboxes before saying goodbye
+        // (the stream is drained: nothing queued writes to them). A peer
+        // frees its inboxes once every Bye has come, and CUDA leaves freeing
+        // an exported region that an importer still has open undefined.
+        for peer in &mut self.peers {
+            peer.inbox = None;
+        }
         for peer in (0..world).filter(|&p| p != rank) {
             if self.control.send(&Frame::Bye.encode(), peer).is_err() {
                 return;
