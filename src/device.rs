@@ -894,6 +894,26 @@ impl DeviceCommunicator {
         Ok(())
     }
 
+    /// Refuses an NCCL call while a [`P2pGroup`] of any NCCL communicator
+    /// is open on this thread: NCCL's group state is the thread's, so the
+    /// call would join that group and run only at its end, after this call
+    /// had returned (its buffers freed, `synchronize` passed, meanwhile).
+    fn refuse_inside_open_group(&self, op: OpKind) -> Result<()> {
+        #[cfg(feature = "nccl")]
+        if matches!(self.engine, Engine::Nccl { .. }) && crate::nccl::group_open_on_this_thread() {
+            return Err(Error::InvalidArgument {
+                op,
+                rank: self.rank,
+                arg: "self",
+                reason: "a P2pGroup is open on this thread, and NCCL would defer this call to \
+                         the group's end; end the group first"
+                    .into(),
+            });
+        }
+        let _ = op;
+        Ok(())
+    }
+
     /// Enqueues a validated call. `send`/`recv` are device addresses (0 for
     /// a buffer the call does not have).
     fn enqueue(
@@ -903,6 +923,9 @@ impl DeviceCommunicator {
         (send, recv): (u64, u64),
         streams: &[Arc<CudaStream>],
     ) -> Result<()> {
+        // Before any state changes: a refused call leaves the communicator
+        // as it was.
+        self.refuse_inside_open_group(desc.op)?;
         let result = self
             .wait_for_buffers(streams)
             .and_then(|()| self.enqueue_inner(desc, elem_bytes, send, recv))
@@ -1225,9 +1248,16 @@ impl DeviceCommunicator {
     /// the group without `end` (an early `?`) closes it, then aborts this
     /// communicator (its peers expected the whole group).
     ///
+    /// While an NCCL group is open, this thread's calls on other NCCL
+    /// communicators (collectives, barriers, splits, another group) are
+    /// refused: NCCL would hold them until this group's end, after they
+    /// had returned.
+    ///
     /// # Errors
     ///
-    /// [`Error::Failed`] on a communicator that failed; [`Error::Nccl`].
+    /// [`Error::Failed`] on a communicator that failed; [`Error::Nccl`];
+    /// [`Error::InvalidArgument`] while another NCCL group is open on this
+    /// thread.
     pub fn group(&mut self) -> Result<P2pGroup<'_>> {
         if let Some(first) = &self.failed {
             return Err(Error::Failed {
@@ -1236,6 +1266,7 @@ impl DeviceCommunicator {
                 first_error: first.clone(),
             });
         }
+        self.refuse_inside_open_group(OpKind::Send)?;
         let kind = match &self.engine {
             #[cfg(feature = "nccl")]
             Engine::Nccl { comm, .. } => {
@@ -1280,6 +1311,7 @@ impl DeviceCommunicator {
     pub fn split_or_none(&mut self, color: Option<u32>, key: i64) -> Result<Option<Self>> {
         let desc = self.desc::<u8>(OpKind::Split);
         self.admit(&desc, &[])?;
+        self.refuse_inside_open_group(OpKind::Split)?;
         self.ctx
             .bind_to_thread()
             .map_err(cuda_error(self.rank, "binding the GPU to this thread"))?;

@@ -319,6 +319,47 @@ pub(crate) struct NcclComm {
 // keeps it to one thread at a time.
 unsafe impl Send for NcclComm {}
 
+/// A communicator handed to the thread that aborts it.
+struct RawCommToAbort(sys::RawComm);
+
+// SAFETY: moved to exactly one thread, which makes the handle's last call;
+// the `NcclComm` it came from forgets it (NCCL's one-thread-at-a-time rule).
+unsafe impl Send for RawCommToAbort {}
+
+/// Runs `work` on a thread of its own and waits for it at most `bound`:
+/// whether it finished. Past the bound it keeps running, detached. Where
+/// no thread can be started it runs here, unbounded.
+fn call_bounded(bound: Duration, work: impl FnOnce() + Send + 'static) -> bool {
+    // Kept here too, so that it still runs when no thread starts (a failed
+    // spawn drops its closure, and with it the thread's reference).
+    let slot = std::sync::Arc::new(std::sync::Mutex::new(Some(work)));
+    let theirs = std::sync::Arc::clone(&slot);
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    let spawned = std::thread::Builder::new()
+        .name("oxccl-nccl-abort".into())
+        .spawn(move || {
+            let work = theirs
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .take();
+            if let Some(work) = work {
+                work();
+            }
+            let _ = done_tx.send(());
+        });
+    if spawned.is_ok() {
+        return done_rx.recv_timeout(bound).is_ok();
+    }
+    let work = slot
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .take();
+    if let Some(work) = work {
+        work();
+    }
+    true
+}
+
 impl NcclComm {
     /// Starts `ncclCommInitRankConfig` for `rank` of `world` (non-blocking)
     /// on the calling thread's current CUDA device. Call
@@ -466,10 +507,30 @@ impl NcclComm {
 
     /// `ncclCommAbort`: stops whatever runs on the device for this
     /// communicator and frees it. Later calls fail.
+    ///
+    /// Waits for it at most the communicator's timeout: NCCL's abort joins
+    /// its internal threads and has hung there while a peer on the node
+    /// was stopped (NVIDIA/nccl#863, #1777); past the bound the abort is
+    /// left running on its own thread (the communicator's resources leak,
+    /// said on stderr) so the timeout that called it is still returned.
     pub(crate) fn abort(&mut self) {
         if !self.raw.is_null() {
-            // SAFETY: `raw` is a live communicator, freed here exactly once.
-            unsafe { (self.library.comm_abort)(self.raw) };
+            let raw = RawCommToAbort(self.raw);
+            let comm_abort = self.library.comm_abort;
+            // SAFETY: `raw` is a live communicator, freed here exactly once
+            // (this handle forgets it below, whether or not the abort
+            // returns in time).
+            let finished = call_bounded(self.timeout, move || unsafe {
+                let raw = raw;
+                comm_abort(raw.0);
+            });
+            if !finished {
+                eprintln!(
+                    "oxccl: rank {}: ncclCommAbort did not return within {:?}; left \
+                     running on its own thread (this communicator's resources leak)",
+                    self.rank, self.timeout
+                );
+            }
             self.raw = std::ptr::null_mut();
         }
         self.broken = true;
@@ -592,12 +653,35 @@ pub(crate) struct GroupGuard {
     open: bool,
 }
 
+thread_local! {
+    /// NCCL groups this thread holds open ([`GroupGuard`]s not yet ended).
+    static OPEN_GROUPS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Whether this thread holds an NCCL group open: NCCL's group state is the
+/// thread's, so any NCCL call made now joins that group and is launched
+/// only at its end.
+pub(crate) fn group_open_on_this_thread() -> bool {
+    OPEN_GROUPS.with(|open| open.get() > 0)
+}
+
+fn count_group(opened: bool) {
+    OPEN_GROUPS.with(|open| {
+        open.set(if opened {
+            open.get() + 1
+        } else {
+            open.get().saturating_sub(1)
+        })
+    });
+}
+
 impl GroupGuard {
     /// `ncclGroupStart`.
     pub(crate) fn start(library: &'static sys::NcclLibrary, rank: Rank) -> Result<GroupGuard> {
         // SAFETY: no arguments; opens this thread's group.
         let rc = unsafe { (library.group_start)() };
         check(library, rank, "ncclGroupStart", rc, std::ptr::null_mut())?;
+        count_group(true);
         Ok(GroupGuard {
             library,
             open: true,
@@ -607,6 +691,7 @@ impl GroupGuard {
     /// `ncclGroupEnd`; the raw code, for the caller to finish per communicator.
     pub(crate) fn end(mut self) -> sys::NcclResult {
         self.open = false;
+        count_group(false);
         // SAFETY: closes the group this guard opened.
         unsafe { (self.library.group_end)() }
     }
@@ -615,6 +700,7 @@ impl GroupGuard {
 impl Drop for GroupGuard {
     fn drop(&mut self) {
         if self.open {
+            count_group(false);
             // SAFETY: closes the group this guard opened; the error (if any)
             // belongs to the call that is already failing.
             unsafe { (self.library.group_end)() };
@@ -629,6 +715,23 @@ mod tests {
 
     fn desc(op: OpKind, rank: Rank, world: usize) -> CollectiveDesc {
         CollectiveDesc::new(op, DType::F32, rank, world, MemoryKind::Device)
+    }
+
+    /// The abort's wait: bounded by its deadline whatever the work does
+    /// (NCCL's abort has hung joining its threads), and the work runs once.
+    #[test]
+    fn a_bounded_call_returns_at_its_bound_and_runs_once() {
+        let start = Instant::now();
+        assert!(!call_bounded(Duration::from_millis(50), || {
+            std::thread::sleep(Duration::from_secs(30))
+        }));
+        assert!(start.elapsed() < Duration::from_secs(5));
+        let runs = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = runs.clone();
+        assert!(call_bounded(Duration::from_secs(10), move || {
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }));
+        assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 1);
     }
 
     fn dev(len: usize) -> BufDesc {
