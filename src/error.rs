@@ -82,6 +82,25 @@ pub enum Error {
         detail: String,
     },
 
+    /// The operating system refused a transfer with a peer that set-up had
+    /// allowed: reading or writing its memory directly (CMA,
+    /// `process_vm_readv`) is no longer permitted, e.g. after a process
+    /// made itself undumpable or changed its user, or
+    /// `kernel.yama.ptrace_scope` was raised. `OXCCL_ALGO=ring` avoids it.
+    #[error("rank {rank}: {op} #{seq}: the system refused a transfer with rank {peer}: {detail}")]
+    Refused {
+        /// The operation this rank is running.
+        op: OpKind,
+        /// Its sequence number.
+        seq: u64,
+        /// The rank that met it.
+        rank: Rank,
+        /// The peer of the transfer.
+        peer: Rank,
+        /// What was refused, and why.
+        detail: String,
+    },
+
     /// The communicator was aborted with [`Communicator::abort`](crate::Communicator::abort)
     /// (by any thread holding an [`AbortHandle`](crate::AbortHandle) of its
     /// group in this process). A call in progress returns this, as does

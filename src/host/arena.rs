@@ -2803,23 +2803,39 @@ impl Arena {
                 }
                 (Memory::Shm(parent), _) => match made_segment.take() {
                     Some(own) => Some(Arc::new(Memory::Shm(own))),
-                    None => Some(Arc::new(Memory::Shm(
-                        Segment::open(&shm_name(parent.name())).map_err(|e| {
-                            call.error(
-                                members[0],
-                                TransportError::Mismatch(format!(
-                                    "mapping a split group's arena: {e}"
-                                )),
-                            )
-                        })?,
-                    ))),
+                    // A member that cannot map it (out of descriptors or
+                    // address space) says so below, and the whole group
+                    // uses the links, as when the leader cannot make it;
+                    // failing here would fail the parent on every rank.
+                    None => match Segment::open(&shm_name(parent.name())) {
+                        Ok(segment) => Some(Arc::new(Memory::Shm(segment))),
+                        Err(e) => {
+                            eprintln!(
+                                "oxccl: rank {}: cannot map a split group's arena ({e}); \
+                                 the group uses the rings",
+                                self.rank
+                            );
+                            None
+                        }
+                    },
                 },
             };
         }
         self.finish(g);
+        // The barrier after which the leader may let go of what it made;
+        // each rank posts whether it holds the group's memory.
+        let holds = memory.is_some() || geometry.is_none();
         let b = self.begin(call)?;
+        // SAFETY: the payload holds far more than one word.
+        unsafe { self.payload::<u64>(self.rank, b).write(u64::from(holds)) };
         self.post(b, &sig);
         self.await_all(call, &sig, b)?;
+        // SAFETY: posted in round b.
+        let all_hold = group.is_none_or(|members| {
+            members
+                .iter()
+                .all(|&m| unsafe { self.payload::<u64>(m, b).read() } == 1)
+        });
         self.finish(b);
         if leads {
             match (&memory, handle) {
@@ -2834,6 +2850,11 @@ impl Arena {
                 }
                 _ => {}
             }
+        }
+        if !all_hold {
+            // A member could not map the group's memory: every member
+            // drops its own and the group uses the links.
+            memory = None;
         }
         let (Some(members), Some(geometry), Some(memory)) = (group, geometry, memory) else {
             return Ok(None);
@@ -2970,7 +2991,9 @@ impl Arena {
             return Ok(None);
         }
         let k = self.enter(call, sig, bufs, lens)?;
-        if want_mapped && self.all_in_one_allocation(k) {
+        let elem = std::mem::size_of::<T>();
+        let span = (lens.0 * elem, lens.1 * elem);
+        if want_mapped && self.all_in_one_allocation(k, span) {
             self.direct = Direct::Mapped;
             Ok(Some(k))
         } else if want_cma {
@@ -3001,15 +3024,22 @@ impl Arena {
     /// Whether every rank posted, in lane call `k`, its input in one and the
     /// same allocation and its output in one and the same allocation. Then
     /// this rank's own buffers are in them too, so it holds both alive.
-    fn all_in_one_allocation(&self, k: u64) -> bool {
-        let tags = |p: Rank| {
+    fn all_in_one_allocation(&self, k: u64, (in_bytes, out_bytes): (usize, usize)) -> bool {
+        let places = |p: Rank| {
             let slot = self.lane_payload::<u64>(p, k);
             // SAFETY: posted in lane call k (awaited by `enter`).
-            let (input, output) = unsafe { (slot.add(2).read(), slot.add(3).read()) };
-            (input >> PLACE_OFFSET_BITS, output >> PLACE_OFFSET_BITS)
+            unsafe { (slot.add(2).read(), slot.add(3).read()) }
         };
-        let mine = tags(self.rank);
-        mine.0 != 0 && mine.1 != 0 && (0..self.world()).all(|p| tags(p) == mine)
+        let tags =
+            |(input, output): (u64, u64)| (input >> PLACE_OFFSET_BITS, output >> PLACE_OFFSET_BITS);
+        let fits = |place: u64, len: usize| place_fits(&self.shared, place, len);
+        let mine = tags(places(self.rank));
+        mine.0 != 0
+            && mine.1 != 0
+            && (0..self.world()).all(|p| {
+                let place = places(p);
+                tags(place) == mine && fits(place.0, in_bytes) && fits(place.1, out_bytes)
+            })
     }
 
     /// Posts this rank's buffer addresses (and where they lie in shared
@@ -3647,16 +3677,39 @@ impl Arena {
     }
 }
 
-/// A failed CMA transfer with rank `peer`: lost if its process is gone.
+/// Whether a posted place word names one of `shared`'s allocations with
+/// `len` bytes from its offset inside it. The word is a peer's: it must
+/// leave the buffer inside the allocation, or this process would reach past
+/// its mapping of the peer's block (a well-behaved peer's `locate` checked
+/// it; a corrupt one is refused, and the call takes another path).
+fn place_fits(shared: &[SharedEntry], place: u64, len: usize) -> bool {
+    let (tag, at) = (place >> PLACE_OFFSET_BITS, place & PLACE_OFFSET_MASK);
+    shared.iter().find(|e| e.id + 1 == tag).is_some_and(|e| {
+        usize::try_from(at)
+            .ok()
+            .and_then(|at| at.checked_add(len))
+            .is_some_and(|end| end <= e.bytes)
+    })
+}
+
+/// A failed CMA transfer with rank `peer`: lost if its process is gone,
+/// refused if the kernel no longer permits it (set-up's probe did), else
+/// a buffer the peer posted that is not what this call expects.
 fn cma_error(call: &CallInfo, peer: Rank, what: &str, e: std::io::Error) -> crate::error::Error {
+    let transfer = format!(
+        "{what} rank {peer}'s buffer with process_vm_{}: {e}",
+        if what == "reading" { "readv" } else { "writev" }
+    );
     call.error(
         peer,
         match e.raw_os_error() {
             Some(libc::ESRCH) => TransportError::PeerLost { rank: Some(peer) },
-            _ => TransportError::Mismatch(format!(
-                "{what} rank {peer}'s buffer with process_vm_{}: {e}",
-                if what == "reading" { "readv" } else { "writev" }
+            Some(libc::EPERM | libc::EACCES | libc::ENOSYS) => TransportError::Refused(format!(
+                "{transfer} (allowed at set-up, refused now: did a process make itself \
+                 undumpable or change its user, or was kernel.yama.ptrace_scope raised? \
+                 OXCCL_ALGO=ring avoids direct reads)"
             )),
+            _ => TransportError::Mismatch(transfer),
         },
     )
 }
@@ -3770,6 +3823,7 @@ fn futex_wake(word: &AtomicU32) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::Error;
 
     /// A peer that never attaches makes the set-up time out naming the
     /// communicator's set-up (`init`) and the peer, not a barrier with a
@@ -3796,6 +3850,69 @@ mod tests {
             "{text}"
         );
         assert!(!text.contains("18446744073709551615"), "{text}");
+    }
+
+    /// A peer's posted offset is used to reach into this process's mapping
+    /// of the peer's block only when the buffer lies inside it.
+    /// A CMA transfer the kernel refuses after set-up allowed it is told
+    /// as refused (with what to look at), not as ranks that disagree.
+    #[test]
+    fn a_refused_cma_transfer_is_not_a_mismatch() {
+        let call = CallInfo {
+            op: OpKind::Broadcast,
+            seq: 7,
+            space: crate::transport::Space::Collective,
+            ctx: 0,
+            rank: 0,
+            world: 2,
+            reduce_op: ReduceOp::Sum,
+            timeout: Duration::from_secs(1),
+            digest: 0,
+        };
+        let refused = cma_error(
+            &call,
+            1,
+            "reading",
+            std::io::Error::from_raw_os_error(libc::EPERM),
+        );
+        assert!(
+            matches!(refused, Error::Refused { peer: 1, .. }),
+            "{refused:?}"
+        );
+        assert!(refused.to_string().contains("ptrace_scope"), "{refused}");
+        let gone = cma_error(
+            &call,
+            1,
+            "reading",
+            std::io::Error::from_raw_os_error(libc::ESRCH),
+        );
+        assert!(matches!(gone, Error::PeerLost { peer: 1, .. }), "{gone:?}");
+        let bad = cma_error(
+            &call,
+            1,
+            "writing",
+            std::io::Error::from_raw_os_error(libc::EFAULT),
+        );
+        assert!(matches!(bad, Error::Mismatch { .. }), "{bad:?}");
+    }
+
+    #[test]
+    fn a_peer_place_is_trusted_only_inside_its_allocation() {
+        let entry = SharedEntry {
+            region: Weak::new(),
+            id: 0,
+            own: 0,
+            bytes: 4096,
+            maps: Vec::new(),
+        };
+        let shared = [entry];
+        assert!(place_fits(&shared, place_word(1, 4096 - 8), 8));
+        assert!(!place_fits(&shared, place_word(1, 4096 - 8), 16));
+        assert!(!place_fits(&shared, place_word(1, 8), usize::MAX));
+        assert!(
+            !place_fits(&shared, place_word(2, 0), 8),
+            "another allocation"
+        );
     }
 
     #[test]

@@ -196,6 +196,13 @@ impl CallInfo {
                 peer,
                 detail,
             },
+            TransportError::Refused(detail) => Error::Refused {
+                op,
+                seq,
+                rank,
+                peer,
+                detail,
+            },
         }
     }
 }

@@ -309,6 +309,8 @@ pub(crate) enum TransportError {
     },
     Aborted,
     Mismatch(String),
+    /// The operating system refused a transfer with the peer (what, why).
+    Refused(String),
 }
 
 /// The transports a host communicator can use (static dispatch).
