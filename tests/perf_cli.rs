@@ -28,6 +28,20 @@ fn perf(args: &[&str]) -> Output {
     child.wait_with_output().expect("output")
 }
 
+/// A JSON file for `-J`, as a path and as an argument.
+fn json_path(tag: &str) -> (std::path::PathBuf, String) {
+    let path = std::env::temp_dir().join(format!("oxccl-perf-{tag}-{}.json", std::process::id()));
+    let arg = path.to_string_lossy().to_string();
+    (path, arg)
+}
+
+/// What a run wrote with `-J`, the file removed.
+fn take_json(path: &std::path::Path) -> String {
+    let written = std::fs::read_to_string(path).expect("JSON written");
+    let _ = std::fs::remove_file(path);
+    written
+}
+
 #[test]
 fn sizes_that_never_end_or_overflow_are_usage_errors() {
     for (args, says) in [
@@ -49,8 +63,7 @@ fn sizes_that_never_end_or_overflow_are_usage_errors() {
 /// prints the footer.
 #[test]
 fn a_launched_run_knows_its_world_size() {
-    let json = std::env::temp_dir().join(format!("oxccl-perf-cli-{}.json", std::process::id()));
-    let json_arg = json.to_string_lossy().to_string();
+    let (json, json_arg) = json_path("cli");
     let out = perf(&[
         "-np",
         "3",
@@ -73,8 +86,7 @@ fn a_launched_run_knows_its_world_size() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stdout}\n{stderr}");
     assert_eq!(stdout.matches("Avg bus bandwidth").count(), 1, "{stdout}");
-    let written = std::fs::read_to_string(&json).expect("JSON written");
-    let _ = std::fs::remove_file(&json);
+    let written = take_json(&json);
     assert!(written.contains("\"ranks\": 3"), "{written}");
     assert!(written.contains("3xproc"), "{written}");
 }
@@ -84,8 +96,7 @@ fn a_launched_run_knows_its_world_size() {
 /// it, so runs with different statistics are not mistaken for each other.
 #[test]
 fn samples_are_named_in_the_header_and_the_json() {
-    let json = std::env::temp_dir().join(format!("oxccl-perf-samples-{}.json", std::process::id()));
-    let json_arg = json.to_string_lossy().to_string();
+    let (json, json_arg) = json_path("samples");
     let out = perf(&[
         "-t",
         "2",
@@ -112,8 +123,7 @@ fn samples_are_named_in_the_header_and_the_json() {
         "{stdout}"
     );
     assert!(stdout.contains("Out of bounds values : 0 OK"), "{stdout}");
-    let written = std::fs::read_to_string(&json).expect("JSON written");
-    let _ = std::fs::remove_file(&json);
+    let written = take_json(&json);
     assert!(
         written.contains("\"iters\": 12, \"samples\": 4"),
         "{written}"

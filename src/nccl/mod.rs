@@ -338,18 +338,18 @@ fn call_bounded(bound: Duration, work: impl FnOnce() + Send + 'static) -> bool {
     let spawned = std::thread::Builder::new()
         .name("oxccl-nccl-abort".into())
         .spawn(move || {
-            let work = theirs
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .take();
-            if let Some(work) = work {
-                work();
-            }
+            take_and_run(&theirs);
             let _ = done_tx.send(());
         });
     if spawned.is_ok() {
         return done_rx.recv_timeout(bound).is_ok();
     }
+    take_and_run(&slot);
+    true
+}
+
+/// Runs the work in `slot` if it is still there (once, whoever comes first).
+fn take_and_run(slot: &std::sync::Mutex<Option<impl FnOnce()>>) {
     let work = slot
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -357,7 +357,6 @@ fn call_bounded(bound: Duration, work: impl FnOnce() + Send + 'static) -> bool {
     if let Some(work) = work {
         work();
     }
-    true
 }
 
 impl NcclComm {
