@@ -136,7 +136,11 @@ SHARED_MEDIUM_ITERS=(-n 2000 --samples "$(samples 10)" -w 200)
 # alloc_shared runs from 64 KiB, where the targets against (a) start.
 SHARED=$(echo "$SIZES" | tr , '\n' | awk '$1 >= 65536' | paste -sd,)
 
-MPIRUN=(mpirun --allow-run-as-root --oversubscribe --bind-to core -np "$RANKS")
+# One core per rank, as oxccl's ranks run; with more ranks than cores
+# mpirun refuses to bind unless told it may overload them.
+BIND=core
+if [ "$RANKS" -gt "$(nproc)" ]; then BIND=core:overload-allowed; fi
+MPIRUN=(mpirun --allow-run-as-root --oversubscribe --bind-to "$BIND" -np "$RANKS")
 if [ "$TRANSPORT" = tcp ]; then
     MPIRUN+=(--mca pml ob1 --mca btl tcp,self --mca btl_tcp_if_include lo)
 fi
@@ -148,7 +152,11 @@ oxccl_name() {  # mpi_coll_bench's collective name -> oxccl-perf's
 # run_mpi REP COLLECTIVE
 run_mpi() {
     COLLS="$2" "${MPIRUN[@]}" "$OUT/bin/mpi_coll_bench" "ompi-$TRANSPORT" "$MAX_BYTES" "$BUDGET" \
-        >"$OUT/raw/mpi-$1-$2.txt" 2>"$OUT/raw/mpi-$1-$2.err"
+        >"$OUT/raw/mpi-$1-$2.txt" 2>"$OUT/raw/mpi-$1-$2.err" || {
+        echo "compare-mpi.sh: Open MPI's benchmark failed (repetition $1, $2); its errors:" >&2
+        tail -n 15 "$OUT/raw/mpi-$1-$2.err" >&2
+        exit 1
+    }
 }
 
 # The ceiling's buffers are sized by its first argument (MiB). Its
@@ -191,7 +199,11 @@ run_perf() {
     # every preemption that a median drops: it leans against oxccl, most
     # where calls are short.
     OXCCL_TRANSPORT=$TRANSPORT "$PERF" -np "$RANKS" "$@" --sizes "$sizes" "${iters[@]}" -c 1 -a 3 \
-        -J "$OUT/raw/oxccl-$rep-$label.json" >"$OUT/raw/oxccl-$rep-$label.txt" 2>&1
+        -J "$OUT/raw/oxccl-$rep-$label.json" >"$OUT/raw/oxccl-$rep-$label.txt" 2>&1 || {
+        echo "compare-mpi.sh: oxccl-perf failed (repetition $rep, $label); its output:" >&2
+        tail -n 15 "$OUT/raw/oxccl-$rep-$label.txt" >&2
+        exit 1
+    }
 }
 
 # run_oxccl REP COLLECTIVE
