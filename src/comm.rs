@@ -579,7 +579,13 @@ fn record_failure(
     error: &Error,
 ) {
     *failed = Some(error.to_string());
-    transport.mark_failed();
+    // A lost peer is the cause to tell the others, who may meet this
+    // rank's departure before they find that peer gone themselves.
+    let cause = match error {
+        Error::PeerLost { peer, .. } => Some(*peer),
+        _ => None,
+    };
+    transport.mark_failed(cause);
     if let Some(arena) = arena {
         arena.mark_failed();
     }

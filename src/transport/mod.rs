@@ -376,10 +376,12 @@ impl Transport {
 
     /// Tells the ranks of this transport that this rank's communicator
     /// failed: their waits on it in this communicator fail at once.
-    pub fn mark_failed(&self) {
+    /// `cause`: the (communicator) rank whose loss made this one fail,
+    /// when known.
+    pub fn mark_failed(&self, cause: Option<usize>) {
         match self {
             Transport::Local(t) => t.mark_failed(),
-            Transport::Net(t) => t.mark_failed(),
+            Transport::Net(t) => t.mark_failed(cause),
         }
     }
 

@@ -79,7 +79,8 @@ const KIND_GOODBYE: u8 = 1;
 /// process and links staying: it dropped that communicator (a split), or
 /// the communicator failed. The header's `seq` is how many collectives it
 /// had entered there, its `step` one of [`LEAVE_DROPPED`] or
-/// [`LEAVE_FAILED`]; no payload.
+/// [`LEAVE_FAILED`], its `call` the global rank + 1 whose loss made it
+/// fail (0: none known); no payload.
 const KIND_LEAVE: u8 = 2;
 const LEAVE_DROPPED: u32 = 0;
 const LEAVE_FAILED: u32 = 1;
@@ -295,6 +296,8 @@ struct Left {
     /// Its communicator failed: frames it had yet to send in the calls it
     /// entered will not come either.
     failed: bool,
+    /// The global rank whose loss made it fail, when it said.
+    cause: Option<usize>,
 }
 
 struct Peer {
@@ -783,9 +786,13 @@ impl Fabric {
             let left = peer.left.entry(header.ctx).or_insert(Left {
                 entered: 0,
                 failed: false,
+                cause: None,
             });
             left.entered = left.entered.max(header.seq);
             left.failed |= header.step == LEAVE_FAILED;
+            if header.call != 0 {
+                left.cause = Some(header.call as usize - 1);
+            }
             self.left_contexts.insert(header.ctx);
             return;
         }
@@ -1124,6 +1131,19 @@ impl NetEndpoint {
                 .then(|| fabric.left(self.members[member], self.ctx))
                 .flatten()
         };
+        // A member that failed because another was lost names that one:
+        // its leave (and its process's goodbye) may reach this rank before
+        // this rank finds the loss itself (reading through what the lost
+        // rank sent before it died).
+        let me = fabric.rank;
+        let blame = |member: usize| {
+            left(member)
+                .and_then(|l| l.cause)
+                .filter(|&g| g != me)
+                .and_then(|g| self.members.iter().position(|&m| m == g))
+                .unwrap_or(member)
+        };
+        let lost = |member: usize| lost(blame(member));
         if let Some(h) = collective {
             for member in involved.clone() {
                 if let Some(Gone::Departed(entered)) = fabric.gone(self.members[member]) {
@@ -1158,6 +1178,11 @@ impl NetEndpoint {
     /// it sent before leaving arrives first; what is not written now is
     /// written by the next progress pass of any call, or the goodbye.
     fn leave(&self, reason: u32) {
+        self.leave_because(reason, None);
+    }
+
+    /// [`leave`](Self::leave), naming the global rank whose loss caused it.
+    fn leave_because(&self, reason: u32, cause: Option<usize>) {
         if reason == LEAVE_DROPPED && self.shared.endpoints.load(Ordering::SeqCst) == 0 {
             // The last endpoint of the fabric: the goodbye that follows at
             // once says it for every context. (Writing both to a peer that
@@ -1176,7 +1201,7 @@ impl NetEndpoint {
             step: reason,
             op: OpKind::Barrier,
             bytes: 0,
-            call: 0,
+            call: cause.and_then(|g| u32::try_from(g + 1).ok()).unwrap_or(0),
         };
         let me = fabric.rank;
         for &global in self.members.iter().filter(|&&g| g != me) {
@@ -1198,8 +1223,10 @@ impl NetEndpoint {
     }
 
     /// Tells the other members that this rank's communicator failed.
-    pub fn mark_failed(&self) {
-        self.leave(LEAVE_FAILED);
+    /// `cause`: the member whose loss made it fail, told to the others.
+    pub fn mark_failed(&self, cause: Option<usize>) {
+        let cause = cause.and_then(|m| self.members.get(m).copied());
+        self.leave_because(LEAVE_FAILED, cause);
     }
 
     pub fn send(
