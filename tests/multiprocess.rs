@@ -291,14 +291,21 @@ fn large_outputs_across_processes_are_correct() {
 /// placement chose): streaming covers the non-temporal staging of the
 /// one-shot (4 KiB and more) and two-shot all-reduce (over 512 KiB),
 /// reduce-scatter, and all-gather and broadcast, which then always stage;
-/// cached runs their CMA paths.
+/// cached runs their CMA paths, and (4194311 elements, outputs from
+/// 16 MiB) the cached staging that replaces CMA there on AMD CPUs.
 #[test]
 fn both_slot_store_modes_across_processes_are_correct() {
-    for (mode, world) in [("streaming", 2), ("streaming", 3), ("cached", 2)] {
+    const COUNTS: &str = "1,1029,20011,70001,300007";
+    for (mode, world, counts) in [
+        ("streaming", 2, COUNTS),
+        ("streaming", 3, COUNTS),
+        ("cached", 2, COUNTS),
+        ("cached", 2, "4194311"),
+    ] {
         let out = launched_with_env(
             world,
             "shm",
-            &["--counts", "1,1029,20011,70001,300007"],
+            &["--counts", counts],
             &[("OXCCL_SHM_STORES", mode)],
         );
         let told = format!("arena: {mode} slot stores");

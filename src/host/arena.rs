@@ -141,15 +141,25 @@ const CMA_MIN_BYTES: usize = 16 * 1024;
 /// 5.0–6.3, 128 KiB 10.3–10.4 against 7.9–9.8, 192 KiB 11.7–12.5 against
 /// 10.6–13.7, 256 KiB 11.8–13.8 against 13.6–14.0, 512 KiB 18.4–22.6
 /// against 27.4–27.8, 1 MiB 38 against 53–58, 4 MiB 160–175 against
-/// 214–257; from 16 MiB the pull wins (1.66–1.71 ms against 1.87
-/// streamed, ordinary staging slower still).
-const CACHED_AMD_ALL_GATHER_CMA_BYTES: [std::ops::Range<usize>; 2] =
-    [64 * 1024..256 * 1024, 16 << 20..usize::MAX];
-/// With cached slot stores on AMD CPUs, broadcasts read by CMA from this
-/// size (staged below). Same VM and method: 16 KiB 2.1–2.4 against
+/// 214–257. From 16 MiB (where outputs stream, [`stream::STREAM_MIN_BYTES`])
+/// staging wins too (stop 29, same VM on kernel 6.18, near pairs, out of
+/// place / in place): 16 MiB 1.49–1.89 / 0.85–1.09 ms against 1.42–2.18 /
+/// 1.13–1.75, 32 MiB 3.32–3.84 / 2.16–2.84 against 4.2–5.1 / 3.0–4.5,
+/// 64 MiB 6.6 / 4.2 against 8.4–8.7 / 6.5–8.0, 128 MiB 13.8–15.0 / 9.0–10.3
+/// against 20.1 / 15.0. (Stop 19 had measured the pull ahead at 16 MiB,
+/// 1.66–1.71 ms against 1.87 streamed: the pull costs more on this kernel.)
+const CACHED_AMD_ALL_GATHER_CMA_BYTES: std::ops::Range<usize> = 64 * 1024..256 * 1024;
+/// With cached slot stores on AMD CPUs, broadcasts of these sizes read by
+/// CMA (staged outside). Same VM and method: 16 KiB 2.1–2.4 against
 /// 3.2–3.4 µs, 24 KiB 3.3–3.4 against 3.6–3.8, 32 KiB even (4.3–4.5),
-/// 48 KiB 6.5 against 5.2–5.6, 64 KiB 8.5–9.0 against 6.4–6.6.
-const CACHED_AMD_BROADCAST_CMA_MIN_BYTES: usize = 32 * 1024;
+/// 48 KiB 6.5 against 5.2–5.6, 64 KiB 8.5–9.0 against 6.4–6.6; 256 KiB to
+/// 4 MiB in place within each other's spread (stop 29: 4 MiB 144–227
+/// against 172–187 µs), and CMA's does not grow when the placement moves
+/// far. From 16 MiB staging wins (stop 29, near pairs, in place): 16 MiB
+/// 1.07–1.34 against 1.05–1.27 ms (even), 32 MiB 2.36–2.52 against
+/// 3.57–4.13, 64 MiB 4.1–4.5 against 6.5–7.6, 128 MiB 9.3 against
+/// 13.9–14.8.
+const CACHED_AMD_BROADCAST_CMA_BYTES: std::ops::Range<usize> = 32 * 1024..16 << 20;
 /// With [`ShmStores::Streaming`], staged pieces of at least this many
 /// bytes go into a slot with non-temporal stores; a few lines are not
 /// worth a write-combining flush.
@@ -2975,17 +2985,15 @@ impl Arena {
     /// 1.25–1.27 against 2.26–2.34 ms. With cached stores from
     /// [`CMA_MIN_BYTES`] on Intel CPUs (measured there); on AMD ones by
     /// [`CACHED_AMD_ALL_GATHER_CMA_BYTES`] and
-    /// [`CACHED_AMD_BROADCAST_CMA_MIN_BYTES`].
+    /// [`CACHED_AMD_BROADCAST_CMA_BYTES`].
     fn cma_suits(&self, op: OpKind, bytes: usize) -> bool {
         if !self.cma || self.streaming_slots {
             return false;
         }
         let amd = stream::cpu_vendor_is_amd();
         match op {
-            OpKind::AllGather if amd => CACHED_AMD_ALL_GATHER_CMA_BYTES
-                .iter()
-                .any(|sizes| sizes.contains(&bytes)),
-            OpKind::Broadcast if amd => bytes >= CACHED_AMD_BROADCAST_CMA_MIN_BYTES,
+            OpKind::AllGather if amd => CACHED_AMD_ALL_GATHER_CMA_BYTES.contains(&bytes),
+            OpKind::Broadcast if amd => CACHED_AMD_BROADCAST_CMA_BYTES.contains(&bytes),
             _ => bytes >= CMA_MIN_BYTES,
         }
     }
