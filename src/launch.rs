@@ -8,11 +8,13 @@
 //! `OXCCL_JOB_ID`), prefixes their output with `[rank R] `, and supervises
 //! them: when one rank fails, the others are stopped (`SIGTERM`, then
 //! `SIGKILL` after [`LaunchSpec::kill_grace`]), so a job never hangs on a
-//! dead peer. `SIGINT`, `SIGTERM` and `SIGHUP` sent to the launcher are
-//! forwarded to every rank, except those from the terminal (Ctrl-C, a
-//! hang-up), which the ranks, in the launcher's process group, get
-//! themselves (then the kill grace runs as after a forward). Children are killed by the kernel if the
-//! launcher dies (`PR_SET_PDEATHSIG`).
+//! dead peer; nor on a rank that outlives `SIGKILL` (stuck in the kernel):
+//! after [`REAP_AFTER_KILL`] it is named, with what it waits in, and left
+//! ([`RankExit::Unreaped`]). `SIGINT`, `SIGTERM` and `SIGHUP` sent to the
+//! launcher are forwarded to every rank, except those from the terminal
+//! (Ctrl-C, a hang-up), which the ranks, in the launcher's process group,
+//! get themselves (then the kill grace runs as after a forward). Children
+//! are killed by the kernel if the launcher dies (`PR_SET_PDEATHSIG`).
 //!
 //! ```no_run
 //! use oxccl::launch::{launch, LaunchSpec};
@@ -52,6 +54,12 @@ pub const JOB_ID_VAR: &str = "OXCCL_JOB_ID";
 
 /// How often the supervisor checks its children and pending signals.
 const POLL_INTERVAL: Duration = Duration::from_millis(10);
+/// How long the launcher waits for ranks it sent `SIGKILL` to vanish. A
+/// process in uninterruptible sleep ignores even that until the kernel
+/// call it is in returns, which may be never; past this the launcher names
+/// it, with what it waits in, and finishes without it (the process stays
+/// the kernel's to reap once it leaves that call).
+pub const REAP_AFTER_KILL: Duration = Duration::from_secs(10);
 /// Longer kill graces are treated as this (a year).
 const MAX_KILL_GRACE: Duration = Duration::from_secs(365 * 24 * 3600);
 /// A line longer than this is printed in pieces (progress bars that redraw
@@ -297,6 +305,10 @@ pub enum RankExit {
     Code(i32),
     /// It was killed by this signal.
     Signal(i32),
+    /// It was still there [`REAP_AFTER_KILL`] after `SIGKILL` (stuck in
+    /// the kernel: uninterruptible sleep on a dead NFS server, a wedged
+    /// driver call), and the launcher stopped waiting for it.
+    Unreaped,
 }
 
 impl RankExit {
@@ -312,6 +324,8 @@ impl RankExit {
             RankExit::Code(c) if (1..=255).contains(&c) => c,
             RankExit::Code(_) => 1,
             RankExit::Signal(s) => (128 + s).clamp(1, 255),
+            // It was sent SIGKILL, as a shell reports a killed job.
+            RankExit::Unreaped => 128 + libc::SIGKILL,
         }
     }
 
@@ -333,6 +347,11 @@ impl fmt::Display for RankExit {
                 Some(name) => write!(f, "was killed by signal {sig} ({name})"),
                 None => write!(f, "was killed by signal {sig}"),
             },
+            RankExit::Unreaped => write!(
+                f,
+                "was still running {}s after SIGKILL (not waited for)",
+                REAP_AFTER_KILL.as_secs()
+            ),
         }
     }
 }
@@ -510,6 +529,11 @@ struct Job {
     output_done: Arc<AtomicBool>,
     first_failure: Option<(Rank, RankExit)>,
     kill_grace: Duration,
+    /// What "kill" sends: `SIGKILL`; unit tests send a signal the ranks
+    /// ignore, to stand for a rank that no signal ends.
+    kill_signal: i32,
+    /// How long ranks sent `kill_signal` get to vanish ([`REAP_AFTER_KILL`]).
+    reap_after_kill: Duration,
 }
 
 impl Job {
@@ -521,6 +545,8 @@ impl Job {
             first_failure: None,
             // Capped so that `now + grace` cannot overflow.
             kill_grace: spec.kill_grace.min(MAX_KILL_GRACE),
+            kill_signal: libc::SIGKILL,
+            reap_after_kill: REAP_AFTER_KILL,
         }
     }
 
@@ -623,15 +649,49 @@ impl Job {
 
     /// Sends `sig` to every rank not yet reaped (its pid cannot have been reused).
     fn signal_running(&mut self, sig: i32) {
-        for p in self.procs.iter_mut().filter(|p| p.exit.is_none()) {
-            if sig == libc::SIGKILL {
-                let _ = p.child.kill();
-            } else {
-                // SAFETY: kill has no memory-safety preconditions.
-                unsafe {
-                    libc::kill(p.pid as libc::pid_t, sig);
-                }
+        for p in self.procs.iter().filter(|p| p.exit.is_none()) {
+            // SAFETY: kill has no memory-safety preconditions.
+            unsafe {
+                libc::kill(p.pid as libc::pid_t, sig);
             }
+        }
+    }
+
+    /// Kills the ranks still running and reaps them, for at most
+    /// `reap_after_kill`; a rank still there then is named and given up on
+    /// ([`RankExit::Unreaped`]) so that the launcher finishes.
+    fn kill_and_reap(&mut self) {
+        self.signal_running(self.kill_signal);
+        let deadline = Instant::now() + self.reap_after_kill;
+        loop {
+            self.reap_quietly();
+            if self.running() == 0 {
+                return;
+            }
+            if Instant::now() >= deadline {
+                break;
+            }
+            std::thread::sleep(POLL_INTERVAL);
+        }
+        for p in self.procs.iter_mut().filter(|p| p.exit.is_none()) {
+            say(&format!(
+                "rank {} (pid {}) is still running {:?} after SIGKILL ({}); not waiting for it",
+                p.rank,
+                p.pid,
+                self.reap_after_kill,
+                kernel_wait_of(p.pid)
+            ));
+            p.exit = Some(RankExit::Unreaped);
+            self.first_failure
+                .get_or_insert((p.rank, RankExit::Unreaped));
+        }
+    }
+
+    /// [`reap`](Self::reap) where the caller reports the failures itself
+    /// (the first one is still recorded).
+    fn reap_quietly(&mut self) {
+        for (rank, _, exit) in self.reap() {
+            self.first_failure.get_or_insert((rank, exit));
         }
     }
 
@@ -659,7 +719,6 @@ impl Job {
         let mut interrupted = None;
         // When set, the ranks still running at that instant get SIGKILL.
         let mut kill_at: Option<Instant> = None;
-        let mut killed = false;
         loop {
             let pending = PENDING_SIGNAL.swap(0, Ordering::SeqCst);
             if pending != 0 {
@@ -714,7 +773,7 @@ impl Job {
             if self.running() == 0 {
                 return interrupted;
             }
-            if let Some(at) = kill_at.filter(|_| !killed) {
+            if let Some(at) = kill_at {
                 if Instant::now() >= at {
                     let running = self.running();
                     say(&format!(
@@ -723,8 +782,9 @@ impl Job {
                         self.kill_grace,
                         if running == 1 { "it" } else { "them" }
                     ));
-                    self.signal_running(libc::SIGKILL);
-                    killed = true;
+                    // Bounded: a rank that outlives SIGKILL is given up on.
+                    self.kill_and_reap();
+                    return interrupted;
                 }
             }
             std::thread::sleep(POLL_INTERVAL);
@@ -745,13 +805,7 @@ impl Job {
             self.reap();
         }
         if self.running() > 0 {
-            self.signal_running(libc::SIGKILL);
-        }
-        for p in self.procs.iter_mut().filter(|p| p.exit.is_none()) {
-            p.exit = Some(match p.child.wait() {
-                Ok(status) => RankExit::from_status(status),
-                Err(_) => RankExit::Code(1),
-            });
+            self.kill_and_reap();
         }
     }
 
@@ -762,6 +816,29 @@ impl Job {
         for reader in self.readers.drain(..) {
             let _ = reader.join();
         }
+    }
+}
+
+/// What a process is doing in the kernel, for a report on one that
+/// outlives `SIGKILL`: its state letter (`D`: uninterruptible sleep) and
+/// the kernel function it waits in, from `/proc`, as far as they can be read.
+fn kernel_wait_of(pid: u32) -> String {
+    // The state follows the command name, which is in parentheses and may
+    // itself hold spaces or parentheses: read past the last ')'.
+    let state = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| {
+            let after = &stat[stat.rfind(')')? + 1..];
+            after.split_whitespace().next().map(str::to_owned)
+        });
+    let wchan = std::fs::read_to_string(format!("/proc/{pid}/wchan"))
+        .ok()
+        .map(|w| w.trim().to_owned())
+        .filter(|w| !w.is_empty() && w != "0");
+    match (state, wchan) {
+        (Some(state), Some(wchan)) => format!("state {state}, waiting in {wchan}"),
+        (Some(state), None) => format!("state {state}"),
+        (None, _) => "its state cannot be read".to_owned(),
     }
 }
 
@@ -1028,6 +1105,64 @@ mod tests {
             "was killed by signal 9 (SIGKILL)"
         );
         assert_eq!(RankExit::Code(3).to_string(), "exited with status 3");
+    }
+
+    /// A rank that no signal ends (here: one that ignores the signal the
+    /// test sends for "kill", standing for a process stuck in the kernel)
+    /// is given up on after `reap_after_kill`, named as unreaped, and the
+    /// others are reaped as usual.
+    #[test]
+    fn a_rank_that_outlives_the_kill_is_given_up_on() {
+        let spec = LaunchSpec::new("sh");
+        let mut job = Job::new(&spec);
+        job.kill_grace = Duration::from_millis(100);
+        job.kill_signal = libc::SIGUSR2;
+        job.reap_after_kill = Duration::from_millis(300);
+        let start = |rank: Rank, script: &str| {
+            let child = Command::new("sh").args(["-c", script]).spawn().unwrap();
+            Proc {
+                rank,
+                local_rank: rank,
+                pid: child.id(),
+                child,
+                exit: None,
+            }
+        };
+        // Rank 0 fails at once; rank 1 ignores SIGTERM and the "kill";
+        // rank 2 ends on SIGTERM.
+        job.procs.push(start(0, "exit 3"));
+        job.procs
+            .push(start(1, "trap '' TERM USR2; while :; do sleep 0.05; done"));
+        job.procs.push(start(2, "sleep 30"));
+        let began = Instant::now();
+        assert_eq!(job.supervise(), None);
+        assert!(
+            began.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            began.elapsed()
+        );
+        assert_eq!(job.procs[0].exit, Some(RankExit::Code(3)));
+        assert_eq!(job.procs[1].exit, Some(RankExit::Unreaped));
+        assert_eq!(job.procs[2].exit, Some(RankExit::Signal(libc::SIGTERM)));
+        assert_eq!(job.first_failure, Some((0, RankExit::Code(3))));
+        assert_eq!(RankExit::Unreaped.shell_code(), 137);
+        // The same bound on the spawn-failure path.
+        let mut stuck = Job::new(&spec);
+        stuck.kill_grace = Duration::from_millis(100);
+        stuck.kill_signal = libc::SIGUSR2;
+        stuck.reap_after_kill = Duration::from_millis(300);
+        stuck
+            .procs
+            .push(start(0, "trap '' TERM USR2; while :; do sleep 0.05; done"));
+        // Give the shell time to install its traps.
+        std::thread::sleep(Duration::from_millis(200));
+        stuck.stop_all();
+        assert_eq!(stuck.procs[0].exit, Some(RankExit::Unreaped));
+        assert!(kernel_wait_of(stuck.procs[0].pid).starts_with("state "));
+        for p in job.procs.iter_mut().chain(stuck.procs.iter_mut()) {
+            let _ = p.child.kill();
+            let _ = p.child.wait();
+        }
     }
 
     #[test]
