@@ -12,6 +12,7 @@ fn perf(args: &[&str]) -> Output {
         .args(args)
         .env_remove("RANK")
         .env_remove("OMPI_COMM_WORLD_RANK")
+        .env_remove("PMI_RANK")
         .env_remove("SLURM_PROCID")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

@@ -16,6 +16,9 @@ pub enum LaunchSource {
     Torchrun,
     /// `OMPI_COMM_WORLD_*`: Open MPI's `mpirun`.
     OpenMpi,
+    /// `PMI_RANK` and `PMI_SIZE`: the Hydra `mpiexec` of MPICH and Intel
+    /// MPI (and Slurm's PMI-2 plugin).
+    Pmi,
     /// `SLURM_PROCID` and `SLURM_STEP_NUM_TASKS`: Slurm's `srun`.
     Slurm,
 }
@@ -29,16 +32,20 @@ pub enum LaunchSource {
 /// |---|---|---|
 /// | torchrun, `oxccl-run` | `RANK`, `WORLD_SIZE` | `LOCAL_RANK`, `LOCAL_WORLD_SIZE` |
 /// | Open MPI | `OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE` | `OMPI_COMM_WORLD_LOCAL_RANK`, `OMPI_COMM_WORLD_LOCAL_SIZE` |
+/// | MPICH, Intel MPI (Hydra `mpiexec`) | `PMI_RANK`, `PMI_SIZE` | `MPI_LOCALRANKID`, `MPI_LOCALNRANKS` |
 /// | Slurm (`srun`) | `SLURM_PROCID`, `SLURM_STEP_NUM_TASKS` | `SLURM_LOCALID`, see below |
 ///
 /// When several are present, torchrun's win over Open MPI's, which win over
-/// Slurm's. If `RANK`/`WORLD_SIZE` disagree with Open MPI's or Slurm's
-/// variables, that is an error (usually a stale `export RANK=...`), except
-/// when torchrun or `oxccl-run` started this process (`TORCHELASTIC_RUN_ID`
-/// or `OXCCL_JOB_ID` is set): then the outer launcher started the launcher,
-/// not this rank, and its variables describe the launcher. Slurm's variables
-/// are ignored under Open MPI, since `mpirun` inside an allocation sees the
-/// batch script's `SLURM_PROCID`.
+/// PMI's, which win over Slurm's. If `RANK`/`WORLD_SIZE` disagree with the
+/// next launcher's variables, that is an error (usually a stale `export
+/// RANK=...`), except when torchrun or `oxccl-run` started this process
+/// (`TORCHELASTIC_RUN_ID` or `OXCCL_JOB_ID` is set): then the outer
+/// launcher started the launcher, not this rank, and its variables describe
+/// the launcher. Slurm's variables are ignored under Open MPI and PMI:
+/// `mpirun` inside an allocation sees the batch script's `SLURM_PROCID`,
+/// and Hydra starts its per-node proxies with `srun`, so its ranks see the
+/// proxy step's `SLURM_PROCID` and `SLURM_STEP_NUM_TASKS` (a node's index
+/// and the number of nodes), not their own.
 ///
 /// Slurm counts only inside a job step that `srun` started, marked by
 /// `SLURM_STEP_NUM_TASKS`, which only `srun` sets: a batch script has
@@ -111,6 +118,13 @@ const OMPI: Names = Names {
     local_rank: "OMPI_COMM_WORLD_LOCAL_RANK",
     local_size: "OMPI_COMM_WORLD_LOCAL_SIZE",
 };
+const PMI: Names = Names {
+    source: LaunchSource::Pmi,
+    rank: "PMI_RANK",
+    size: "PMI_SIZE",
+    local_rank: "MPI_LOCALRANKID",
+    local_size: "MPI_LOCALNRANKS",
+};
 const SLURM: Names = Names {
     source: LaunchSource::Slurm,
     rank: "SLURM_PROCID",
@@ -150,13 +164,13 @@ impl LaunchEnv {
     }
 
     /// Whether a launcher started this process as one rank of a job: its
-    /// rank variable is set (`RANK`, `OMPI_COMM_WORLD_RANK`, or
+    /// rank variable is set (`RANK`, `OMPI_COMM_WORLD_RANK`, `PMI_RANK`, or
     /// `SLURM_PROCID` inside an `srun` step, as [`from_env`](LaunchEnv::from_env)
     /// reads them). Looks at nothing else, so it holds where the other
     /// variables are malformed.
     pub fn launcher_present() -> bool {
         let set = |name: &str| std::env::var_os(name).is_some_and(|v| !v.is_empty());
-        set(TORCH.rank) || set(OMPI.rank) || (set(SLURM.rank) && set(SLURM.size))
+        set(TORCH.rank) || set(OMPI.rank) || set(PMI.rank) || (set(SLURM.rank) && set(SLURM.size))
     }
 
     /// As [`from_env`](LaunchEnv::from_env), reading variables through `get`.
@@ -173,25 +187,31 @@ impl LaunchEnv {
 
         let torch = find(&var, &TORCH, true)?;
         let ompi = find(&var, &OMPI, true)?;
+        let pmi = find(&var, &PMI, true)?;
         let slurm = find(&var, &SLURM, false)?;
+        // The first launcher below torchrun's that is present: Slurm's
+        // count only when neither MPI launcher's are (see above).
+        let launcher = ompi.or(pmi).or(slurm);
 
         let nested = var("TORCHELASTIC_RUN_ID").is_some() || var("OXCCL_JOB_ID").is_some();
         if let (Some(t), false) = (&torch, nested) {
-            // Under Open MPI, Slurm's variables describe the batch script
-            // (a wrapper exporting RANK=$OMPI_COMM_WORLD_RANK inside an
-            // allocation still sees SLURM_PROCID of the node's first task).
-            if let Some(other) = ompi.as_ref().or(slurm.as_ref()) {
+            // Under an MPI launcher, Slurm's variables describe the batch
+            // script or a proxy (a wrapper exporting
+            // RANK=$OMPI_COMM_WORLD_RANK inside an allocation still sees
+            // SLURM_PROCID of the node's first task).
+            if let Some(other) = launcher.as_ref() {
                 check_agree(t, other)?;
             }
         }
 
-        let Some(found) = torch.or(ompi).or(slurm) else {
+        let Some(found) = torch.or(launcher) else {
             return Err(config(
                 "RANK",
                 "",
                 "no launcher variables found: set RANK and WORLD_SIZE (torchrun/oxccl-run), or \
-                 run under mpirun (OMPI_COMM_WORLD_*) or srun (SLURM_PROCID/SLURM_STEP_NUM_TASKS); or \
-                 build the communicator explicitly with CommBuilder",
+                 run under mpirun (OMPI_COMM_WORLD_*), MPICH's or Intel MPI's mpiexec \
+                 (PMI_RANK/PMI_SIZE) or srun (SLURM_PROCID/SLURM_STEP_NUM_TASKS); or build the \
+                 communicator explicitly with CommBuilder",
             ));
         };
         let names = found.names;
@@ -390,9 +410,26 @@ fn slurm_local_size(
         if let Some(v) = var(name) {
             let counts = parse_tasks_per_node(&v)
                 .ok_or_else(|| config(name, &v, "expected a list such as 4, 4(x2) or 2(x3),1"))?;
-            let here = node
-                .and_then(|n| nth_count(&counts, n))
-                .or_else(|| counts.first().map(|&(c, _)| c));
+            // One count for every node needs no node index; a list that
+            // differs by node does, and guessing its first entry would
+            // place ranks on the wrong node.
+            let uniform = counts.windows(2).all(|w| w[0].0 == w[1].0);
+            let here = match node.and_then(|n| nth_count(&counts, n)) {
+                Some(count) => Some(count),
+                None if uniform => counts.first().map(|&(c, _)| c),
+                None => {
+                    let raw = var("SLURM_NODEID").unwrap_or_default();
+                    return Err(config(
+                        "SLURM_NODEID",
+                        &raw,
+                        format!(
+                            "{name}={v} gives different task counts per node, and SLURM_NODEID \
+                             does not name one of its nodes: cannot tell how many ranks share \
+                             this node; set LOCAL_RANK and LOCAL_WORLD_SIZE"
+                        ),
+                    ));
+                }
+            };
             return Ok((name, here));
         }
     }
@@ -594,6 +631,75 @@ mod tests {
         assert_eq!(name, "MASTER_ADDR");
         assert!(msg.contains("span several nodes"), "{msg}");
         assert!(msg.contains("OMPI_COMM_WORLD_LOCAL_SIZE=4"), "{msg}");
+    }
+
+    /// MPICH's and Intel MPI's Hydra `mpiexec`, alone and inside a Slurm
+    /// allocation, where it starts one proxy per node with `srun` and its
+    /// ranks inherit the proxy step's Slurm variables.
+    #[test]
+    fn hydra_pmi() {
+        let hydra = [
+            ("PMI_RANK", "6"),
+            ("PMI_SIZE", "8"),
+            ("MPI_LOCALRANKID", "2"),
+            ("MPI_LOCALNRANKS", "4"),
+            ("MASTER_ADDR", "n1"),
+        ];
+        let e = env(&hydra).unwrap();
+        assert_eq!(e.source, LaunchSource::Pmi);
+        assert_eq!(
+            (e.rank, e.world_size, e.local_rank, e.local_world_size),
+            (6, 8, 2, 4)
+        );
+        // Under Slurm: the proxy step's SLURM_PROCID (the node's index) and
+        // SLURM_STEP_NUM_TASKS (the number of nodes) are not the rank's.
+        let mut v = hydra.to_vec();
+        v.extend([
+            ("SLURM_PROCID", "1"),
+            ("SLURM_STEP_NUM_TASKS", "2"),
+            ("SLURM_LOCALID", "0"),
+            ("SLURM_NODEID", "1"),
+            ("SLURM_STEP_TASKS_PER_NODE", "1(x2)"),
+        ]);
+        let e = env(&v).unwrap();
+        assert_eq!((e.source, e.rank, e.world_size), (LaunchSource::Pmi, 6, 8));
+        // One node, no local variables: every rank is local.
+        let e = env(&[("PMI_RANK", "3"), ("PMI_SIZE", "4")]).unwrap();
+        assert_eq!((e.local_rank, e.local_world_size), (3, 4));
+        assert_eq!(e.master_addr, "127.0.0.1");
+        // A stale RANK that disagrees with PMI's is named.
+        let mut v = hydra.to_vec();
+        v.extend([("RANK", "0"), ("WORLD_SIZE", "8")]);
+        let (name, msg) = config_err(&v);
+        assert_eq!(name, "RANK");
+        assert!(msg.contains("PMI_RANK=6"), "{msg}");
+        // Half a pair is an error.
+        let (name, _) = config_err(&[("PMI_RANK", "1")]);
+        assert_eq!(name, "PMI_RANK");
+    }
+
+    /// A per-node list whose counts differ needs this node's index; without
+    /// one that names a node in it, the local size is not guessed.
+    #[test]
+    fn slurm_uneven_nodes_need_the_node_index() {
+        let base = [
+            ("SLURM_PROCID", "4"),
+            ("SLURM_STEP_NUM_TASKS", "6"),
+            ("SLURM_LOCALID", "0"),
+            ("SLURM_STEP_TASKS_PER_NODE", "4,2"),
+            ("MASTER_ADDR", "h"),
+        ];
+        for node in [None, Some("x"), Some("5")] {
+            let mut v = base.to_vec();
+            v.extend(node.map(|n| ("SLURM_NODEID", n)));
+            let (name, msg) = config_err(&v);
+            assert_eq!(name, "SLURM_NODEID", "{node:?}");
+            assert!(msg.contains("different task counts"), "{msg}");
+        }
+        // Equal counts need no index.
+        let mut v = base.to_vec();
+        v[3] = ("SLURM_STEP_TASKS_PER_NODE", "3(x2)");
+        assert_eq!(env(&v).unwrap().local_world_size, 3);
     }
 
     #[test]
