@@ -483,7 +483,8 @@ impl CommBuilder {
             .job_id
             .clone()
             .or_else(|| std::env::var("OXCCL_JOB_ID").ok())
-            .filter(|id| !id.trim().is_empty());
+            .map(|id| id.trim().to_owned())
+            .filter(|id| !id.is_empty());
         let (endpoint, arena_segment) = net::connect(net::Setup {
             rank,
             world: world_size,
@@ -691,7 +692,7 @@ pub(crate) fn launch_store(
     env: &LaunchEnv,
     timeout: Duration,
 ) -> Result<(Arc<dyn Store>, Option<std::net::IpAddr>)> {
-    let master = format!("{}:{}", env.master_addr, env.master_port);
+    let master = env.store_address();
     // Only to pick the interface that faces the master: a name the
     // resolver is slow on gets a few seconds here, not the timeout (the
     // connection to the store resolves it again, by its own deadline).

@@ -271,11 +271,16 @@ impl LaunchSpec {
             .iter()
             .rev()
             .find(|(k, _)| k.as_os_str() == OsStr::new(JOB_ID_VAR))
+            .filter(|(_, v)| !v.to_string_lossy().trim().is_empty())
         {
-            return v.to_string_lossy().into_owned();
+            return v.to_string_lossy().trim().to_owned();
         }
-        if let Some(v) = var(JOB_ID_VAR) {
-            return v.to_string_lossy().into_owned();
+        // Trimmed, and empty counts as unset, as the ranks read it
+        // (`LaunchEnv`): the clean-up looks for the names the ranks gave
+        // their segments, and an empty id would turn off the check that a
+        // launcher started them.
+        if let Some(v) = var(JOB_ID_VAR).filter(|v| !v.to_string_lossy().trim().is_empty()) {
+            return v.to_string_lossy().trim().to_owned();
         }
         if self.nnodes > 1 {
             // Without the scheduler's ids, two jobs given the same address
@@ -576,7 +581,12 @@ impl Job {
                 .env("MASTER_ADDR", &spec.master_addr)
                 .env("MASTER_PORT", &port)
                 .env(JOB_ID_VAR, job_id);
-            for (k, v) in &spec.extra_env {
+            // `job_id` already holds extra_env's OXCCL_JOB_ID, trimmed.
+            for (k, v) in spec
+                .extra_env
+                .iter()
+                .filter(|(k, _)| k.as_os_str() != OsStr::new(JOB_ID_VAR))
+            {
                 cmd.env(k, v);
             }
             if spec.prefix_output {
@@ -616,22 +626,12 @@ impl Job {
                 ),
             })?;
             let prefix = format!("[rank {rank}] ");
-            if let Some(out) = child.stdout.take() {
-                self.readers.push(spawn_reader(
-                    out.into(),
-                    prefix.clone(),
-                    Stream::Stdout,
-                    self.output_done.clone(),
-                ));
-            }
-            if let Some(err) = child.stderr.take() {
-                self.readers.push(spawn_reader(
-                    err.into(),
-                    prefix,
-                    Stream::Stderr,
-                    self.output_done.clone(),
-                ));
-            }
+            let pipes = [
+                (child.stdout.take().map(OwnedFd::from), Stream::Stdout),
+                (child.stderr.take().map(OwnedFd::from), Stream::Stderr),
+            ];
+            // Recorded before its readers start, so that a failure to start
+            // them stops it with the others (`stop_all`).
             self.procs.push(Proc {
                 rank,
                 local_rank,
@@ -639,6 +639,18 @@ impl Job {
                 child,
                 exit: None,
             });
+            for (fd, stream) in pipes {
+                let Some(fd) = fd else { continue };
+                let reader = spawn_reader(fd, prefix.clone(), stream, self.output_done.clone())
+                    .map_err(|e| Error::Bootstrap {
+                        context: format!("oxccl-run: starting rank {rank}"),
+                        detail: format!(
+                            "cannot start a thread to read its output: {e} (a limit on \
+                             threads or processes, such as pids.max or ulimit -u?)"
+                        ),
+                    })?;
+                self.readers.push(reader);
+            }
         }
         Ok(())
     }
@@ -881,64 +893,66 @@ fn spawn_reader(
     prefix: String,
     stream: Stream,
     done: Arc<AtomicBool>,
-) -> JoinHandle<()> {
-    std::thread::spawn(move || {
-        let raw = fd.as_raw_fd();
-        let mut file = File::from(fd);
-        let mut pending: Vec<u8> = Vec::new();
-        let mut buf = vec![0u8; 64 * 1024];
-        let mut drain_until = None;
-        loop {
-            let finishing = done.load(Ordering::SeqCst);
-            if finishing
-                && Instant::now()
-                    >= *drain_until.get_or_insert_with(|| Instant::now() + OUTPUT_DRAIN)
-            {
-                break;
-            }
-            let mut pfd = libc::pollfd {
-                fd: raw,
-                events: libc::POLLIN,
-                revents: 0,
-            };
-            // SAFETY: one valid pollfd, owned by `file` for the whole call.
-            let ready = unsafe { libc::poll(&mut pfd, 1, if finishing { 0 } else { 50 }) };
-            if ready < 0 {
-                if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
-                    continue;
-                }
-                break;
-            }
-            if ready == 0 {
-                if finishing {
+) -> io::Result<JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name("oxccl-run-output".into())
+        .spawn(move || {
+            let raw = fd.as_raw_fd();
+            let mut file = File::from(fd);
+            let mut pending: Vec<u8> = Vec::new();
+            let mut buf = vec![0u8; 64 * 1024];
+            let mut drain_until = None;
+            loop {
+                let finishing = done.load(Ordering::SeqCst);
+                if finishing
+                    && Instant::now()
+                        >= *drain_until.get_or_insert_with(|| Instant::now() + OUTPUT_DRAIN)
+                {
                     break;
                 }
-                continue;
-            }
-            match file.read(&mut buf) {
-                Ok(0) => break,
-                Ok(n) => {
-                    pending.extend_from_slice(&buf[..n]);
-                    if let Some(last_nl) = pending.iter().rposition(|&b| b == b'\n') {
-                        let rest = pending.split_off(last_nl + 1);
-                        emit(stream, &prefix, &pending);
-                        pending = rest;
+                let mut pfd = libc::pollfd {
+                    fd: raw,
+                    events: libc::POLLIN,
+                    revents: 0,
+                };
+                // SAFETY: one valid pollfd, owned by `file` for the whole call.
+                let ready = unsafe { libc::poll(&mut pfd, 1, if finishing { 0 } else { 50 }) };
+                if ready < 0 {
+                    if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
+                        continue;
                     }
-                    if pending.len() >= MAX_LINE {
-                        pending.push(b'\n');
-                        emit(stream, &prefix, &pending);
-                        pending.clear();
-                    }
+                    break;
                 }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(_) => break,
+                if ready == 0 {
+                    if finishing {
+                        break;
+                    }
+                    continue;
+                }
+                match file.read(&mut buf) {
+                    Ok(0) => break,
+                    Ok(n) => {
+                        pending.extend_from_slice(&buf[..n]);
+                        if let Some(last_nl) = pending.iter().rposition(|&b| b == b'\n') {
+                            let rest = pending.split_off(last_nl + 1);
+                            emit(stream, &prefix, &pending);
+                            pending = rest;
+                        }
+                        if pending.len() >= MAX_LINE {
+                            pending.push(b'\n');
+                            emit(stream, &prefix, &pending);
+                            pending.clear();
+                        }
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(_) => break,
+                }
             }
-        }
-        if !pending.is_empty() {
-            pending.push(b'\n');
-            emit(stream, &prefix, &pending);
-        }
-    })
+            if !pending.is_empty() {
+                pending.push(b'\n');
+                emit(stream, &prefix, &pending);
+            }
+        })
 }
 
 /// Writes complete lines (`text` ends with a newline), each prefixed, in
@@ -1185,6 +1199,12 @@ mod tests {
         spec.extra_env.push((JOB_ID_VAR.into(), "given".into()));
         assert_eq!(spec.job_id(), "given");
         spec.extra_env.clear();
+        // Trimmed; empty counts as unset.
+        let given =
+            |value: &'static str| move |name: &str| (name == JOB_ID_VAR).then(|| value.into());
+        assert_eq!(spec.job_id_with(given(" job ")), "job");
+        assert_eq!(spec.job_id_with(given("")).len(), 16);
+        assert_eq!(spec.job_id_with(given("  ")).len(), 16);
         let none = |_: &str| None;
         let id = spec.job_id_with(none);
         assert_eq!(id, spec.job_id_with(none));

@@ -343,6 +343,20 @@ impl LaunchEnv {
     }
 }
 
+impl LaunchEnv {
+    /// `MASTER_ADDR:MASTER_PORT` as a socket address string: an IPv6
+    /// literal (`fd00::1`) gets the brackets that keep its colons apart from
+    /// the port's (`[fd00::1]:29500`); a name, an IPv4 address or an
+    /// address already in brackets is used as written.
+    pub fn store_address(&self) -> String {
+        if self.master_addr.parse::<std::net::Ipv6Addr>().is_ok() {
+            format!("[{}]:{}", self.master_addr, self.master_port)
+        } else {
+            format!("{}:{}", self.master_addr, self.master_port)
+        }
+    }
+}
+
 fn parse_count(name: &str, value: &str) -> Result<usize> {
     value
         .parse()
@@ -557,6 +571,21 @@ mod tests {
             },
             Ok(v) => panic!("expected a configuration error, got {v:?}"),
         }
+    }
+
+    #[test]
+    fn store_address_brackets_ipv6_literals() {
+        let at = |addr: &str| {
+            env(&[("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", addr)])
+                .unwrap()
+                .store_address()
+        };
+        assert_eq!(at("fd00::1"), "[fd00::1]:29500");
+        assert_eq!(at("[fd00::1]"), "[fd00::1]:29500");
+        assert_eq!(at("10.0.0.1"), "10.0.0.1:29500");
+        assert_eq!(at("node7"), "node7:29500");
+        let addr: std::net::SocketAddr = at("fd00::1").parse().unwrap();
+        assert_eq!(addr.port(), 29500);
     }
 
     #[test]
