@@ -72,6 +72,12 @@ esac
 case "$MAX_BYTES" in
 '' | *[!0-9]*) echo "compare-mpi.sh: --max-bytes takes bytes, optionally with K, M or G" >&2; exit 2 ;;
 esac
+# Both programs always run 8 B, 1 KiB and 4 KiB, and mpi_coll_bench sizes
+# its buffers by the largest: below 4 KiB it would write past them.
+if [ "$MAX_BYTES" -lt 4096 ]; then
+    echo "compare-mpi.sh: --max-bytes must be at least 4K (the sizes start at 8 B, 1 KiB, 4 KiB)" >&2
+    exit 2
+fi
 for f in mpi_coll_bench.c shm_ceiling.c; do
     [ -f "$ANCHORS/$f" ] || { echo "compare-mpi.sh: $ANCHORS/$f not found (use --anchors DIR)" >&2; exit 2; }
 done
@@ -366,10 +372,15 @@ def paired(key, placement, small):
         b = m[rep]["time" if small else "busbw"]
         if a and b:
             values.append(b / a if small else a / b)
-            held.append(steady.get((rep, key[0]), True))
+            # A placement not read (the probe printed nothing) is not
+            # known to have held.
+            held.append(steady.get((rep, key[0]), False))
     if not values:
         return "—"
-    kept = [v for v, h in zip(values, held) if h] or values
+    kept = [v for v, h in zip(values, held) if h]
+    if not kept:
+        # No pair held its placement: every pair, and the table says so.
+        return f"{statistics.median(values):.2f}× (0/{len(values)}, all used)"
     note = f" ({len(kept)}/{len(values)})" if len(kept) < len(values) else ""
     return f"{statistics.median(kept):.2f}×{note}"
 for coll in colls:

@@ -41,6 +41,13 @@ pub fn reduced_value<T: Element>(world: usize, index: usize, op: ReduceOp) -> T 
     let divisor = world.max(1);
     match op {
         ReduceOp::Sum => T::from_i64_wrapping(values.sum()),
+        // Floats in f64: the product of 1s and 2s is 2^k, exact there until
+        // it overflows the type to infinity, as the reduction does (an i64
+        // fold wraps to i64::MIN at 63 twos and to 0 from 64). Integers
+        // wrap, as the reductions do.
+        ReduceOp::Prod if T::DTYPE.is_float() => {
+            T::from_f64(values.fold(1.0, |acc, v| acc * v as f64))
+        }
         ReduceOp::Prod => T::from_i64_wrapping(values.fold(1i64, i64::wrapping_mul)),
         ReduceOp::Min => T::from_i64_wrapping(values.min().unwrap_or(0)),
         ReduceOp::Max => T::from_i64_wrapping(values.max().unwrap_or(0)),
@@ -534,6 +541,31 @@ mod tests {
             );
         }
         assert!(wrapped_any);
+    }
+
+    /// A float product over many ranks is 2^k, as the reduction computes
+    /// it, up to the type's overflow to infinity: the i64 fold it replaced
+    /// wrapped to i64::MIN at 63 twos and to 0 from 64.
+    #[test]
+    fn a_float_product_over_many_ranks_is_a_power_of_two() {
+        for world in [63, 64, 128, 300] {
+            for index in 0..32 {
+                let twos = (0..world)
+                    .filter(|&r| input_value(r, index, ReduceOp::Prod) == 2)
+                    .count() as i32;
+                let exact = 2f64.powi(twos);
+                assert_eq!(reduced_value::<f64>(world, index, ReduceOp::Prod), exact);
+                assert_eq!(
+                    reduced_value::<f32>(world, index, ReduceOp::Prod),
+                    exact as f32
+                );
+            }
+        }
+        // The integer product still wraps, as the reduction does.
+        assert_eq!(
+            reduced_value::<i64>(1, 0, ReduceOp::Prod),
+            input_value(0, 0, ReduceOp::Prod)
+        );
     }
 
     /// The pattern has no short period: blocks of a multiple of 3 elements

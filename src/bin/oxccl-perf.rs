@@ -527,7 +527,9 @@ fn run_once<T: Element>(
 }
 
 /// Allocates and fills the buffers for `count` elements (nccl-tests' count:
-/// the full buffer), returning them and the expected output.
+/// the full buffer), returning them and, when `with_expected`, the expected
+/// output (else an empty list: it costs a buffer's worth of memory and a
+/// hash per element and rank, which only a check needs).
 #[allow(clippy::needless_late_init)]
 fn prepare<T: Element>(
     a: &Args,
@@ -535,11 +537,19 @@ fn prepare<T: Element>(
     n: usize,
     count: usize,
     in_place: bool,
+    with_expected: bool,
 ) -> (Bufs<T>, Vec<Option<T>>) {
     let per = count / n;
     let z = T::zeroed();
     let op = a.op;
     let input = |r: usize, i: usize| T::from_i64_wrapping(input_value(r, i, op));
+    let expect = |len: usize, at: &dyn Fn(usize) -> Option<T>| -> Vec<Option<T>> {
+        if with_expected {
+            (0..len).map(at).collect()
+        } else {
+            Vec::new()
+        }
+    };
     let (send_len, recv_len) = match a.coll {
         Coll::AllReduce | Coll::Broadcast | Coll::SendRecv | Coll::AllToAll => (count, count),
         Coll::Reduce => (count, count),
@@ -553,37 +563,33 @@ fn prepare<T: Element>(
     match a.coll {
         Coll::AllReduce => {
             fill(&mut send, rank, 0, op);
-            expected = (0..count).map(|i| Some(reduced_value(n, i, op))).collect();
+            expected = expect(count, &|i| Some(reduced_value(n, i, op)));
         }
         Coll::Reduce => {
             fill(&mut send, rank, 0, op);
-            expected = (0..count)
-                .map(|i| {
-                    if rank == a.root {
-                        Some(reduced_value(n, i, op))
-                    } else if in_place {
-                        Some(input(rank, i))
-                    } else {
-                        None
-                    }
-                })
-                .collect();
+            expected = expect(count, &|i| {
+                if rank == a.root {
+                    Some(reduced_value(n, i, op))
+                } else if in_place {
+                    Some(input(rank, i))
+                } else {
+                    None
+                }
+            });
         }
         Coll::ReduceScatter => {
             fill(&mut send, rank, 0, op);
             expected = if in_place {
-                (0..count)
-                    .map(|i| (i / per.max(1) == rank).then(|| reduced_value(n, i, op)))
-                    .collect()
+                expect(count, &|i| {
+                    (i / per.max(1) == rank).then(|| reduced_value(n, i, op))
+                })
             } else {
-                (0..per)
-                    .map(|i| Some(reduced_value(n, rank * per + i, op)))
-                    .collect()
+                expect(per, &|i| Some(reduced_value(n, rank * per + i, op)))
             };
         }
         Coll::AllGather => {
             fill(&mut send, 0, rank * per, op);
-            expected = (0..count).map(|i| Some(input(0, i))).collect();
+            expected = expect(count, &|i| Some(input(0, i)));
         }
         Coll::Broadcast => {
             // Only the root's input holds data: elsewhere zeros, which no
@@ -591,19 +597,17 @@ fn prepare<T: Element>(
             if rank == a.root {
                 fill(&mut send, a.root, 0, op);
             }
-            expected = (0..count).map(|i| Some(input(a.root, i))).collect();
+            expected = expect(count, &|i| Some(input(a.root, i)));
         }
         Coll::SendRecv => {
             fill(&mut send, rank, 0, op);
-            expected = (0..count)
-                .map(|i| Some(input((rank + n - 1) % n, i)))
-                .collect();
+            expected = expect(count, &|i| Some(input((rank + n - 1) % n, i)));
         }
         Coll::AllToAll => {
             fill(&mut send, rank, 0, op);
-            expected = (0..count)
-                .map(|i| Some(input(i / per.max(1), rank * per + i % per.max(1))))
-                .collect();
+            expected = expect(count, &|i| {
+                Some(input(i / per.max(1), rank * per + i % per.max(1)))
+            });
         }
     }
     if in_place {
@@ -636,7 +640,7 @@ fn measure<T: Element>(
     in_place: bool,
 ) -> oxccl::Result<Measurement> {
     let (rank, n) = (comm.rank(), comm.world_size());
-    let (b, _) = prepare::<T>(a, rank, n, count, in_place);
+    let (b, _) = prepare::<T>(a, rank, n, count, in_place, false);
     let mut b = place(comm, a, b)?;
     for _ in 0..a.warmup {
         run_once(comm, a, &mut b, in_place)?;
@@ -659,7 +663,7 @@ fn measure<T: Element>(
         // As nccl-tests does: after the timed calls, on the same buffers
         // (refilled), so the call checked takes the paths the timed ones
         // took.
-        let (fresh, expected) = prepare::<T>(a, rank, n, count, in_place);
+        let (fresh, expected) = prepare::<T>(a, rank, n, count, in_place, true);
         b.send.copy_from_slice(&fresh.send);
         b.recv.copy_from_slice(&fresh.recv);
         run_once(comm, a, &mut b, in_place)?;
