@@ -54,6 +54,9 @@ pub const JOB_ID_VAR: &str = "OXCCL_JOB_ID";
 
 /// How often the supervisor checks its children and pending signals.
 const POLL_INTERVAL: Duration = Duration::from_millis(10);
+/// How often the launcher records the processes below its ranks
+/// ([`Job::below_ranks`]); also before every signal it sends.
+const SURVEY_INTERVAL: Duration = Duration::from_millis(200);
 /// How long the launcher waits for ranks it sent `SIGKILL` to vanish. A
 /// process in uninterruptible sleep ignores even that until the kernel
 /// call it is in returns, which may be never; past this the launcher names
@@ -468,6 +471,7 @@ pub fn launch(spec: &LaunchSpec) -> Result<LaunchReport> {
     }
     let job_id = spec.job_id();
     let _signals = SignalGuard::install();
+    let _subreaper = SubreaperGuard::install();
     let mut job = Job::new(spec);
 
     let outcome = job.spawn_all(spec, &job_id).map(|()| job.supervise());
@@ -475,6 +479,8 @@ pub fn launch(spec: &LaunchSpec) -> Result<LaunchReport> {
         job.stop_all();
     }
     job.finish_output();
+    // Adopted processes that have ended since the last look.
+    job.survey();
     remove_shm_segments(&job_id);
     let interrupted = outcome?;
 
@@ -539,6 +545,15 @@ struct Job {
     kill_signal: i32,
     /// How long ranks sent `kill_signal` get to vanish ([`REAP_AFTER_KILL`]).
     reap_after_kill: Duration,
+    /// Processes seen below the ranks (their children, and theirs), so that
+    /// stopping the job reaches them too, including those whose parent has
+    /// ended since (the launcher, a child subreaper while it runs, adopts
+    /// them): a rank that is a shell script running `python` without `exec`
+    /// would otherwise leave `python` running, holding GPUs, shared memory
+    /// and sockets. Looked at every [`SURVEY_INTERVAL`] and before each
+    /// signal.
+    below_ranks: std::collections::BTreeSet<u32>,
+    last_survey: Option<Instant>,
 }
 
 impl Job {
@@ -552,6 +567,8 @@ impl Job {
             kill_grace: spec.kill_grace.min(MAX_KILL_GRACE),
             kill_signal: libc::SIGKILL,
             reap_after_kill: REAP_AFTER_KILL,
+            below_ranks: Default::default(),
+            last_survey: None,
         }
     }
 
@@ -659,14 +676,77 @@ impl Job {
         self.procs.iter().filter(|p| p.exit.is_none()).count()
     }
 
-    /// Sends `sig` to every rank not yet reaped (its pid cannot have been reused).
+    /// Sends `sig` to every rank not yet reaped (its pid cannot have been
+    /// reused) and to the processes below the ranks ([`Job::below_ranks`]).
     fn signal_running(&mut self, sig: i32) {
-        for p in self.procs.iter().filter(|p| p.exit.is_none()) {
+        let below = self.job_processes_below();
+        let ranks = self
+            .procs
+            .iter()
+            .filter(|p| p.exit.is_none())
+            .map(|p| p.pid);
+        for pid in ranks.chain(below) {
             // SAFETY: kill has no memory-safety preconditions.
             unsafe {
-                libc::kill(p.pid as libc::pid_t, sig);
+                libc::kill(pid as libc::pid_t, sig);
             }
         }
+    }
+
+    /// Records the processes now below the running ranks, forgets those
+    /// that are gone, and reaps those the launcher adopted that have ended.
+    fn survey(&mut self) {
+        self.last_survey = Some(Instant::now());
+        for p in self.procs.iter().filter(|p| p.exit.is_none()) {
+            self.below_ranks.extend(descendants_of(p.pid));
+        }
+        let me = std::process::id();
+        self.below_ranks.retain(|&pid| match parent_of(pid) {
+            None => false,
+            Some(parent) if parent == me => {
+                // Adopted: ours to reap once it ends (a zombie until then).
+                let mut status = 0;
+                // SAFETY: waitpid on one specific pid, our child.
+                let reaped =
+                    unsafe { libc::waitpid(pid as libc::pid_t, &mut status, libc::WNOHANG) };
+                reaped != pid as libc::pid_t
+            }
+            Some(_) => true,
+        });
+    }
+
+    /// [`survey`](Self::survey) when [`SURVEY_INTERVAL`] has passed.
+    fn survey_if_due(&mut self) {
+        if self
+            .last_survey
+            .is_none_or(|at| at.elapsed() >= SURVEY_INTERVAL)
+        {
+            self.survey();
+        }
+    }
+
+    /// The recorded processes below the ranks that are still the job's: a
+    /// pid is signalled only while its parent is a rank, another of them,
+    /// or the launcher (which adopted it), so a pid reused by an unrelated
+    /// process is left alone.
+    fn job_processes_below(&mut self) -> Vec<u32> {
+        self.survey();
+        let me = std::process::id();
+        let ranks: Vec<u32> = self
+            .procs
+            .iter()
+            .filter(|p| p.exit.is_none())
+            .map(|p| p.pid)
+            .collect();
+        self.below_ranks
+            .iter()
+            .copied()
+            .filter(|&pid| {
+                parent_of(pid).is_some_and(|parent| {
+                    parent == me || ranks.contains(&parent) || self.below_ranks.contains(&parent)
+                })
+            })
+            .collect()
     }
 
     /// Kills the ranks still running and reaps them, for at most
@@ -756,6 +836,7 @@ impl Job {
                 kill_at.get_or_insert_with(|| Instant::now() + self.kill_grace);
             }
 
+            self.survey_if_due();
             let mut failed = self.reap();
             // Ranks that find a dead peer exit within milliseconds of it, so
             // one pass can reap the victim and its witnesses together: a
@@ -782,18 +863,32 @@ impl Job {
                 }
             }
 
-            if self.running() == 0 {
+            // A stop also waits, within the same grace, for the processes
+            // below the ranks (a shell's child that ignores SIGTERM outlives
+            // the shell): at its end they get the kill too.
+            if self.running() == 0 && (kill_at.is_none() || self.job_processes_below().is_empty()) {
                 return interrupted;
             }
             if let Some(at) = kill_at {
                 if Instant::now() >= at {
                     let running = self.running();
-                    say(&format!(
-                        "{running} rank{} still running after {:?}; killing {}",
-                        plural(running),
-                        self.kill_grace,
-                        if running == 1 { "it" } else { "them" }
-                    ));
+                    if running > 0 {
+                        say(&format!(
+                            "{running} rank{} still running after {:?}; killing {}",
+                            plural(running),
+                            self.kill_grace,
+                            if running == 1 { "it" } else { "them" }
+                        ));
+                    } else {
+                        let below = self.job_processes_below().len();
+                        say(&format!(
+                            "{below} process{} the ranks started still running after {:?}; \
+                             killing {}",
+                            if below == 1 { "" } else { "es" },
+                            self.kill_grace,
+                            if below == 1 { "it" } else { "them" }
+                        ));
+                    }
                     // Bounded: a rank that outlives SIGKILL is given up on.
                     self.kill_and_reap();
                     return interrupted;
@@ -827,6 +922,83 @@ impl Job {
         self.output_done.store(true, Ordering::SeqCst);
         for reader in self.readers.drain(..) {
             let _ = reader.join();
+        }
+    }
+}
+
+/// Every process below `pid` (children, theirs, ...), from the kernel's
+/// per-thread child lists (`/proc/PID/task/TID/children`); empty where
+/// those cannot be read.
+fn descendants_of(pid: u32) -> Vec<u32> {
+    let mut found = Vec::new();
+    let mut queue = vec![pid];
+    // Bounded, in case pids are reused while the tree is read.
+    while let Some(parent) = queue.pop() {
+        if found.len() >= 65_536 {
+            break;
+        }
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{parent}/task")) else {
+            continue;
+        };
+        for task in tasks.flatten() {
+            let Ok(list) = std::fs::read_to_string(task.path().join("children")) else {
+                continue;
+            };
+            for child in list
+                .split_whitespace()
+                .filter_map(|c| c.parse::<u32>().ok())
+            {
+                if child != pid && !found.contains(&child) {
+                    found.push(child);
+                    queue.push(child);
+                }
+            }
+        }
+    }
+    found
+}
+
+/// The parent of process `pid`, from `/proc/PID/stat`; `None` when it is
+/// gone (or a zombie's entry cannot be read).
+fn parent_of(pid: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // After the command name, which is in parentheses and may hold any
+    // byte: the state, then the parent.
+    let mut fields = stat[stat.rfind(')')? + 1..].split_whitespace();
+    fields.next()?;
+    fields.next()?.parse().ok()
+}
+
+/// Makes the launcher a child subreaper while the job runs: a process whose
+/// parent below a rank ends is adopted by the launcher instead of by init,
+/// so stopping the job still reaches it ([`Job::below_ranks`]). Restores
+/// the previous setting when dropped.
+struct SubreaperGuard {
+    previous: libc::c_int,
+}
+
+impl SubreaperGuard {
+    fn install() -> SubreaperGuard {
+        let mut previous: libc::c_int = 0;
+        // SAFETY: PR_GET_CHILD_SUBREAPER writes one int through the pointer;
+        // PR_SET_CHILD_SUBREAPER takes a flag. Failure leaves the setting as
+        // it was (stopping then reaches the processes still below a rank).
+        unsafe {
+            libc::prctl(
+                libc::PR_GET_CHILD_SUBREAPER,
+                &mut previous as *mut libc::c_int,
+            );
+            libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1 as libc::c_ulong);
+        }
+        SubreaperGuard { previous }
+    }
+}
+
+impl Drop for SubreaperGuard {
+    fn drop(&mut self) {
+        // SAFETY: as in `install`.
+        unsafe {
+            libc::prctl(libc::PR_SET_CHILD_SUBREAPER, self.previous as libc::c_ulong);
         }
     }
 }
@@ -1142,9 +1314,10 @@ mod tests {
                 exit: None,
             }
         };
-        // Rank 0 fails at once; rank 1 ignores SIGTERM and the "kill";
+        // Rank 0 fails once the others' shells are up (rank 1 must have
+        // installed its traps); rank 1 ignores SIGTERM and the "kill";
         // rank 2 ends on SIGTERM.
-        job.procs.push(start(0, "exit 3"));
+        job.procs.push(start(0, "sleep 0.3; exit 3"));
         job.procs
             .push(start(1, "trap '' TERM USR2; while :; do sleep 0.05; done"));
         job.procs.push(start(2, "sleep 30"));

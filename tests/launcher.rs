@@ -642,3 +642,70 @@ fn output_of_a_process_left_behind_does_not_keep_the_launcher_running() {
     // pipe busy: 4–8 s in this test on a 2-core VM, unbounded in general).
     assert!(run.elapsed < Duration::from_secs(4), "{:?}", run.elapsed);
 }
+
+/// Whether process `pid` still runs (a zombie, ended but not yet reaped,
+/// does not count).
+fn still_runs(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => false,
+        Ok(stat) => {
+            let after = &stat[stat.rfind(')').unwrap() + 1..];
+            after.split_whitespace().next() != Some("Z")
+        }
+    }
+}
+
+/// Stopping the job reaches the processes below the ranks: a rank that is
+/// a shell running a program without `exec` (here a `sleep` that ignores
+/// `SIGTERM`, so the shell dies first and the launcher adopts it) does not
+/// leave that program running after the launcher ends.
+#[test]
+fn stopping_the_job_reaches_the_processes_below_the_ranks() {
+    let dir = scratch_dir("below-ranks");
+    let script = format!(
+        "if [ \"$RANK\" = 0 ]; then while [ ! -e {0}/plain ] || [ ! -e {0}/stubborn ]; do \
+         sleep 0.01; done; exit 4; fi; \
+         if [ \"$RANK\" = 1 ]; then sleep 300 & echo $! > {0}/plain.tmp; mv {0}/plain.tmp {0}/plain; wait; fi; \
+         sh -c \"trap '' TERM; echo \\$\\$ > {0}/stubborn.tmp; mv {0}/stubborn.tmp {0}/stubborn; \
+         exec sleep 300\" & wait",
+        dir.display()
+    );
+    let r = run(&[
+        "-np",
+        "3",
+        "--master-port",
+        "29624",
+        "--kill-grace",
+        "1",
+        "--",
+        "/bin/sh",
+        "-c",
+        &script,
+    ]);
+    let pid = |name: &str| -> u32 {
+        std::fs::read_to_string(dir.join(name))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap()
+    };
+    let (plain, stubborn) = (pid("plain"), pid("stubborn"));
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(r.code, Some(4), "{}", r.stderr);
+    let start = Instant::now();
+    while (still_runs(plain) || still_runs(stubborn)) && start.elapsed() < Duration::from_secs(3) {
+        thread::sleep(Duration::from_millis(20));
+    }
+    let left = [plain, stubborn].map(still_runs);
+    for (pid, runs) in [plain, stubborn].iter().zip(left) {
+        if runs {
+            // SAFETY: kill has no memory-safety preconditions.
+            unsafe { libc::kill(*pid as libc::pid_t, libc::SIGKILL) };
+        }
+    }
+    assert_eq!(
+        left,
+        [false, false],
+        "processes left running below the ranks"
+    );
+}
