@@ -1208,8 +1208,17 @@ impl Communicator {
     }
 
     /// Sends `buf` to `peer`, which must call [`recv`](Self::recv) with the
-    /// same length. Messages between a pair arrive in the order sent. Returns
-    /// once the data is handed to the transport.
+    /// same length. Messages between a pair arrive in the order sent.
+    ///
+    /// Returns once the whole message has left this rank: at once when it
+    /// fits what the link buffers (a shared-memory ring, 1 MiB by default,
+    /// `OXCCL_SHM_RING_BYTES`; socket buffers of up to 4 MiB), else as the
+    /// peer reads it, which the peer does inside any call of its own on
+    /// this job (reading up to 16 MiB ahead of its receives). So, like
+    /// `MPI_Send` of a large message, a send larger than the link's buffer
+    /// waits for the peer to enter a call, for at most the communicator's
+    /// timeout: a peer still computing past that makes this send fail with
+    /// [`Error::Timeout`], which fails the communicator.
     ///
     /// # Errors
     ///
@@ -1361,6 +1370,11 @@ impl Communicator {
 
     /// Splits into sub-communicators: ranks with the same `color` form one,
     /// ordered by `(key, parent rank)`. Collective over this communicator.
+    ///
+    /// Every color forms a group, `u32::MAX` included: code ported from
+    /// NCCL that passes `NCCL_SPLIT_NOCOLOR` (-1, which is `u32::MAX` cast)
+    /// to opt out should call [`split_or_none`](Self::split_or_none) with
+    /// `None` instead.
     ///
     /// # Errors
     ///

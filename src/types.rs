@@ -138,7 +138,9 @@ pub enum ReduceOp {
     Min,
     /// Maximum; NaN propagates.
     Max,
-    /// Sum, then divide by the world size (integers: truncating division).
+    /// Sum, then divide by the world size. Integers: the sum wraps in the
+    /// type first, then divides truncating toward zero (two `i8` ranks
+    /// holding 100 average to -28: 200 wraps to -56).
     Avg,
 }
 

@@ -263,6 +263,11 @@ pub fn plan(desc: &CollectiveDesc, chunk_bytes: usize) -> Plan {
     plan_with(desc, chunk_bytes, choose(desc))
 }
 
+/// The most pipeline pieces a plan cuts a buffer into: with the default
+/// 256 KiB pieces only a buffer of 256 GiB reaches it; a tiny
+/// `chunk_bytes` on a large buffer gets larger pieces instead.
+pub const MAX_PIECES: usize = 1 << 20;
+
 /// [`plan`] with the family chosen by the caller.
 pub fn plan_with(desc: &CollectiveDesc, chunk_bytes: usize, family: Family) -> Plan {
     if family == Family::Direct {
@@ -270,7 +275,12 @@ pub fn plan_with(desc: &CollectiveDesc, chunk_bytes: usize, family: Family) -> P
             return plan;
         }
     }
-    let piece_elems = (chunk_bytes / desc.dtype.size()).max(1);
+    // At most MAX_PIECES pieces whatever the chunk size: frames are
+    // numbered per call and peer in 32 bits (a wrapped number would reuse
+    // one still unread), and the plan holds a step per piece.
+    let piece_elems = (chunk_bytes / desc.dtype.size())
+        .max(1)
+        .max(desc.count().div_ceil(MAX_PIECES));
     let rank = desc.rank;
     let world = desc.world_size;
     let in_place = desc.in_place;
@@ -409,6 +419,34 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A tiny chunk size on a large buffer gets larger pieces, not more
+    /// than MAX_PIECES of them (frame numbers are 32-bit, and the plan
+    /// holds a step per piece).
+    #[test]
+    fn pieces_are_capped_whatever_the_chunk_size() {
+        use crate::desc::{BufDesc, MemoryKind};
+        use crate::types::DType;
+        let count = 3 * MAX_PIECES + 5;
+        let buf = BufDesc {
+            len: count,
+            memory: MemoryKind::Host,
+        };
+        let send = CollectiveDesc::new(OpKind::Send, DType::U8, 0, 2, MemoryKind::Host)
+            .with_send(buf)
+            .with_peer(1);
+        let steps = plan_with(&send, 1, Family::Ring).steps.len();
+        assert!(steps <= MAX_PIECES, "{steps} steps");
+        assert!(steps >= MAX_PIECES / 2, "{steps} steps");
+        // Below the cap, the chunk size rules.
+        let small = CollectiveDesc::new(OpKind::Send, DType::U8, 0, 2, MemoryKind::Host)
+            .with_send(BufDesc {
+                len: 1000,
+                memory: MemoryKind::Host,
+            })
+            .with_peer(1);
+        assert_eq!(plan_with(&small, 10, Family::Ring).steps.len(), 100);
     }
 
     #[test]
