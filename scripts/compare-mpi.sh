@@ -433,9 +433,11 @@ else:
 
 # The medians as oxccl-perf JSON, one file per curve, for `--plot`.
 def dump(name, label, rows):
+    # A placement not measured (None) is left out, and not drawn.
     with open(os.path.join(out, "plot", name), "w") as f:
         json.dump({"tool": "compare-mpi", "label": label, "rows": [
-            {"bytes": b, "busbw": oop, "busbw_ip": ip} for b, oop, ip in rows]}, f)
+            {k: v for k, v in (("bytes", b), ("busbw", oop), ("busbw_ip", ip)) if v is not None}
+            for b, oop, ip in rows]}, f)
 os.makedirs(os.path.join(out, "plot"), exist_ok=True)
 for coll in colls:
     sizes = sorted(b for c, b in ox if c == coll)
@@ -443,7 +445,9 @@ for coll in colls:
          [(b, med(ox[(coll, b)]["oop"]), med(ox[(coll, b)]["ip"])) for b in sizes])
     msizes = sorted(b for c, b in mpi if c == coll)
     dump(f"{coll}-ompi.json", f"Open MPI {coll} ({transport})",
-         [(b, med(mpi[(coll, b)]["busbw"]), med(mpi[(coll, b)]["busbw"])) for b in msizes])
+         # MPI_Bcast runs in place, the others out of place.
+         [(b, None, med(mpi[(coll, b)]["busbw"])) if coll == "broadcast"
+          else (b, med(mpi[(coll, b)]["busbw"]), None) for b in msizes])
     if coll == "allreduce":
         ssizes = sorted(b for c, b in ox if c == "allreduce_shared")
         if ssizes:
@@ -454,7 +458,7 @@ for coll in colls:
             csizes = sorted(b for vv, b in ceil if vv == v)
             if csizes:
                 dump(f"{coll}-ceiling-{v}.json", f"ceiling ({v}) {name}",
-                     [(b, med(ceil[(v, b)]["busbw"]), med(ceil[(v, b)]["busbw"])) for b in csizes])
+                     [(b, None, med(ceil[(v, b)]["busbw"])) for b in csizes])
 PY
 for c in ${COLLS//,/ }; do
     args=()

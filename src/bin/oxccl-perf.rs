@@ -136,6 +136,17 @@ impl Coll {
     fn per_rank(self) -> bool {
         matches!(self, Coll::AllGather | Coll::ReduceScatter | Coll::AllToAll)
     }
+
+    /// The count column of the table and of the JSON for a buffer of
+    /// `count` elements: nccl-tests' count, per rank where the count
+    /// divides by the ranks.
+    fn shown_count(self, count: usize, ranks: usize) -> usize {
+        if self.per_rank() {
+            count / ranks.max(1)
+        } else {
+            count
+        }
+    }
 }
 
 /// nccl-tests' `-a`: which time of the ranks' is reported.
@@ -792,11 +803,7 @@ fn print_row(a: &Args, row: &Row, n: usize) {
     println!(
         "{:>12}  {:>12}  {:>8}  {redop:>6}  {root:>6}{cols}  {:>8}",
         row.bytes,
-        if a.coll.per_rank() {
-            row.count / n.max(1)
-        } else {
-            row.count
-        },
+        a.coll.shown_count(row.count, n),
         a.dtype.name(),
         row.algo
     );

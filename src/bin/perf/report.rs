@@ -11,6 +11,9 @@
 //!            "time_us": 0.27, "algbw": 0.03, "busbw": 0.03, "wrong": 0,
 //!            "time_us_ip": 0.28, "algbw_ip": 0.03, "busbw_ip": 0.03, "wrong_ip": 0}, ...]}
 //! ```
+//!
+//! `count` is the table's count column: nccl-tests' count, per rank for
+//! all_gather, reduce_scatter and all_to_all.
 
 use super::{Args, RunResult};
 
@@ -65,7 +68,7 @@ pub fn to_json(label: &str, a: &Args, run: &RunResult) -> String {
             "\n  {{\"bytes\": {}, \"count\": {}, \"algo\": {}, \
              \"time_us\": {}, \"algbw\": {}, \"busbw\": {}, \"wrong\": {}",
             r.bytes,
-            r.count,
+            a.coll.shown_count(r.count, run.ranks),
             quote(&r.algo),
             num(r.time_us[0]),
             num(r.algbw[0]),
@@ -92,8 +95,11 @@ pub fn to_json(label: &str, a: &Args, run: &RunResult) -> String {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Series {
     pub label: String,
-    /// `(bytes, out-of-place busbw, in-place busbw)`.
-    pub points: Vec<(f64, f64, f64)>,
+    /// `(bytes, out-of-place busbw, in-place busbw)`; a placement the run
+    /// did not measure (all-to-all has no in-place form; Open MPI's
+    /// broadcast and the ceiling run in place only) is `None` and is not
+    /// drawn.
+    pub points: Vec<(f64, Option<f64>, Option<f64>)>,
 }
 
 /// A minimal JSON reader: enough for the files [`to_json`] writes (and
@@ -310,10 +316,11 @@ pub fn parse_json(text: &str) -> Result<Series, String> {
     let mut points = Vec::new();
     for row in rows {
         let field = |k: &str| row.get(k).and_then(json::Value::num);
-        let (Some(bytes), Some(oop)) = (field("bytes"), field("busbw")) else {
-            return Err("a row lacks \"bytes\" or \"busbw\"".into());
+        let (oop, ip) = (field("busbw"), field("busbw_ip"));
+        let Some(bytes) = field("bytes").filter(|_| oop.is_some() || ip.is_some()) else {
+            return Err("a row lacks \"bytes\", or both \"busbw\" and \"busbw_ip\"".into());
         };
-        points.push((bytes, oop, field("busbw_ip").unwrap_or(oop)));
+        points.push((bytes, oop, ip));
     }
     Ok(Series { label, points })
 }
@@ -349,7 +356,7 @@ pub fn svg(series: &[Series]) -> String {
             min_x = min_x.min(x);
             max_x = max_x.max(x);
         }
-        max_y = max_y.max(a).max(b);
+        max_y = max_y.max(a.unwrap_or(0.0)).max(b.unwrap_or(0.0));
     }
     if min_x == f64::MAX {
         min_x = 1.0;
@@ -407,22 +414,35 @@ pub fn svg(series: &[Series]) -> String {
     ];
     for (i, s) in series.iter().enumerate() {
         let color = COLORS[i % COLORS.len()];
+        let mut drawn = [false; 2];
         for (k, dash) in [(0, ""), (1, " stroke-dasharray=\"5,4\"")] {
             let pts: Vec<String> = s
                 .points
                 .iter()
                 .filter(|p| p.0 > 0.0)
-                .map(|p| format!("{:.1},{:.1}", px(p.0), py(if k == 0 { p.1 } else { p.2 })))
+                .filter_map(|p| {
+                    let y = if k == 0 { p.1 } else { p.2 }?;
+                    Some(format!("{:.1},{:.1}", px(p.0), py(y)))
+                })
                 .collect();
+            if pts.is_empty() {
+                continue;
+            }
+            drawn[k] = true;
             out += &format!(
                 "<polyline fill=\"none\" stroke=\"{color}\" stroke-width=\"2\"{dash} points=\"{}\"/>\n",
                 pts.join(" ")
             );
         }
+        let legend = match drawn {
+            [true, true] => "solid: out of place, dashed: in place",
+            [false, true] => "dashed: in place",
+            _ => "out of place",
+        };
         let ly = H + 18.0 * i as f64;
         out += &format!(
             "<line x1=\"{left}\" y1=\"{ly:.1}\" x2=\"{}\" y2=\"{ly:.1}\" stroke=\"{color}\" stroke-width=\"2\"/>\
-             <text x=\"{}\" y=\"{:.1}\">{} (solid: out of place, dashed: in place)</text>\n",
+             <text x=\"{}\" y=\"{:.1}\">{} ({legend})</text>\n",
             left + 30.0,
             left + 36.0,
             ly + 4.0,
@@ -458,7 +478,13 @@ mod tests {
                     {\"bytes\": 1e3, \"busbw\": 0.25}]}";
         let s = parse_json(text).unwrap();
         assert_eq!(s.label, "a \"b\"");
-        assert_eq!(s.points, vec![(8.0, 1.5, 2.0), (1000.0, 0.25, 0.25)]);
+        assert_eq!(
+            s.points,
+            vec![(8.0, Some(1.5), Some(2.0)), (1000.0, Some(0.25), None)]
+        );
+        // In place only (Open MPI's broadcast, the ceiling).
+        let ip = parse_json("{\"rows\": [{\"bytes\": 8, \"busbw_ip\": 3}]}").unwrap();
+        assert_eq!(ip.points, vec![(8.0, None, Some(3.0))]);
     }
 
     #[test]
@@ -473,6 +499,8 @@ mod tests {
             "\"\\u12",
             // Infinite figures (the plot's axis loop never ended on one).
             "{\"rows\": [{\"bytes\": 8, \"busbw\": 1e999}]}",
+            // Neither placement.
+            "{\"rows\": [{\"bytes\": 8}]}",
         ] {
             assert!(parse_json(bad).is_err(), "{bad}");
         }
@@ -483,15 +511,24 @@ mod tests {
         let runs = vec![
             Series {
                 label: "x<y".into(),
-                points: vec![(8.0, 0.1, 0.2), (1048576.0, 5.0, 6.0)],
+                points: vec![
+                    (8.0, Some(0.1), Some(0.2)),
+                    (1048576.0, Some(5.0), Some(6.0)),
+                ],
             },
             Series {
                 label: "b".into(),
-                points: vec![(8.0, 0.0, 0.0)],
+                points: vec![(8.0, Some(0.0), Some(0.0))],
+            },
+            // A placement not measured is not drawn.
+            Series {
+                label: "in place only".into(),
+                points: vec![(8.0, None, Some(1.0)), (64.0, None, Some(2.0))],
             },
         ];
         let svg = svg(&runs);
-        assert_eq!(svg.matches("<polyline").count(), 4);
+        assert_eq!(svg.matches("<polyline").count(), 5);
+        assert!(svg.contains("in place only (dashed: in place)"));
         assert!(svg.contains("x&lt;y"));
         assert!(svg.ends_with("</svg>\n"));
     }
