@@ -116,18 +116,33 @@ impl FileStore {
 
     fn lock(&self) -> Result<FlockGuard> {
         let path = self.dir.join(LOCK_NAME);
+        let start = Instant::now();
+        // Threads of this process first take turns among themselves: on
+        // NFS `flock` is emulated with POSIX locks, which belong to the
+        // process (a second thread would get the lock too) and which any
+        // close of the file releases (that thread's guard would drop the
+        // first one's lock).
+        let in_process = InProcessTurn::take(&path, self.lock_timeout).ok_or_else(|| {
+            self.error(format!(
+                "the lock {} was held by another thread of this process for {:?}",
+                path.display(),
+                self.lock_timeout
+            ))
+        })?;
         let file = OpenOptions::new()
             .create(true)
             .truncate(false)
             .write(true)
             .open(&path)
             .map_err(|e| self.error(format!("opening the lock file {}: {e}", path.display())))?;
-        let start = Instant::now();
         loop {
             // SAFETY: flock on a descriptor this function owns.
             let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
             if rc == 0 {
-                return Ok(FlockGuard { file });
+                return Ok(FlockGuard {
+                    file,
+                    _in_process: in_process,
+                });
             }
             let e = io::Error::last_os_error();
             match e.kind() {
@@ -150,9 +165,50 @@ impl FileStore {
 }
 
 /// Holds an exclusive `flock`; released on drop (closing the file would
-/// release it too).
+/// release it too), before this process's other threads get their turn.
 struct FlockGuard {
     file: File,
+    _in_process: InProcessTurn,
+}
+
+/// The lock files a thread of this process holds (or is about to take).
+static HELD_IN_PROCESS: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
+static RELEASED_IN_PROCESS: std::sync::Condvar = std::sync::Condvar::new();
+
+/// This thread's turn, among this process's threads, at one lock file.
+struct InProcessTurn {
+    path: PathBuf,
+}
+
+impl InProcessTurn {
+    /// Waits until no other thread of this process holds `path`, for at
+    /// most `timeout`; `None` past it.
+    fn take(path: &Path, timeout: Duration) -> Option<InProcessTurn> {
+        let deadline = Instant::now() + timeout;
+        // A poisoned list is still a list: a panic cannot leave it torn.
+        let mut held = HELD_IN_PROCESS.lock().unwrap_or_else(|p| p.into_inner());
+        while held.iter().any(|h| h == path) {
+            let left = deadline.checked_duration_since(Instant::now())?;
+            held = RELEASED_IN_PROCESS
+                .wait_timeout(held, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        held.push(path.to_path_buf());
+        Some(InProcessTurn {
+            path: path.to_path_buf(),
+        })
+    }
+}
+
+impl Drop for InProcessTurn {
+    fn drop(&mut self) {
+        let mut held = HELD_IN_PROCESS.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(at) = held.iter().position(|h| *h == self.path) {
+            held.swap_remove(at);
+        }
+        RELEASED_IN_PROCESS.notify_all();
+    }
 }
 
 impl Drop for FlockGuard {
@@ -263,6 +319,31 @@ impl Store for FileStore {
 mod tests {
     use super::*;
     use std::sync::Arc;
+
+    /// Threads of one process take turns at a lock file before `flock`
+    /// (which NFS emulates per process): a second thread waits for the
+    /// first's guard, within the timeout, and gets its turn once it drops.
+    #[test]
+    fn threads_of_one_process_take_turns_at_a_lock_file() {
+        let path = std::env::temp_dir().join(format!("oxccl-turn-{}", std::process::id()));
+        let first = InProcessTurn::take(&path, Duration::from_millis(10)).unwrap();
+        let waiter = {
+            let path = path.clone();
+            std::thread::spawn(move || {
+                let start = Instant::now();
+                let turn = InProcessTurn::take(&path, Duration::from_secs(5));
+                (turn.is_some(), start.elapsed())
+            })
+        };
+        let other = path.with_extension("other");
+        assert!(InProcessTurn::take(&other, Duration::ZERO).is_some());
+        assert!(InProcessTurn::take(&path, Duration::from_millis(50)).is_none());
+        std::thread::sleep(Duration::from_millis(100));
+        drop(first);
+        let (got, waited) = waiter.join().unwrap();
+        assert!(got);
+        assert!(waited >= Duration::from_millis(100), "{waited:?}");
+    }
 
     fn temp_dir(name: &str) -> PathBuf {
         let dir = std::env::temp_dir().join(format!(
