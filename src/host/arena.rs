@@ -2360,16 +2360,19 @@ impl Arena {
             // SAFETY: input holds count elements; len ≤ capacity.
             unsafe { arena.stage(g, 0, bufs.input, offset, len) };
             arena.post(g, sig);
+            if !bufs.in_place {
+                // SAFETY: output holds world·count elements.
+                unsafe {
+                    let dst = bufs.output.add(me * count + offset);
+                    copy_out(stream, bufs.input.add(offset), dst, len);
+                }
+            }
             arena.await_all(call, sig, g)?;
-            for p in 0..world {
+            for p in (0..world).filter(|&p| p != me) {
                 // SAFETY: posted slots; output holds world·count elements.
                 unsafe {
                     let dst = bufs.output.add(p * count + offset);
-                    if p != me {
-                        copy_out(stream, arena.payload::<T>(p, g), dst, len);
-                    } else if !bufs.in_place {
-                        copy_out(stream, bufs.input.add(offset), dst, len);
-                    }
+                    copy_out(stream, arena.payload::<T>(p, g), dst, len);
                 }
             }
             Ok(())
