@@ -112,11 +112,17 @@ fn measure<T: Element + DeviceRepr>(
         } else {
             &got[..]
         };
-        let tolerance = avg_tolerance::<T>(a.op, n);
+        // NCCL's float Avg is a premultiplied sum (see `check::tolerance`);
+        // the cuda-ring's is exact, and a tolerance costs it nothing.
+        let tolerance = if a.coll.reduces() {
+            oxccl::check::tolerance::<T>(a.op, n, true)
+        } else {
+            0.0
+        };
         wrong = checked
             .iter()
             .zip(&expected)
-            .filter(|(g, e)| e.is_some_and(|e| !matches(**g, e, tolerance)))
+            .filter(|(g, e)| e.is_some_and(|e| !oxccl::check::matches(**g, e, tolerance)))
             .count() as u64;
     }
     // The ranks' time as `-a` asks and every rank's wrong count, reduced
@@ -132,38 +138,6 @@ fn measure<T: Element + DeviceRepr>(
     time_us = comm.stream().clone_dtoh(&t).map_err(copy)?[0] / a.average.divisor(n);
     wrong = comm.stream().clone_dtoh(&w).map_err(copy)?[0];
     Ok((time_us, wrong))
-}
-
-/// The relative error a device average of a float type may carry. NCCL
-/// computes `ncclAvg` on floats as a sum of the inputs each multiplied by
-/// 1/n rounded to the type (its pre-multiplied sum), not as the exact sum
-/// divided once, so with n not a power of two the result may differ from
-/// the exact quotient in the last bits: each product and each addition
-/// rounds once, n + 1 roundings of at most one unit in the last place.
-/// Exact (0) everywhere else: the inputs make every other result an
-/// integer the type holds (see `oxccl::check`).
-fn avg_tolerance<T: Element>(op: ReduceOp, n: usize) -> f64 {
-    if op != ReduceOp::Avg || n.is_power_of_two() {
-        return 0.0;
-    }
-    let epsilon = match T::DTYPE {
-        oxccl::DType::F16 => f64::from(half::f16::EPSILON),
-        oxccl::DType::BF16 => f64::from(half::bf16::EPSILON),
-        oxccl::DType::F32 => f64::from(f32::EPSILON),
-        oxccl::DType::F64 => f64::EPSILON,
-        _ => return 0.0,
-    };
-    (n + 1) as f64 * epsilon
-}
-
-/// Whether `got` is `expected`, or within `tolerance` of it relatively
-/// (see [`avg_tolerance`]).
-fn matches<T: Element>(got: T, expected: T, tolerance: f64) -> bool {
-    if tolerance == 0.0 {
-        return got == expected;
-    }
-    let (g, e) = (got.to_f64(), expected.to_f64());
-    (g - e).abs() <= tolerance * e.abs()
 }
 
 fn bench<T: Element + DeviceRepr>(
