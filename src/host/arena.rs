@@ -663,6 +663,21 @@ impl Arena {
         timeout: Duration,
         stores: ShmStores,
     ) -> Result<Arena> {
+        // Its header came from another process: a segment too small for
+        // this world's arena (another build of oxccl on rank 0, a rewritten
+        // header, a name that is not the arena) would be used past its end.
+        if segment.region().1 < geometry.bytes() {
+            return Err(crate::error::Error::Bootstrap {
+                context: format!("rank {rank}: the shared arena {}", segment.name()),
+                detail: format!(
+                    "it holds {} bytes after its rings, and an arena of {} ranks needs {}; \
+                     are all ranks the same build of oxccl?",
+                    segment.region().1,
+                    geometry.world,
+                    geometry.bytes()
+                ),
+            });
+        }
         let mut arena = Arena::attach(
             Arc::new(Memory::Shm(segment)),
             geometry,
@@ -2873,6 +2888,16 @@ impl Arena {
                     // uses the links, as when the leader cannot make it;
                     // failing here would fail the parent on every rank.
                     None => match Segment::open(&shm_name(parent.name())) {
+                        // Checked like the job's arena (`Arena::shared`).
+                        Ok(segment) if segment.region().1 < geometry.map_or(0, |g| g.bytes()) => {
+                            eprintln!(
+                                "oxccl: rank {}: a split group's arena {} is too small for \
+                                 the group; the group uses the rings",
+                                self.rank,
+                                segment.name()
+                            );
+                            None
+                        }
                         Ok(segment) => Some(Arc::new(Memory::Shm(segment))),
                         Err(e) => {
                             eprintln!(
@@ -3057,7 +3082,7 @@ impl Arena {
         let k = self.enter(call, sig, bufs, lens)?;
         let elem = std::mem::size_of::<T>();
         let span = (lens.0 * elem, lens.1 * elem);
-        if want_mapped && self.all_in_one_allocation(k, span) {
+        if want_mapped && self.all_in_one_allocation(k, span, std::mem::align_of::<T>()) {
             self.direct = Direct::Mapped;
             Ok(Some(k))
         } else if want_cma {
@@ -3088,7 +3113,12 @@ impl Arena {
     /// Whether every rank posted, in lane call `k`, its input in one and the
     /// same allocation and its output in one and the same allocation. Then
     /// this rank's own buffers are in them too, so it holds both alive.
-    fn all_in_one_allocation(&self, k: u64, (in_bytes, out_bytes): (usize, usize)) -> bool {
+    fn all_in_one_allocation(
+        &self,
+        k: u64,
+        (in_bytes, out_bytes): (usize, usize),
+        align: usize,
+    ) -> bool {
         let places = |p: Rank| {
             let slot = self.lane_payload::<u64>(p, k);
             // SAFETY: posted in lane call k (awaited by `enter`).
@@ -3096,7 +3126,7 @@ impl Arena {
         };
         let tags =
             |(input, output): (u64, u64)| (input >> PLACE_OFFSET_BITS, output >> PLACE_OFFSET_BITS);
-        let fits = |place: u64, len: usize| place_fits(&self.shared, place, len);
+        let fits = |place: u64, len: usize| place_fits(&self.shared, place, len, align);
         let mine = tags(places(self.rank));
         mine.0 != 0
             && mine.1 != 0
@@ -3771,14 +3801,15 @@ fn affinity_words() -> [u64; AFFINITY_WORDS] {
 /// `len` bytes from its offset inside it. The word is a peer's: it must
 /// leave the buffer inside the allocation, or this process would reach past
 /// its mapping of the peer's block (a well-behaved peer's `locate` checked
-/// it; a corrupt one is refused, and the call takes another path).
-fn place_fits(shared: &[SharedEntry], place: u64, len: usize) -> bool {
+/// it; a corrupt one is refused, and the call takes another path). The
+/// offset must also keep the elements aligned (`align`; blocks start on a
+/// page): a misaligned `*const T` is undefined behaviour.
+fn place_fits(shared: &[SharedEntry], place: u64, len: usize, align: usize) -> bool {
     let (tag, at) = (place >> PLACE_OFFSET_BITS, place & PLACE_OFFSET_MASK);
     shared.iter().find(|e| e.id + 1 == tag).is_some_and(|e| {
-        usize::try_from(at)
-            .ok()
-            .and_then(|at| at.checked_add(len))
-            .is_some_and(|end| end <= e.bytes)
+        usize::try_from(at).ok().is_some_and(|at| {
+            at % align.max(1) == 0 && at.checked_add(len).is_some_and(|end| end <= e.bytes)
+        })
     })
 }
 
@@ -3942,6 +3973,31 @@ mod tests {
         assert!(!text.contains("18446744073709551615"), "{text}");
     }
 
+    /// A segment whose region is smaller than this world's arena (another
+    /// build on rank 0, a rewritten header) is refused before use, naming
+    /// the sizes, instead of being used past its end.
+    #[test]
+    fn an_arena_segment_too_small_for_the_world_is_refused() {
+        let geometry = Geometry::new(4);
+        let name =
+            crate::transport::shm::segment_name("test", &format!("small{}", std::process::id()), 0);
+        let segment =
+            Segment::create_with_region(&name, 0, 4096, Geometry::new(2).bytes()).unwrap();
+        let err = Arena::shared(
+            segment,
+            geometry,
+            1,
+            Arc::new(AtomicBool::new(false)),
+            Duration::from_millis(200),
+            crate::ShmStores::Cached,
+        )
+        .err()
+        .expect("too small: refused");
+        assert!(matches!(err, Error::Bootstrap { .. }), "{err}");
+        let text = err.to_string();
+        assert!(text.contains("same build"), "{text}");
+    }
+
     /// A peer's posted offset is used to reach into this process's mapping
     /// of the peer's block only when the buffer lies inside it.
     /// Threads that outnumber the CPUs they may run on yield at once in
@@ -4023,11 +4079,13 @@ mod tests {
             maps: Vec::new(),
         };
         let shared = [entry];
-        assert!(place_fits(&shared, place_word(1, 4096 - 8), 8));
-        assert!(!place_fits(&shared, place_word(1, 4096 - 8), 16));
-        assert!(!place_fits(&shared, place_word(1, 8), usize::MAX));
+        assert!(place_fits(&shared, place_word(1, 4096 - 8), 8, 8));
+        assert!(!place_fits(&shared, place_word(1, 4096 - 8), 16, 8));
+        assert!(!place_fits(&shared, place_word(1, 8), usize::MAX, 8));
+        assert!(!place_fits(&shared, place_word(1, 4), 8, 8), "misaligned");
+        assert!(place_fits(&shared, place_word(1, 4), 8, 4));
         assert!(
-            !place_fits(&shared, place_word(2, 0), 8),
+            !place_fits(&shared, place_word(2, 0), 8, 8),
             "another allocation"
         );
     }

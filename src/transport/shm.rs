@@ -59,6 +59,13 @@ fn segment_bytes(slots: usize, ring_bytes: usize) -> usize {
 /// [`segment_bytes`] for sizes read from a header another process wrote:
 /// `None` where it overflows (the product would wrap in a release build
 /// and pass the size check with rings beyond the mapping).
+/// Whether rings of `ring_bytes` can lay out `slots` of them: a power of
+/// two, and at least 8 bytes when there are any, so that every ring's
+/// counters (`AtomicU64`) after the first stay 8-byte aligned.
+fn ring_size_valid(slots: usize, ring_bytes: usize) -> bool {
+    ring_bytes.is_power_of_two() && (slots == 0 || ring_bytes >= 8)
+}
+
 fn segment_bytes_checked(slots: usize, ring_bytes: usize) -> Option<usize> {
     ring_bytes
         .checked_add(2 * LINE)?
@@ -96,6 +103,10 @@ pub(crate) struct Segment {
     ring_bytes: usize,
     /// `Some(name)` while this process still has to unlink the name.
     unlink_on_drop: Option<CString>,
+    /// Set once [`unlink_now`](Segment::unlink_now) removed the name
+    /// through a shared handle: the drop must not remove it again (by then
+    /// the name could be another segment's).
+    unlinked: std::sync::atomic::AtomicBool,
     /// The name it was created or opened under.
     name: String,
 }
@@ -160,9 +171,9 @@ impl Segment {
         ring_bytes: usize,
         region_bytes: usize,
     ) -> io::Result<Segment> {
-        if !ring_bytes.is_power_of_two() {
+        if !ring_size_valid(slots, ring_bytes) {
             return Err(io::Error::other(format!(
-                "{name}: rings of {ring_bytes} bytes (must be a power of two)"
+                "{name}: rings of {ring_bytes} bytes (must be a power of two, at least 8)"
             )));
         }
         let cname = CString::new(name).map_err(|_| io::Error::other("bad segment name"))?;
@@ -224,6 +235,7 @@ impl Segment {
             slots,
             ring_bytes,
             unlink_on_drop: Some(cname),
+            unlinked: false.into(),
             name: name.to_string(),
         };
         let header = segment.header();
@@ -268,6 +280,7 @@ impl Segment {
             slots: 0,
             ring_bytes: 0,
             unlink_on_drop: None,
+            unlinked: false.into(),
             name: name.to_string(),
         };
         let header = segment.header();
@@ -279,7 +292,7 @@ impl Segment {
             header.ring_bytes.load(Ordering::Relaxed) as usize,
         );
         if magic != SEGMENT_MAGIC
-            || !ring_bytes.is_power_of_two()
+            || !ring_size_valid(slots, ring_bytes)
             || segment_bytes_checked(slots, ring_bytes).is_none_or(|bytes| bytes > len)
         {
             return Err(io::Error::other(format!(
@@ -310,8 +323,11 @@ impl Segment {
     }
 
     /// Removes the name now, through a shared handle (the mapping stays
-    /// valid; a later `unlink` or drop finds it gone, which is harmless).
+    /// valid; a later `unlink` or drop does not remove the name again).
     pub fn unlink_now(&self) {
+        if self.unlinked.swap(true, Ordering::AcqRel) {
+            return;
+        }
         if let Ok(name) = CString::new(self.name.as_str()) {
             // SAFETY: valid C string.
             unsafe { libc::shm_unlink(name.as_ptr()) };
@@ -320,7 +336,8 @@ impl Segment {
 
     /// Removes the name now (the mapping stays valid).
     pub fn unlink(&mut self) {
-        if let Some(name) = self.unlink_on_drop.take() {
+        let name = self.unlink_on_drop.take();
+        if let Some(name) = name.filter(|_| !self.unlinked.swap(true, Ordering::AcqRel)) {
             // SAFETY: valid C string.
             unsafe { libc::shm_unlink(name.as_ptr()) };
         }
@@ -524,6 +541,11 @@ impl ShmLink {
 /// Whether process `pid` exists and is not a zombie (a killed rank whose
 /// parent has not reaped it yet must still count as dead).
 pub(crate) fn process_alive(pid: u32) -> bool {
+    // A pid a peer wrote: 0 and values past i32::MAX would name process
+    // groups (0: our own, always "alive"), not a process.
+    if pid == 0 || pid > i32::MAX as u32 {
+        return false;
+    }
     // SAFETY: signal 0 only checks for existence and permission.
     let rc = unsafe { libc::kill(pid as libc::pid_t, 0) };
     if rc != 0 && io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH) {
@@ -574,6 +596,24 @@ mod tests {
         static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
         let n = NEXT.fetch_add(1, Ordering::Relaxed);
         segment_name("test", &format!("{tag}{}", std::process::id()), n)
+    }
+
+    /// Rings too small to keep the next ring's counters aligned are refused
+    /// on create, and on open when a header says so.
+    #[test]
+    fn rings_below_eight_bytes_are_refused() {
+        let name = unique("tiny");
+        assert!(Segment::create(&name, 2, 4).is_err());
+        assert!(Segment::create_with_region(&name, 0, 1, 64).is_ok_and(|s| {
+            drop(s);
+            true
+        }));
+        let s = Segment::create(&name, 2, 4096).unwrap();
+        // Rewrite the header as a peer might.
+        s.header().ring_bytes.store(4, Ordering::Relaxed);
+        let opened = Segment::open(&name);
+        assert!(opened.is_err());
+        drop(s);
     }
 
     #[test]
