@@ -177,7 +177,17 @@ struct Pending {
     from_addr: SocketAddr,
     hello: [u8; HELLO_BYTES],
     filled: usize,
+    accepted_at: Instant,
 }
+
+/// How long an accepted connection may take to send its hello: a rank
+/// writes it as soon as it has connected, so only a stranger (a port
+/// scanner, a half-open connection) waits longer, and it must not hold a
+/// descriptor until the set-up's deadline.
+const HELLO_PATIENCE: Duration = Duration::from_secs(5);
+/// Connections kept waiting for their hello at once; past it the oldest is
+/// refused, so strangers cannot use up the descriptors the ranks need.
+const MAX_PENDING: usize = 256;
 
 /// Accepts one verified connection from each rank in `expected`, refusing
 /// (and logging) anything else, until `deadline`. On expiry returns the
@@ -204,11 +214,20 @@ pub(crate) fn accept(
                 Ok((stream, from_addr)) => {
                     progressed = true;
                     if stream.set_nonblocking(true).is_ok() {
+                        if pending.len() >= MAX_PENDING {
+                            let oldest = pending.remove(0);
+                            log_refusal(
+                                me,
+                                oldest.from_addr,
+                                &format!("{MAX_PENDING} connections were waiting to be verified"),
+                            );
+                        }
                         pending.push(Pending {
                             stream,
                             from_addr,
                             hello: [0; HELLO_BYTES],
                             filled: 0,
+                            accepted_at: Instant::now(),
                         });
                     }
                 }
@@ -242,8 +261,15 @@ pub(crate) fn accept(
                         check_hello(&p.hello, token, me, &remaining)
                     })
                 }
-                Err(e) if e.kind() == ErrorKind::WouldBlock => None,
-                Err(e) if e.kind() == ErrorKind::Interrupted => None,
+                Err(e)
+                    if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted =>
+                {
+                    (p.accepted_at.elapsed() >= HELLO_PATIENCE).then(|| {
+                        Err(format!(
+                            "it sent no complete hello within {HELLO_PATIENCE:?}"
+                        ))
+                    })
+                }
                 Err(e) => Some(Err(e.to_string())),
             };
             match outcome {
@@ -251,7 +277,7 @@ pub(crate) fn accept(
                 Some(result) => {
                     let p = pending.swap_remove(i);
                     match result {
-                        Ok(from) => match acknowledge(p.stream) {
+                        Ok(from) => match acknowledge(p.stream, deadline) {
                             Ok(stream) => {
                                 done.insert(from, stream);
                             }
@@ -282,11 +308,21 @@ pub(crate) fn accept(
     Ok(done)
 }
 
-fn acknowledge(mut stream: TcpStream) -> io::Result<TcpStream> {
-    stream.set_nonblocking(false)?;
-    stream.set_write_timeout(Some(Duration::from_secs(5)))?;
-    stream.write_all(&ACK_MAGIC.to_le_bytes())?;
+/// Answers a verified hello. The link is configured first: a failure then
+/// refuses the connection before the peer hears an answer (it retries or
+/// times out naming this rank), where after the answer the peer would go
+/// on with a link this side dropped. The answer waits at most 5 s, and not
+/// past the set-up's deadline.
+fn acknowledge(mut stream: TcpStream, deadline: Instant) -> io::Result<TcpStream> {
     tune(&stream)?;
+    let left = deadline
+        .saturating_duration_since(Instant::now())
+        .clamp(Duration::from_millis(1), Duration::from_secs(5));
+    stream.set_nonblocking(false)?;
+    stream.set_write_timeout(Some(left))?;
+    stream.write_all(&ACK_MAGIC.to_le_bytes())?;
+    // Back to what `tune` left: links are non-blocking.
+    stream.set_nonblocking(true)?;
     Ok(stream)
 }
 
@@ -503,6 +539,34 @@ mod tests {
                 Ok(_) => assert!(Instant::now() < end, "EOF not seen"),
             }
         }
+    }
+
+    /// Strangers that connect and say nothing are refused once more than
+    /// MAX_PENDING wait (oldest first), while the set-up still runs, so
+    /// they cannot use up the descriptors the ranks need; a rank that
+    /// connects after them is still accepted.
+    #[test]
+    fn silent_strangers_past_the_cap_are_refused_while_accepting() {
+        let listener = TcpListener::bind((IpAddr::V4(Ipv4Addr::LOCALHOST), 0)).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let token = [3u8; 16];
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let accepting = std::thread::spawn(move || {
+            accept(&listener, &token, 0, &[1], deadline).map(|m| m.len())
+        });
+        let mut silent: Vec<TcpStream> = (0..MAX_PENDING + 8)
+            .map(|_| TcpStream::connect(addr).unwrap())
+            .collect();
+        // The first one is closed by the acceptor, before any rank came.
+        let first = &mut silent[0];
+        first
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        assert!(matches!(first.read(&mut [0u8; 4]), Ok(0) | Err(_)));
+        assert!(!accepting.is_finished());
+        let rank = connect(addr, &token, 1, 0, deadline).unwrap();
+        assert_eq!(accepting.join().unwrap(), Ok(1));
+        drop(rank);
     }
 
     /// Small reads go through the link's buffer, large ones bypass it;
