@@ -36,6 +36,14 @@ impl Frames {
         self.collective.taken(key.1, key.2, key.3);
         Some(frame)
     }
+
+    /// Drops every frame of context `ctx` (its receiver has gone).
+    fn discard_ctx(&mut self, ctx: u64) {
+        let keys: Vec<Key> = self.map.keys().filter(|k| k.1 == ctx).copied().collect();
+        for key in keys {
+            self.remove(&key);
+        }
+    }
 }
 
 /// State shared by every communicator of one `local_group` (and its splits).
@@ -167,7 +175,14 @@ impl LocalEndpoint {
             header.step,
         );
         let mailbox = &self.group.mailboxes[self.members[peer]];
-        lock(&mailbox.frames).insert(key, (header, payload));
+        let mut frames = lock(&mailbox.frames);
+        // A receiver that has dropped this communicator never takes it: kept,
+        // the payload would stay in memory as long as the group.
+        if lock(&self.group.departed).contains(&(header.ctx, self.members[peer])) {
+            return Ok(());
+        }
+        frames.insert(key, (header, payload));
+        drop(frames);
         mailbox.arrived.notify_all();
         Ok(())
     }
@@ -223,7 +238,50 @@ impl LocalEndpoint {
 
 impl Drop for LocalEndpoint {
     fn drop(&mut self) {
-        lock(&self.group.departed).insert((self.ctx, self.members[self.rank]));
+        let me = self.members[self.rank];
+        // Under the mailbox's lock, so that a send either lands before the
+        // purge or sees the departure (it checks under the same lock).
+        let mut frames = lock(&self.group.mailboxes[me].frames);
+        lock(&self.group.departed).insert((self.ctx, me));
+        frames.discard_ctx(self.ctx);
+        drop(frames);
         self.group.wake_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::types::OpKind;
+
+    fn frame(ctx: u64, seq: u64) -> FrameHeader {
+        FrameHeader {
+            ctx,
+            space: Space::PointToPoint,
+            seq,
+            step: 0,
+            op: OpKind::Send,
+            bytes: 4096,
+            call: 1,
+        }
+    }
+
+    /// Frames for a receiver that dropped its communicator are not kept
+    /// for the group's lifetime: those waiting are dropped with it, later
+    /// ones are not stored; other contexts' frames stay.
+    #[test]
+    fn frames_for_a_departed_receiver_are_not_kept() {
+        let group = LocalGroup::new(2);
+        let sender = LocalEndpoint::new(group.clone(), 7, vec![0, 1], 0);
+        let receiver = LocalEndpoint::new(group.clone(), 7, vec![0, 1], 1);
+        let other = LocalEndpoint::new(group.clone(), 8, vec![0, 1], 0);
+        sender.send(1, frame(7, 0), Payload::zeroed(4096)).unwrap();
+        other.send(1, frame(8, 0), Payload::zeroed(4096)).unwrap();
+        let held = || lock(&group.mailboxes[1].frames).map.len();
+        assert_eq!(held(), 2);
+        drop(receiver);
+        assert_eq!(held(), 1, "the departed context's frame is dropped");
+        sender.send(1, frame(7, 1), Payload::zeroed(4096)).unwrap();
+        assert_eq!(held(), 1, "and later ones are not stored");
     }
 }
