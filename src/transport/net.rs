@@ -1873,11 +1873,15 @@ fn connect_rank(setup: Setup) -> Result<(NetEndpoint, Option<Segment>)> {
     let mut own_segment = None;
     let mut arena_segment = None;
     if !shm_peers.is_empty() {
+        // Names are published through the store, so each rank draws its
+        // own: built from the job's token they showed 10 of its 16 bytes to
+        // anyone who lists /dev/shm (the token admits connections).
+        let naming = random_token();
         let job = job_id
             .as_deref()
             .map(shm::sanitize_job_id)
-            .unwrap_or_else(|| hex(&token[..6]));
-        let nonce = hex(&token[12..16]);
+            .unwrap_or_else(|| hex(&naming[..6]));
+        let nonce = hex(&naming[12..16]);
         // Ring `slot(sender, owner)` of `owner`'s inbox carries sender →
         // owner: one ring per *other* local rank, L·(L-1) rings per host.
         let slot = |sender: usize, owner: usize| {
