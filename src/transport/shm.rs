@@ -577,15 +577,38 @@ pub(crate) fn host_identity() -> String {
             .map(|p| p.display().to_string())
             .unwrap_or_default()
     };
+    let boot_id = read("/proc/sys/kernel/random/boot_id");
+    let ipc = link("/proc/self/ns/ipc");
+    if boot_id.is_empty() || ipc.is_empty() {
+        // Without /proc two hosts would both read "|||||" and try each
+        // other's segments: this process then shares memory with no one
+        // (a unique identity), and its peers are reached over TCP.
+        // Drawn once: the identity is compared across calls.
+        static UNKNOWN: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+        return UNKNOWN
+            .get_or_init(|| format!("unknown|{}|{:x}", std::process::id(), random_suffix()))
+            .clone();
+    }
     format!(
         "{}|{}|{}|{}|{}|{}",
         read("/proc/sys/kernel/hostname"),
-        read("/proc/sys/kernel/random/boot_id"),
-        link("/proc/self/ns/ipc"),
+        boot_id,
+        ipc,
         link("/proc/self/ns/mnt"),
         link("/proc/self/ns/pid"),
         link("/proc/self/ns/net"),
     )
+}
+
+/// Bits that differ between processes and calls, without /proc: the
+/// clock's nanoseconds mixed with a stack address (randomised per process).
+fn random_suffix() -> u64 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    let local = 0u8;
+    nanos ^ (std::ptr::addr_of!(local) as u64).rotate_left(29)
 }
 
 #[cfg(test)]
