@@ -32,7 +32,7 @@ pub enum LaunchSource {
 /// |---|---|---|
 /// | torchrun, `oxccl-run` | `RANK`, `WORLD_SIZE` | `LOCAL_RANK`, `LOCAL_WORLD_SIZE` |
 /// | Open MPI | `OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE` | `OMPI_COMM_WORLD_LOCAL_RANK`, `OMPI_COMM_WORLD_LOCAL_SIZE` |
-/// | MPICH, Intel MPI (Hydra `mpiexec`) | `PMI_RANK`, `PMI_SIZE` | `MPI_LOCALRANKID`, `MPI_LOCALNRANKS` |
+/// | MPICH, Intel MPI (Hydra `mpiexec`), Cray PALS | `PMI_RANK`, `PMI_SIZE` | `MPI_LOCALRANKID`, `MPI_LOCALNRANKS` (PALS: `PMI_LOCAL_RANK`, `PMI_LOCAL_SIZE`); required |
 /// | Slurm (`srun`) | `SLURM_PROCID`, `SLURM_STEP_NUM_TASKS` | `SLURM_LOCALID`, see below |
 ///
 /// When several are present, torchrun's win over Open MPI's, which win over
@@ -45,7 +45,8 @@ pub enum LaunchSource {
 /// `mpirun` inside an allocation sees the batch script's `SLURM_PROCID`,
 /// and Hydra starts its per-node proxies with `srun`, so its ranks see the
 /// proxy step's `SLURM_PROCID` and `SLURM_STEP_NUM_TASKS` (a node's index
-/// and the number of nodes), not their own.
+/// and the number of nodes), not their own. Where PMI's pair equals
+/// Slurm's (Slurm's PMI-2 plugin), Slurm's variables are read instead.
 ///
 /// Slurm counts only inside a job step that `srun` started, marked by
 /// `SLURM_STEP_NUM_TASKS`, which only `srun` sets: a batch script has
@@ -125,6 +126,12 @@ const PMI: Names = Names {
     local_rank: "MPI_LOCALRANKID",
     local_size: "MPI_LOCALNRANKS",
 };
+/// PMI with the local pair Cray's PALS sets instead of Hydra's.
+const PMI_PALS: Names = Names {
+    local_rank: "PMI_LOCAL_RANK",
+    local_size: "PMI_LOCAL_SIZE",
+    ..PMI
+};
 const SLURM: Names = Names {
     source: LaunchSource::Slurm,
     rank: "SLURM_PROCID",
@@ -189,6 +196,28 @@ impl LaunchEnv {
         let ompi = find(&var, &OMPI, true)?;
         let pmi = find(&var, &PMI, true)?;
         let slurm = find(&var, &SLURM, false)?;
+        // Slurm's own PMI-2 plugin sets PMI_RANK and PMI_SIZE equal to its
+        // task's: then Slurm's variables, which also say how many tasks
+        // share the node, describe the ranks. Only where the two disagree
+        // (Hydra's proxies under srun) are Slurm's ignored.
+        let pmi = pmi.filter(|p| {
+            !slurm
+                .as_ref()
+                .is_some_and(|s| s.rank == p.rank && s.size == p.size)
+        });
+        // Hydra's local pair, else Cray PALS's.
+        let has_pair =
+            |names: &Names| var(names.local_rank).is_some() || var(names.local_size).is_some();
+        let pmi = pmi.map(|found| {
+            if !has_pair(&PMI) && has_pair(&PMI_PALS) {
+                Found {
+                    names: &PMI_PALS,
+                    ..found
+                }
+            } else {
+                found
+            }
+        });
         // The first launcher below torchrun's that is present: Slurm's
         // count only when neither MPI launcher's are (see above).
         let launcher = ompi.or(pmi).or(slurm);
@@ -216,6 +245,21 @@ impl LaunchEnv {
         };
         let names = found.names;
         let (rank, world_size) = (found.rank, found.size);
+        // PMI without a local pair (Flux, a PMI-2 server outside Slurm)
+        // cannot tell which ranks share this node: an error naming them,
+        // not a guess that every rank is local.
+        if names.source == LaunchSource::Pmi && !has_pair(names) {
+            return Err(config(
+                PMI.local_rank,
+                "",
+                format!(
+                    "PMI_RANK={rank} and PMI_SIZE={world_size} are set, but not the ranks on \
+                     this node (MPI_LOCALRANKID/MPI_LOCALNRANKS, or PMI_LOCAL_RANK/\
+                     PMI_LOCAL_SIZE): set LOCAL_RANK and LOCAL_WORLD_SIZE with RANK and \
+                     WORLD_SIZE"
+                ),
+            ));
+        }
         if world_size == 0 {
             return Err(config(names.size, "0", "the world size must be at least 1"));
         }
@@ -349,7 +393,9 @@ impl LaunchEnv {
     /// the port's (`[fd00::1]:29500`); a name, an IPv4 address or an
     /// address already in brackets is used as written.
     pub fn store_address(&self) -> String {
-        if self.master_addr.parse::<std::net::Ipv6Addr>().is_ok() {
+        // A link-local address may carry its zone (`fe80::1%eth0`).
+        let address = self.master_addr.split('%').next().unwrap_or_default();
+        if address.parse::<std::net::Ipv6Addr>().is_ok() {
             format!("[{}]:{}", self.master_addr, self.master_port)
         } else {
             format!("{}:{}", self.master_addr, self.master_port)
@@ -581,6 +627,7 @@ mod tests {
                 .store_address()
         };
         assert_eq!(at("fd00::1"), "[fd00::1]:29500");
+        assert_eq!(at("fe80::1%eth0"), "[fe80::1%eth0]:29500");
         assert_eq!(at("[fd00::1]"), "[fd00::1]:29500");
         assert_eq!(at("10.0.0.1"), "10.0.0.1:29500");
         assert_eq!(at("node7"), "node7:29500");
@@ -692,10 +739,48 @@ mod tests {
         ]);
         let e = env(&v).unwrap();
         assert_eq!((e.source, e.rank, e.world_size), (LaunchSource::Pmi, 6, 8));
-        // One node, no local variables: every rank is local.
-        let e = env(&[("PMI_RANK", "3"), ("PMI_SIZE", "4")]).unwrap();
-        assert_eq!((e.local_rank, e.local_world_size), (3, 4));
-        assert_eq!(e.master_addr, "127.0.0.1");
+        // Slurm's PMI-2 plugin: PMI's pair equals Slurm's task, and Slurm's
+        // variables (which say how many tasks share the node) are used.
+        let e = env(&[
+            ("PMI_RANK", "5"),
+            ("PMI_SIZE", "8"),
+            ("SLURM_PROCID", "5"),
+            ("SLURM_STEP_NUM_TASKS", "8"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_NODEID", "1"),
+            ("SLURM_STEP_TASKS_PER_NODE", "4(x2)"),
+            ("SLURM_STEP_NODELIST", "n[1-2]"),
+        ])
+        .unwrap();
+        assert_eq!(e.source, LaunchSource::Slurm);
+        assert_eq!((e.rank, e.local_rank, e.local_world_size), (5, 1, 4));
+        assert_eq!(e.master_addr, "n1");
+        // Cray PALS's local pair.
+        let e = env(&[
+            ("PMI_RANK", "6"),
+            ("PMI_SIZE", "8"),
+            ("PMI_LOCAL_RANK", "2"),
+            ("PMI_LOCAL_SIZE", "4"),
+            ("MASTER_ADDR", "n1"),
+        ])
+        .unwrap();
+        assert_eq!(
+            (e.source, e.local_rank, e.local_world_size),
+            (LaunchSource::Pmi, 2, 4)
+        );
+        // No local pair at all (Flux): an error, not "every rank is local".
+        let (name, msg) = config_err(&[("PMI_RANK", "3"), ("PMI_SIZE", "4")]);
+        assert_eq!(name, "MPI_LOCALRANKID");
+        assert!(msg.contains("LOCAL_WORLD_SIZE"), "{msg}");
+        // ... unless torchrun's variables say it all.
+        let e = env(&[
+            ("PMI_RANK", "3"),
+            ("PMI_SIZE", "4"),
+            ("RANK", "3"),
+            ("WORLD_SIZE", "4"),
+        ])
+        .unwrap();
+        assert_eq!(e.source, LaunchSource::Torchrun);
         // A stale RANK that disagrees with PMI's is named.
         let mut v = hydra.to_vec();
         v.extend([("RANK", "0"), ("WORLD_SIZE", "8")]);
