@@ -98,6 +98,15 @@ pub struct LaunchSpec {
     pub kill_grace: Duration,
     /// Whether each rank is bound to one CPU (mpirun's `--bind-to`).
     pub bind: Bind,
+    /// Make this process a child subreaper while the job runs, so that a
+    /// process whose parent below a rank ended is adopted by it rather
+    /// than by init: stopping the job then still reaches it, and every
+    /// adopted process that ends is reaped. For a process that does
+    /// nothing but launch (`oxccl-run` sets it); a host program with
+    /// children of its own should leave it off, since any orphan of those
+    /// is adopted and reaped too. Off: stopping reaches the processes
+    /// still below a rank.
+    pub adopt_orphans: bool,
 }
 
 /// CPU binding of the ranks a launcher starts (mpirun's `--bind-to`).
@@ -180,6 +189,7 @@ impl LaunchSpec {
             prefix_output: true,
             kill_grace: DEFAULT_KILL_GRACE,
             bind: Bind::Auto,
+            adopt_orphans: false,
         }
     }
 
@@ -471,7 +481,7 @@ pub fn launch(spec: &LaunchSpec) -> Result<LaunchReport> {
     }
     let job_id = spec.job_id();
     let _signals = SignalGuard::install();
-    let _subreaper = SubreaperGuard::install();
+    let _subreaper = spec.adopt_orphans.then(SubreaperGuard::install);
     let mut job = Job::new(spec);
 
     let outcome = job.spawn_all(spec, &job_id).map(|()| job.supervise());
@@ -554,6 +564,9 @@ struct Job {
     /// signal.
     below_ranks: std::collections::BTreeSet<u32>,
     last_survey: Option<Instant>,
+    /// [`LaunchSpec::adopt_orphans`]: every child of this process that is
+    /// not a rank is the job's, and is reaped when it ends.
+    adopt_orphans: bool,
 }
 
 impl Job {
@@ -569,6 +582,7 @@ impl Job {
             reap_after_kill: REAP_AFTER_KILL,
             below_ranks: Default::default(),
             last_survey: None,
+            adopt_orphans: spec.adopt_orphans,
         }
     }
 
@@ -701,6 +715,25 @@ impl Job {
             self.below_ranks.extend(descendants_of(p.pid));
         }
         let me = std::process::id();
+        if self.adopt_orphans {
+            // Orphans adopted between two looks were never recorded: reap
+            // every child that is not a rank once it has ended, or each
+            // would stay a zombie for the rest of the job.
+            let ranks: Vec<u32> = self
+                .procs
+                .iter()
+                .filter(|p| p.exit.is_none())
+                .map(|p| p.pid)
+                .collect();
+            for pid in children_of_self() {
+                if !ranks.contains(&pid) && is_zombie(pid) {
+                    let mut status = 0;
+                    // SAFETY: waitpid on one specific pid, our child and
+                    // not a rank (those are std's `Child`ren).
+                    unsafe { libc::waitpid(pid as libc::pid_t, &mut status, libc::WNOHANG) };
+                }
+            }
+        }
         self.below_ranks.retain(|&pid| match parent_of(pid) {
             None => false,
             Some(parent) if parent == me => {
@@ -857,6 +890,11 @@ impl Job {
                             "stopping the other {running} rank{}",
                             plural(running)
                         ));
+                    }
+                    // The processes below the ranks get their SIGTERM even
+                    // when no rank is left to stop (the failed one was the
+                    // last): they too may clean up before the kill.
+                    if running > 0 || !self.job_processes_below().is_empty() {
                         self.signal_running(libc::SIGTERM);
                     }
                     kill_at = Some(Instant::now() + self.kill_grace);
@@ -956,6 +994,31 @@ fn descendants_of(pid: u32) -> Vec<u32> {
         }
     }
     found
+}
+
+/// This process's children, from the kernel's per-thread child lists.
+fn children_of_self() -> Vec<u32> {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return Vec::new();
+    };
+    tasks
+        .flatten()
+        .filter_map(|task| std::fs::read_to_string(task.path().join("children")).ok())
+        .flat_map(|list| {
+            list.split_whitespace()
+                .filter_map(|c| c.parse::<u32>().ok())
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// Whether process `pid` has ended and waits to be reaped.
+fn is_zombie(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        stat.rfind(')')
+            .and_then(|at| stat[at + 1..].split_whitespace().next().map(|s| s == "Z"))
+            .unwrap_or(false)
+    })
 }
 
 /// The parent of process `pid`, from `/proc/PID/stat`; `None` when it is

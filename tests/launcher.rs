@@ -709,3 +709,26 @@ fn stopping_the_job_reaches_the_processes_below_the_ranks() {
         "processes left running below the ranks"
     );
 }
+
+/// Processes a rank leaves behind are adopted by the launcher (a child
+/// subreaper) and reaped once they end, not kept as zombies for the rest
+/// of the job.
+#[test]
+fn orphans_the_ranks_leave_are_reaped_while_the_job_runs() {
+    let script = "for i in 1 2 3 4 5 6 7 8 9 10; do (sleep 0.05 &); done; sleep 1; \
+                  z=0; for c in $(cat /proc/$PPID/task/*/children); do \
+                  s=$(cut -d')' -f2 /proc/$c/stat 2>/dev/null | cut -d' ' -f2); \
+                  [ \"$s\" = Z ] && z=$((z+1)); done; echo zombies $z";
+    let r = run(&[
+        "--nproc-per-node",
+        "1",
+        "--master-port",
+        "29626",
+        "--",
+        "/bin/sh",
+        "-c",
+        script,
+    ]);
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    assert!(r.stdout.contains("[rank 0] zombies 0"), "{}", r.stdout);
+}

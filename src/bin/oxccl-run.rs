@@ -41,6 +41,8 @@ fn parse_number<T: std::str::FromStr>(flag: &str, value: &str) -> Result<T, Stri
 
 fn parse_args(mut args: impl Iterator<Item = OsString>) -> Result<Parsed, String> {
     let mut spec = LaunchSpec::new(OsString::new());
+    // This process only launches: what the ranks leave behind is the job's.
+    spec.adopt_orphans = true;
     let mut program: Option<OsString> = None;
     while let Some(arg) = args.next() {
         let Some(text) = arg.to_str() else {

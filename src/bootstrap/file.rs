@@ -122,7 +122,12 @@ impl FileStore {
         // process (a second thread would get the lock too) and which any
         // close of the file releases (that thread's guard would drop the
         // first one's lock).
-        let in_process = InProcessTurn::take(&path, self.lock_timeout).ok_or_else(|| {
+        // Keyed by the directory's canonical path: two stores naming it
+        // differently (relative, through a symlink) still take turns.
+        let key = fs::canonicalize(&self.dir)
+            .unwrap_or_else(|_| self.dir.clone())
+            .join(LOCK_NAME);
+        let in_process = InProcessTurn::take(&key, self.lock_timeout).ok_or_else(|| {
             self.error(format!(
                 "the lock {} was held by another thread of this process for {:?}",
                 path.display(),
@@ -184,15 +189,24 @@ impl InProcessTurn {
     /// Waits until no other thread of this process holds `path`, for at
     /// most `timeout`; `None` past it.
     fn take(path: &Path, timeout: Duration) -> Option<InProcessTurn> {
-        let deadline = Instant::now() + timeout;
+        // A timeout no clock can add (`lock_timeout(Duration::MAX)`): no
+        // deadline, as the caller asked.
+        let deadline = Instant::now().checked_add(timeout);
         // A poisoned list is still a list: a panic cannot leave it torn.
         let mut held = HELD_IN_PROCESS.lock().unwrap_or_else(|p| p.into_inner());
         while held.iter().any(|h| h == path) {
-            let left = deadline.checked_duration_since(Instant::now())?;
-            held = RELEASED_IN_PROCESS
-                .wait_timeout(held, left)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+            held = match deadline {
+                Some(deadline) => {
+                    let left = deadline.checked_duration_since(Instant::now())?;
+                    RELEASED_IN_PROCESS
+                        .wait_timeout(held, left)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0
+                }
+                None => RELEASED_IN_PROCESS
+                    .wait(held)
+                    .unwrap_or_else(|p| p.into_inner()),
+            };
         }
         held.push(path.to_path_buf());
         Some(InProcessTurn {

@@ -277,10 +277,18 @@ pub fn plan_with(desc: &CollectiveDesc, chunk_bytes: usize, family: Family) -> P
     }
     // At most MAX_PIECES pieces whatever the chunk size: frames are
     // numbered per call and peer in 32 bits (a wrapped number would reuse
-    // one still unread), and the plan holds a step per piece.
+    // one still unread), and the plan holds a step per piece. Counted over
+    // the whole buffer: all-gather, reduce-scatter and all-to-all counts
+    // are per rank, and their plans move (world - 1) blocks of them.
+    let elements = match desc.op {
+        OpKind::AllGather | OpKind::ReduceScatter | OpKind::AllToAll => {
+            desc.count().saturating_mul(desc.world_size)
+        }
+        _ => desc.count(),
+    };
     let piece_elems = (chunk_bytes / desc.dtype.size())
         .max(1)
-        .max(desc.count().div_ceil(MAX_PIECES));
+        .max(elements.div_ceil(MAX_PIECES));
     let rank = desc.rank;
     let world = desc.world_size;
     let in_place = desc.in_place;

@@ -56,9 +56,6 @@ fn segment_bytes(slots: usize, ring_bytes: usize) -> usize {
     ring_offset(slots, ring_bytes)
 }
 
-/// [`segment_bytes`] for sizes read from a header another process wrote:
-/// `None` where it overflows (the product would wrap in a release build
-/// and pass the size check with rings beyond the mapping).
 /// Whether rings of `ring_bytes` can lay out `slots` of them: a power of
 /// two, and at least 8 bytes when there are any, so that every ring's
 /// counters (`AtomicU64`) after the first stay 8-byte aligned.
@@ -66,6 +63,9 @@ fn ring_size_valid(slots: usize, ring_bytes: usize) -> bool {
     ring_bytes.is_power_of_two() && (slots == 0 || ring_bytes >= 8)
 }
 
+/// [`segment_bytes`] for sizes read from a header another process wrote:
+/// `None` where it overflows (the product would wrap in a release build
+/// and pass the size check with rings beyond the mapping).
 fn segment_bytes_checked(slots: usize, ring_bytes: usize) -> Option<usize> {
     ring_bytes
         .checked_add(2 * LINE)?
@@ -581,9 +581,18 @@ pub(crate) fn host_identity() -> String {
     let ipc = link("/proc/self/ns/ipc");
     if boot_id.is_empty() || ipc.is_empty() {
         // Without /proc two hosts would both read "|||||" and try each
-        // other's segments: this process then shares memory with no one
-        // (a unique identity), and its peers are reached over TCP.
-        // Drawn once: the identity is compared across calls.
+        // other's segments. The host name, from the kernel, still tells
+        // hosts apart (and keeps one host's GPU ranks together); without
+        // one this process shares memory with no one (a unique identity,
+        // drawn once: it is compared across calls) and its peers are
+        // reached over TCP.
+        let mut name = [0u8; 256];
+        // SAFETY: gethostname writes at most `name.len()` bytes into it.
+        let ok = unsafe { libc::gethostname(name.as_mut_ptr().cast(), name.len()) } == 0;
+        let end = name.iter().position(|&b| b == 0).unwrap_or(0);
+        if ok && end > 0 {
+            return format!("hostname-only|{}", String::from_utf8_lossy(&name[..end]));
+        }
         static UNKNOWN: std::sync::OnceLock<String> = std::sync::OnceLock::new();
         return UNKNOWN
             .get_or_init(|| format!("unknown|{}|{:x}", std::process::id(), random_suffix()))

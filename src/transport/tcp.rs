@@ -185,8 +185,10 @@ struct Pending {
 /// scanner, a half-open connection) waits longer, and it must not hold a
 /// descriptor until the set-up's deadline.
 const HELLO_PATIENCE: Duration = Duration::from_secs(5);
-/// Connections kept waiting for their hello at once; past it the oldest is
-/// refused, so strangers cannot use up the descriptors the ranks need.
+/// Connections kept waiting for their hello at once; past it the listener
+/// takes no more until some are verified or refused (the rest wait in the
+/// kernel's backlog), so strangers cannot use up the descriptors the ranks
+/// need, and a rank's connection is never refused for the crowd.
 const MAX_PENDING: usize = 256;
 
 /// Accepts one verified connection from each rank in `expected`, refusing
@@ -209,19 +211,11 @@ pub(crate) fn accept(
     }
     while done.len() < expected.len() {
         let mut progressed = false;
-        loop {
+        while pending.len() < MAX_PENDING {
             match listener.accept() {
                 Ok((stream, from_addr)) => {
                     progressed = true;
                     if stream.set_nonblocking(true).is_ok() {
-                        if pending.len() >= MAX_PENDING {
-                            let oldest = pending.remove(0);
-                            log_refusal(
-                                me,
-                                oldest.from_addr,
-                                &format!("{MAX_PENDING} connections were waiting to be verified"),
-                            );
-                        }
                         pending.push(Pending {
                             stream,
                             from_addr,
@@ -541,10 +535,10 @@ mod tests {
         }
     }
 
-    /// Strangers that connect and say nothing are refused once more than
-    /// MAX_PENDING wait (oldest first), while the set-up still runs, so
-    /// they cannot use up the descriptors the ranks need; a rank that
-    /// connects after them is still accepted.
+    /// Strangers that connect and say nothing are refused after
+    /// HELLO_PATIENCE, while the set-up still runs, and no more than
+    /// MAX_PENDING are held at once, so they cannot use up the descriptors
+    /// the ranks need; a rank that connects after them is still accepted.
     #[test]
     fn silent_strangers_past_the_cap_are_refused_while_accepting() {
         let listener = TcpListener::bind((IpAddr::V4(Ipv4Addr::LOCALHOST), 0)).unwrap();
