@@ -707,6 +707,15 @@ impl Job {
         }
     }
 
+    /// The pids of the ranks not yet reaped.
+    fn running_pids(&self) -> Vec<u32> {
+        self.procs
+            .iter()
+            .filter(|p| p.exit.is_none())
+            .map(|p| p.pid)
+            .collect()
+    }
+
     /// Records the processes now below the running ranks, forgets those
     /// that are gone, and reaps those the launcher adopted that have ended.
     fn survey(&mut self) {
@@ -719,31 +728,18 @@ impl Job {
             // Orphans adopted between two looks were never recorded: reap
             // every child that is not a rank once it has ended, or each
             // would stay a zombie for the rest of the job.
-            let ranks: Vec<u32> = self
-                .procs
-                .iter()
-                .filter(|p| p.exit.is_none())
-                .map(|p| p.pid)
-                .collect();
+            let ranks = self.running_pids();
             for pid in children_of_self() {
+                // Ranks are std's `Child`ren, reaped by `reap`.
                 if !ranks.contains(&pid) && is_zombie(pid) {
-                    let mut status = 0;
-                    // SAFETY: waitpid on one specific pid, our child and
-                    // not a rank (those are std's `Child`ren).
-                    unsafe { libc::waitpid(pid as libc::pid_t, &mut status, libc::WNOHANG) };
+                    reap_child(pid);
                 }
             }
         }
         self.below_ranks.retain(|&pid| match parent_of(pid) {
             None => false,
-            Some(parent) if parent == me => {
-                // Adopted: ours to reap once it ends (a zombie until then).
-                let mut status = 0;
-                // SAFETY: waitpid on one specific pid, our child.
-                let reaped =
-                    unsafe { libc::waitpid(pid as libc::pid_t, &mut status, libc::WNOHANG) };
-                reaped != pid as libc::pid_t
-            }
+            // Adopted: ours to reap once it ends (a zombie until then).
+            Some(parent) if parent == me => !reap_child(pid),
             Some(_) => true,
         });
     }
@@ -765,12 +761,7 @@ impl Job {
     fn job_processes_below(&mut self) -> Vec<u32> {
         self.survey();
         let me = std::process::id();
-        let ranks: Vec<u32> = self
-            .procs
-            .iter()
-            .filter(|p| p.exit.is_none())
-            .map(|p| p.pid)
-            .collect();
+        let ranks = self.running_pids();
         self.below_ranks
             .iter()
             .copied()
@@ -1010,6 +1001,14 @@ fn children_of_self() -> Vec<u32> {
                 .collect::<Vec<_>>()
         })
         .collect()
+}
+
+/// Reaps child `pid` if it has ended (never waits); whether it did.
+fn reap_child(pid: u32) -> bool {
+    let mut status = 0;
+    // SAFETY: waitpid on one specific pid, a child of this process that no
+    // `std::process::Child` owns (the callers pass no rank).
+    unsafe { libc::waitpid(pid as libc::pid_t, &mut status, libc::WNOHANG) == pid as libc::pid_t }
 }
 
 /// Whether process `pid` has ended and waits to be reaped.

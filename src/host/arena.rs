@@ -3946,25 +3946,36 @@ mod tests {
     use super::*;
     use crate::error::Error;
 
-    /// A peer that never attaches makes the set-up time out naming the
-    /// communicator's set-up (`init`) and the peer, not a barrier with a
-    /// sequence number nobody called.
-    #[test]
-    fn a_set_up_timeout_names_init_and_the_peer() {
-        let geometry = Geometry::new(2);
+    /// `Arena::shared` as rank `rank` of `geometry` on a fresh segment with
+    /// `region` bytes after its rings, no peer attaching, a 200 ms timeout:
+    /// its error.
+    fn shared_arena_alone(
+        tag: &str,
+        region: usize,
+        geometry: Geometry,
+        rank: Rank,
+    ) -> Option<Error> {
         let name =
-            crate::transport::shm::segment_name("test", &format!("setup{}", std::process::id()), 0);
-        let segment = Segment::create_with_region(&name, 0, 4096, geometry.bytes()).unwrap();
-        let err = Arena::shared(
+            crate::transport::shm::segment_name("test", &format!("{tag}{}", std::process::id()), 0);
+        let segment = Segment::create_with_region(&name, 0, 4096, region).unwrap();
+        Arena::shared(
             segment,
             geometry,
-            0,
+            rank,
             Arc::new(AtomicBool::new(false)),
             Duration::from_millis(200),
             crate::ShmStores::Cached,
         )
         .err()
-        .expect("no peer attached: a timeout");
+    }
+
+    /// A peer that never attaches makes the set-up time out naming the
+    /// communicator's set-up (`init`) and the peer, not a barrier with a
+    /// sequence number nobody called.
+    #[test]
+    fn a_set_up_timeout_names_init_and_the_peer() {
+        let err = shared_arena_alone("setup", Geometry::new(2).bytes(), Geometry::new(2), 0)
+            .expect("no peer attached: a timeout");
         let text = err.to_string();
         assert!(
             text.contains("init #0") && text.contains("rank 1"),
@@ -3978,21 +3989,8 @@ mod tests {
     /// the sizes, instead of being used past its end.
     #[test]
     fn an_arena_segment_too_small_for_the_world_is_refused() {
-        let geometry = Geometry::new(4);
-        let name =
-            crate::transport::shm::segment_name("test", &format!("small{}", std::process::id()), 0);
-        let segment =
-            Segment::create_with_region(&name, 0, 4096, Geometry::new(2).bytes()).unwrap();
-        let err = Arena::shared(
-            segment,
-            geometry,
-            1,
-            Arc::new(AtomicBool::new(false)),
-            Duration::from_millis(200),
-            crate::ShmStores::Cached,
-        )
-        .err()
-        .expect("too small: refused");
+        let err = shared_arena_alone("small", Geometry::new(2).bytes(), Geometry::new(4), 1)
+            .expect("too small: refused");
         assert!(matches!(err, Error::Bootstrap { .. }), "{err}");
         let text = err.to_string();
         assert!(text.contains("same build"), "{text}");
