@@ -387,6 +387,21 @@ pub fn every_collective_shared<T: Element>(
                 count_wrong_input(&send, rank, 0, op)
             };
             ensure(wrong, || format!("reduce in place {}", ctx()))?;
+
+            // Out of place, the root's output alone in an allocation: off
+            // the root the output is not written, so an empty one (as
+            // NCCL's ncclReduce allows) keeps the call zero-copy.
+            let root = world - 1;
+            fill(&mut send, rank, 0, op);
+            if rank == root {
+                comm.reduce(&send, &mut recv, op, root)?;
+                ensure(count_wrong_reduced(&recv, world, 0, op), || {
+                    format!("reduce {}", ctx())
+                })?;
+            } else {
+                comm.reduce(&send, &mut [], op, root)?;
+            }
+            direct(comm, "reduce, empty output off the root", bytes)?;
         }
         let op = ReduceOp::Sum;
         let mut mine = comm.alloc_shared::<T>(count)?;
@@ -413,6 +428,39 @@ pub fn every_collective_shared<T: Element>(
                 format!("broadcast in place root {root} count {count} (alloc_shared)")
             })?;
             direct(comm, "broadcast in place", bytes)?;
+
+            // Out of place with an empty input off the root (ignored there,
+            // as in ncclBroadcast): still zero-copy.
+            let mut recv = comm.alloc_shared::<T>(count)?;
+            if rank == root {
+                comm.broadcast(&buf, &mut recv, root)?;
+            } else {
+                comm.broadcast(&[], &mut recv, root)?;
+            }
+            ensure(count_wrong_input(&recv, root, 0, op), || {
+                format!(
+                    "broadcast root {root} count {count} (alloc_shared, empty input off the root)"
+                )
+            })?;
+            direct(comm, "broadcast, empty input off the root", bytes)?;
+            // The same from one allocation holding both the root's input
+            // and every output: the others then read the root's input.
+            let mut both = comm.alloc_shared::<T>(2 * count)?;
+            let (send, recv) = both.split_at_mut(count);
+            if rank == root {
+                fill(send, root, 0, op);
+                comm.broadcast(send, recv, root)?;
+            } else {
+                comm.broadcast(&[], recv, root)?;
+            }
+            ensure(count_wrong_input(recv, root, 0, op), || {
+                format!("broadcast root {root} count {count} (one alloc_shared, empty input off the root)")
+            })?;
+            direct(
+                comm,
+                "broadcast from one allocation, empty input off the root",
+                bytes,
+            )?;
         }
         comm.barrier()?;
     }

@@ -555,6 +555,11 @@ pub(crate) struct Arena {
     direct_scratch: Vec<u64>,
     /// How the current direct call reaches the peers' buffers.
     direct: Direct,
+    /// Whether the current zero-copy broadcast has its root write every
+    /// other rank's whole output: some rank off the root posted no buffer
+    /// in the allocation of the root's input, so it may not have it mapped
+    /// (see [`Arena::all_in_one_allocation`]).
+    root_pushes_all: bool,
     /// How the last call that could go direct went (`None`: staged).
     last_direct: Option<Direct>,
     /// Per root, the unit its next mailbox message starts at (identical
@@ -1066,6 +1071,7 @@ impl Arena {
             prefetch_for_write: stream::cpu_has_prefetchw(),
             direct_scratch: Vec::new(),
             direct: Direct::Local,
+            root_pushes_all: false,
             last_direct: None,
             mailbox_next: RankWords::new(geometry.world),
             mailbox_room: 0,
@@ -1695,7 +1701,14 @@ impl Arena {
         if self.lane_fits(count * std::mem::size_of::<T>()) {
             return self.lane_all_reduce(call, sig, bufs, count, op);
         }
-        if let Some(g) = self.enter_direct(call, sig, &bufs, (count, count), count, false)? {
+        if let Some(g) = self.enter_direct(
+            call,
+            sig,
+            &bufs,
+            (count, count),
+            count,
+            (false, Touches::All),
+        )? {
             let result = self.zero_copy_all_reduce(call, sig, bufs, g, count, op);
             return self.finish_direct(call, g, result);
         }
@@ -2313,7 +2326,9 @@ impl Arena {
         if self.lane_fits(full * std::mem::size_of::<T>()) {
             return self.lane_reduce_scatter(call, sig, bufs, count, op);
         }
-        if let Some(g) = self.enter_direct(call, sig, &bufs, (full, count), full, false)? {
+        if let Some(g) =
+            self.enter_direct(call, sig, &bufs, (full, count), full, (false, Touches::All))?
+        {
             let result = self.zero_copy_reduce_scatter(call, sig, bufs, g, count, op);
             return self.finish_direct(call, g, result);
         }
@@ -2364,7 +2379,14 @@ impl Arena {
         }
         let full = count * self.world();
         let cma_ok = self.cma_suits(OpKind::AllGather, full * std::mem::size_of::<T>());
-        if let Some(g) = self.enter_direct(call, sig, &bufs, (count, full), full, cma_ok)? {
+        if let Some(g) = self.enter_direct(
+            call,
+            sig,
+            &bufs,
+            (count, full),
+            full,
+            (cma_ok, Touches::All),
+        )? {
             let result = self.zero_copy_copies(call, sig, bufs, g, count, None);
             return self.finish_direct(call, g, result);
         }
@@ -2408,7 +2430,14 @@ impl Arena {
             return self.mailbox_broadcast(call, sig, bufs, count, root);
         }
         let cma_ok = self.cma_suits(OpKind::Broadcast, bytes);
-        if let Some(g) = self.enter_direct(call, sig, &bufs, (count, count), count, cma_ok)? {
+        if let Some(g) = self.enter_direct(
+            call,
+            sig,
+            &bufs,
+            (count, count),
+            count,
+            (cma_ok, Touches::InputOfRoot(root)),
+        )? {
             let result = self.zero_copy_copies(call, sig, bufs, g, count, Some(root));
             return self.finish_direct(call, g, result);
         }
@@ -2450,7 +2479,14 @@ impl Arena {
         if self.lane_fits(count * std::mem::size_of::<T>()) {
             return self.lane_reduce(call, sig, bufs, count, (op, root));
         }
-        if let Some(g) = self.enter_direct(call, sig, &bufs, (count, count), count, false)? {
+        if let Some(g) = self.enter_direct(
+            call,
+            sig,
+            &bufs,
+            (count, count),
+            count,
+            (false, Touches::OutputOfRoot(root)),
+        )? {
             let result = self.zero_copy_reduce(call, sig, bufs, g, count, (op, root));
             return self.finish_direct(call, g, result);
         }
@@ -3048,9 +3084,9 @@ impl Arena {
         bufs: &Buffers<T>,
         lens: (usize, usize),
         elements: usize,
-        cma_ok: bool,
+        (cma_ok, touches): (bool, Touches),
     ) -> Result<Option<u64>> {
-        let entered = self.decide_direct(call, sig, bufs, lens, elements, cma_ok)?;
+        let entered = self.decide_direct(call, sig, bufs, lens, elements, (cma_ok, touches))?;
         self.last_direct = entered.map(|_| self.direct);
         Ok(entered)
     }
@@ -3063,9 +3099,10 @@ impl Arena {
         bufs: &Buffers<T>,
         lens: (usize, usize),
         elements: usize,
-        cma_ok: bool,
+        (cma_ok, touches): (bool, Touches),
     ) -> Result<Option<u64>> {
         let bytes = elements * std::mem::size_of::<T>();
+        self.root_pushes_all = false;
         if !self.watch_pids {
             self.direct = Direct::Local;
             return if bytes >= ZERO_COPY_MIN_BYTES {
@@ -3082,8 +3119,12 @@ impl Arena {
         let k = self.enter(call, sig, bufs, lens)?;
         let elem = std::mem::size_of::<T>();
         let span = (lens.0 * elem, lens.1 * elem);
-        if want_mapped && self.all_in_one_allocation(k, span, std::mem::align_of::<T>()) {
+        let mapped = want_mapped
+            .then(|| self.all_in_one_allocation(k, span, std::mem::align_of::<T>(), touches))
+            .flatten();
+        if let Some(reach) = mapped {
             self.direct = Direct::Mapped;
+            self.root_pushes_all = reach == Reach::RootPushesAll;
             Ok(Some(k))
         } else if want_cma {
             self.direct = Direct::Cma;
@@ -3110,30 +3151,64 @@ impl Arena {
             .unwrap_or(0)
     }
 
-    /// Whether every rank posted, in lane call `k`, its input in one and the
-    /// same allocation and its output in one and the same allocation. Then
-    /// this rank's own buffers are in them too, so it holds both alive.
+    /// Whether every buffer the call touches (`touches`), as posted in lane
+    /// call `k`, lies in shared allocations: every input it reads in one
+    /// and the same allocation, every output it writes in one and the same
+    /// (maybe another). Buffers the call leaves alone (a broadcast's inputs
+    /// off the root, which may be empty; a reduce's outputs off the root)
+    /// may lie anywhere. Each rank must also hold alive every allocation in
+    /// which it reaches a peer's buffer: one of its own posted buffers lies
+    /// in it (the caller borrows that buffer for the call, so the region
+    /// cannot be unmapped meanwhile; a rank that posted none there may have
+    /// dropped its handle and its mapping). Returns how the ranks reach
+    /// each other's buffers, or `None` when the call cannot go zero-copy.
+    ///
+    /// Every rank decides alike: only posted words and the allocations
+    /// (collective, so the same everywhere) go into the answer.
     fn all_in_one_allocation(
         &self,
         k: u64,
         (in_bytes, out_bytes): (usize, usize),
         align: usize,
-    ) -> bool {
+        touches: Touches,
+    ) -> Option<Reach> {
         let places = |p: Rank| {
             let slot = self.lane_payload::<u64>(p, k);
             // SAFETY: posted in lane call k (awaited by `enter`).
             unsafe { (slot.add(2).read(), slot.add(3).read()) }
         };
-        let tags =
-            |(input, output): (u64, u64)| (input >> PLACE_OFFSET_BITS, output >> PLACE_OFFSET_BITS);
+        let tag = |place: u64| place >> PLACE_OFFSET_BITS;
         let fits = |place: u64, len: usize| place_fits(&self.shared, place, len, align);
-        let mine = tags(places(self.rank));
-        mine.0 != 0
-            && mine.1 != 0
-            && (0..self.world()).all(|p| {
-                let place = places(p);
-                tags(place) == mine && fits(place.0, in_bytes) && fits(place.1, out_bytes)
+        // The allocation every touched input (output) lies in, once seen.
+        let (mut inputs_in, mut outputs_in) = (None, None);
+        let agrees = |want: &mut Option<u64>, place: u64, len: usize| {
+            // `place_fits` refuses tag 0 ("not in a shared allocation").
+            fits(place, len) && *want.get_or_insert(tag(place)) == tag(place)
+        };
+        let all_placed = (0..self.world()).all(|p| {
+            let (input, output) = places(p);
+            let (reads_input, writes_output) = touches.of(p);
+            (!reads_input || agrees(&mut inputs_in, input, in_bytes))
+                && (!writes_output || agrees(&mut outputs_in, output, out_bytes))
+        });
+        let all_hold = |reach: Reach| {
+            (0..self.world()).all(|p| {
+                let own = places(p);
+                let holds = |used: Option<u64>, reached: bool| {
+                    // A used tag is never 0 (`place_fits` refused it).
+                    !reached || used.is_none_or(|t| tag(own.0) == t || tag(own.1) == t)
+                };
+                let (inputs, outputs) = touches.reached_by(p, reach);
+                holds(inputs_in, inputs) && holds(outputs_in, outputs)
             })
+        };
+        if !all_placed {
+            return None;
+        }
+        [Reach::Pull, Reach::RootPushesAll]
+            .into_iter()
+            .filter(|&reach| reach == Reach::Pull || matches!(touches, Touches::InputOfRoot(_)))
+            .find(|&reach| all_hold(reach))
     }
 
     /// Posts this rank's buffer addresses (and where they lie in shared
@@ -3272,11 +3347,14 @@ impl Arena {
             self.shared
                 .iter()
                 .find(|e| e.id + 1 == tag)
-                // SAFETY: `all_in_one_allocation` checked that this rank's
-                // own buffer is in allocation `tag`, so the region is alive
-                // (the caller borrows it for the call) and maps rank p's
-                // block; p's buffer lies inside that block.
-                .map(|e| unsafe { e.maps[p].add(at as usize) as *mut T })
+                .and_then(|e| e.maps.get(p))
+                // `all_in_one_allocation` checked, for every buffer the call
+                // touches, that the allocation is alive (this rank's own
+                // buffer in it is borrowed for the call) and that p's buffer
+                // lies inside p's block. A buffer the call leaves alone was
+                // not checked: its address is computed (wrapping, so that a
+                // peer's stray word is no out-of-bounds `add`) but never used.
+                .map(|&block| block.wrapping_add(at as usize).cast::<T>())
                 .unwrap_or(std::ptr::null_mut())
         };
         (translate(word(2)).cast_const(), translate(word(3)))
@@ -3661,16 +3739,26 @@ impl Arena {
         // the others' outputs).
         // Out of place the root copies its own input already: it pushes
         // only when in place (its posted input and output coincide), and
-        // only from BROADCAST_PUSH_MIN_BYTES.
+        // only from BROADCAST_PUSH_MIN_BYTES. When `root_pushes_all`, the
+        // root writes every other output whole, and the others only wait.
         let root_in_place = root.is_some_and(|r| {
             let (input, output) = self.buffers_of::<T>(r, k);
             input == output.cast_const()
         });
         let pushes = root_in_place && count * std::mem::size_of::<T>() >= BROADCAST_PUSH_MIN_BYTES;
-        let pushed = if pushes { count / world } else { 0 };
+        let pushed = if self.root_pushes_all {
+            count
+        } else if pushes {
+            count / world
+        } else {
+            0
+        };
         let kept = count - pushed;
         let elem = std::mem::size_of::<T>();
         let result = match root {
+            // The root writes this rank's whole output (`root_pushes_all`):
+            // the root's input may not be mapped here.
+            Some(root) if root != me && kept == 0 => Ok(()),
             Some(root) if root != me => {
                 let (input, _) = self.buffers_of::<T>(root, k);
                 if self.direct == Direct::Cma {
@@ -3769,6 +3857,59 @@ impl Arena {
         }
         self.leave(call, sig)
     }
+}
+
+/// Which of the buffers every rank posts a direct call reads or writes
+/// (see [`Arena::all_in_one_allocation`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Touches {
+    /// Every rank's input and output (all-reduce, all-gather,
+    /// reduce-scatter).
+    All,
+    /// Every rank's output, and only the root's input (broadcast: off the
+    /// root the input is not read and may be empty).
+    InputOfRoot(Rank),
+    /// Every rank's input, and only the root's output (reduce: off the root
+    /// the output is not written and may be empty).
+    OutputOfRoot(Rank),
+}
+
+impl Touches {
+    /// Whether the call reads rank `p`'s input and writes its output.
+    fn of(self, p: Rank) -> (bool, bool) {
+        match self {
+            Touches::All => (true, true),
+            Touches::InputOfRoot(root) => (p == root, true),
+            Touches::OutputOfRoot(root) => (true, p == root),
+        }
+    }
+
+    /// Whether rank `p` reaches other ranks' inputs and outputs in the
+    /// call, as the ranks `reach` each other: a broadcast's other ranks
+    /// read the root's input (unless its root pushes all), and its root may
+    /// write the others' outputs (`zero_copy_copies`); a reduce's root
+    /// reads every input and writes only its own output, its other ranks
+    /// reach nobody's buffers.
+    fn reached_by(self, p: Rank, reach: Reach) -> (bool, bool) {
+        match self {
+            Touches::All => (true, true),
+            Touches::InputOfRoot(root) => (p != root && reach == Reach::Pull, p == root),
+            Touches::OutputOfRoot(root) => (p == root, false),
+        }
+    }
+}
+
+/// How the ranks of a zero-copy call reach each other's buffers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Reach {
+    /// As each collective does by default (a broadcast's other ranks read
+    /// the root's input).
+    Pull,
+    /// A broadcast's root writes every other rank's whole output, because
+    /// some rank off the root posted no buffer in the allocation of the
+    /// root's input (an empty input there, as `ncclBroadcast` allows) and
+    /// so may not have that allocation mapped.
+    RootPushesAll,
 }
 
 /// Words of [`affinity_words`]: 1024 CPUs, `cpu_set_t`'s size.

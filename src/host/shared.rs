@@ -88,9 +88,11 @@ impl Drop for SharedRegion {
 /// directly (see the [module docs](self)). Dereferences to `[T]`; pass it
 /// (or a sub-slice) to any collective. Zeroed when allocated.
 ///
-/// Zero copy across processes needs every rank's buffers of the call in
-/// the same allocation; other calls run as on any slice. The memory stays
-/// valid after the communicator is dropped.
+/// Zero copy across processes needs the buffers a call uses in shared
+/// allocations: every rank's input in one and its output in one (off the
+/// root, a broadcast's input and a reduce's output are unused and may be
+/// empty); other calls run as on any slice. The memory stays valid after
+/// the communicator is dropped.
 pub struct SharedBuffer<T: Element> {
     region: Arc<SharedRegion>,
     len: usize,
