@@ -500,6 +500,19 @@ impl CommBuilder {
             } else {
                 Arena::region_bytes(world_size)
             },
+            // What decides how a call is planned and which links join the
+            // ranks: the environment variables' spellings, as users set them.
+            settings: vec![
+                (
+                    "OXCCL_ALGO",
+                    format!("{:?}", config.algo).to_ascii_lowercase(),
+                ),
+                ("OXCCL_CHUNK_BYTES", config.chunk_bytes.to_string()),
+                (
+                    "OXCCL_TRANSPORT",
+                    format!("{:?}", config.transport).to_ascii_lowercase(),
+                ),
+            ],
         })?;
         let arena = arena_segment
             .map(|segment| {

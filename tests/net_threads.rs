@@ -443,6 +443,60 @@ fn a_second_claim_of_a_rank_and_a_foreign_world_size_are_refused() {
     }
 }
 
+/// Ranks that would plan calls differently (another algorithm family or
+/// pipeline piece) or pick other links are refused at rendezvous, each
+/// naming the setting and both values: with `OXCCL_ALGO=ring` on one rank
+/// only, a TCP all-reduce returned `Ok` with a wrong sum on the other.
+#[test]
+fn ranks_whose_settings_differ_are_refused_at_rendezvous() {
+    use oxccl::Algo;
+    let base = Communicator::builder()
+        .timeout(Duration::from_secs(20))
+        .transport(TransportKind::Tcp);
+    let cases = [
+        (base.clone().algo(Algo::Ring), "OXCCL_ALGO", "ring", "auto"),
+        (
+            base.clone().chunk_bytes(4096),
+            "OXCCL_CHUNK_BYTES",
+            "4096",
+            "262144",
+        ),
+        (
+            base.clone().transport(TransportKind::Auto),
+            "OXCCL_TRANSPORT",
+            "auto",
+            "tcp",
+        ),
+    ];
+    for (odd, name, odd_value, usual) in cases {
+        let store = std::sync::Arc::new(oxccl::bootstrap::MemoryStore::new());
+        let joined: Vec<_> = (0..2)
+            .map(|rank| {
+                let builder = if rank == 0 { odd.clone() } else { base.clone() };
+                let store = store.clone();
+                std::thread::spawn(move || builder.init(rank, 2, store))
+            })
+            .collect();
+        for (rank, handle) in joined.into_iter().enumerate() {
+            let text = match handle.join().unwrap() {
+                Err(e @ Error::Config { .. }) => e.to_string(),
+                Err(e) => panic!("rank {rank}: {name}: another error: {e}"),
+                Ok(_) => panic!("rank {rank}: ranks with another {name} joined"),
+            };
+            let (mine, theirs) = if rank == 0 {
+                (odd_value, usual)
+            } else {
+                (usual, odd_value)
+            };
+            assert!(
+                text.contains(&format!("{name}=\"{mine}\""))
+                    && text.contains(&format!("rank {} with {name}={theirs}", 1 - rank)),
+                "{text}"
+            );
+        }
+    }
+}
+
 #[test]
 fn rendezvous_through_a_file_store() {
     let dir = std::env::temp_dir().join(format!("oxccl-filestore-{}", std::process::id()));

@@ -1572,6 +1572,13 @@ pub(crate) struct Setup {
     pub shm_ring_bytes: usize,
     /// Bytes of the arena an all-local world shares (0: none).
     pub arena_bytes: usize,
+    /// Settings every rank must share, as `(name the user sets it by,
+    /// value)`: ranks that plan a call differently (another algorithm
+    /// family or pipeline piece) exchange frames that fit each other's
+    /// shapes and fold them into wrong results, and ranks that pick other
+    /// links wait for connections that never come. Published in the rank's
+    /// entry and compared at rendezvous. Values hold no newline.
+    pub settings: Vec<(&'static str, String)>,
 }
 
 /// What each rank publishes at rendezvous.
@@ -1591,6 +1598,47 @@ fn entry_field(entry: &str, name: &str) -> Option<String> {
         .lines()
         .find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix('=')))
         .map(str::to_string)
+}
+
+/// Returns `error`, found in the rank entries once every rank had joined,
+/// after a second on rank 0: it usually hosts the store, and its exit takes
+/// the store down, so the other ranks, still reading the entries, would
+/// report "lost the store" instead of the same cause. (Every rank reads
+/// every entry, so each finds the disagreement itself.)
+fn after_peers_read(rank: usize, error: Error) -> Error {
+    if rank == 0 {
+        std::thread::sleep(Duration::from_secs(1));
+    }
+    error
+}
+
+/// The field of a rank's entry that holds the setting `name`.
+fn setting_field(name: &str) -> String {
+    format!("setting {name}")
+}
+
+/// Where rank `r`'s entry (its fields by `field`) holds one of `settings`
+/// with another value than this rank's (`me`), or lacks it (another
+/// build): the configuration error to return.
+fn disagreeing_setting(
+    settings: &[(&'static str, String)],
+    (me, r): (usize, usize),
+    field: impl Fn(&str) -> Option<String>,
+) -> Option<Error> {
+    settings.iter().find_map(|(name, mine)| {
+        let theirs = field(&setting_field(name));
+        (theirs.as_deref() != Some(mine.as_str())).then(|| Error::Config {
+            name: (*name).to_string(),
+            value: mine.clone(),
+            reason: format!(
+                "rank {me} runs with it, rank {r} with {}: every rank must use the same \
+                 setting (set it for the whole job, or alike on every rank's builder)",
+                theirs
+                    .map(|v| format!("{name}={v}"))
+                    .unwrap_or_else(|| "an oxccl without this setting".into())
+            ),
+        })
+    })
 }
 
 /// Claims `rank` in the store before this process announces itself there:
@@ -1720,6 +1768,7 @@ fn connect_rank(setup: Setup) -> Result<(NetEndpoint, Option<Segment>)> {
         job_id,
         shm_ring_bytes,
         arena_bytes,
+        settings,
     } = setup;
     let deadline = Instant::now() + timeout;
     let all: Vec<usize> = (0..world).collect();
@@ -1755,14 +1804,14 @@ fn connect_rank(setup: Setup) -> Result<(NetEndpoint, Option<Segment>)> {
         .unwrap_or_else(|| "-".into());
     let host = shm::host_identity();
     claim_rank(&*store, rank)?;
-    store.set(
-        &rank_key(rank),
-        format!(
-            "host={host}\npid={}\naddr={my_addr}\nworld={world}\n",
-            std::process::id()
-        )
-        .as_bytes(),
-    )?;
+    let mut entry = format!(
+        "host={host}\npid={}\naddr={my_addr}\nworld={world}\n",
+        std::process::id()
+    );
+    for (name, value) in &settings {
+        entry.push_str(&format!("{}={value}\n", setting_field(name)));
+    }
+    store.set(&rank_key(rank), entry.as_bytes())?;
 
     // 2. Rendezvous: every rank's key, or the list of those that never came.
     //    Rank 0 usually hosts the store, and its exit takes the store down:
@@ -1801,16 +1850,22 @@ fn connect_rank(setup: Setup) -> Result<(NetEndpoint, Option<Segment>)> {
         // A rank started for another world size belongs to another job
         // (or was started wrongly): say so instead of failing later.
         if let Some(theirs) = field("world").filter(|w| *w != world.to_string()) {
-            return Err(bootstrap_error(
+            return Err(after_peers_read(
                 rank,
-                "rendezvous",
-                format!(
-                    "rank {r} in the store at {} was started for world size {theirs}, \
+                bootstrap_error(
+                    rank,
+                    "rendezvous",
+                    format!(
+                        "rank {r} in the store at {} was started for world size {theirs}, \
                      this rank for {world}: two jobs share this rendezvous address \
                      (MASTER_ADDR:MASTER_PORT), or their WORLD_SIZE differs",
-                    store.describe()
+                        store.describe()
+                    ),
                 ),
             ));
+        }
+        if let Some(e) = disagreeing_setting(&settings, (rank, r), field) {
+            return Err(after_peers_read(rank, e));
         }
         let host = field("host");
         let addr = field("addr");
@@ -2243,6 +2298,7 @@ mod tests {
             job_id: None,
             shm_ring_bytes: 1 << 16,
             arena_bytes: 0,
+            settings: Vec::new(),
         };
         for rank in [0, 3] {
             let e = connect(setup(rank)).err().unwrap().to_string();
