@@ -3,6 +3,7 @@
 
 use std::cell::Cell;
 use std::marker::PhantomData;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,7 +15,7 @@ use crate::host::executor::{self, Bufs, CallInfo};
 use crate::host::shared::{SharedBuffer, SharedRegion};
 use crate::schedule;
 use crate::transport::local::{LocalEndpoint, LocalGroup};
-use crate::transport::net::{self, NetShared, TransportKind};
+use crate::transport::net::{self, TransportKind};
 use crate::transport::{Space, Transport, TransportError};
 use crate::types::{DType, Element, OpKind, Rank, ReduceOp};
 
@@ -302,7 +303,11 @@ pub struct AbortHandle {
 #[derive(Clone)]
 enum AbortTarget {
     Local(Arc<LocalGroup>),
-    Net(Arc<NetShared>),
+    /// The process's fabric's abort flag, not the fabric: a handle kept by
+    /// a watchdog must not keep the fabric alive after the communicators
+    /// are dropped, or the rank's departure (leave and goodbye frames)
+    /// would never be sent, and its peers would read its exit as a crash.
+    Net(Arc<AtomicBool>),
 }
 
 impl AbortHandle {
@@ -310,7 +315,8 @@ impl AbortHandle {
     pub fn abort(&self) {
         match &self.target {
             AbortTarget::Local(group) => group.abort(),
-            AbortTarget::Net(shared) => shared.abort(),
+            // Every wait on the fabric and in the arena polls the flag.
+            AbortTarget::Net(aborted) => aborted.store(true, Ordering::SeqCst),
         }
     }
 }
@@ -841,7 +847,7 @@ impl Communicator {
             Backend::Host(Transport::Local(endpoint)) => {
                 AbortTarget::Local(endpoint.group().clone())
             }
-            Backend::Host(Transport::Net(endpoint)) => AbortTarget::Net(endpoint.shared().clone()),
+            Backend::Host(Transport::Net(endpoint)) => AbortTarget::Net(endpoint.abort_flag()),
         };
         AbortHandle { target }
     }

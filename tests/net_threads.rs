@@ -198,6 +198,50 @@ fn a_dropped_peer_is_reported_not_waited_for() {
     }
 }
 
+/// A rank that drops its communicator while an `AbortHandle` of it lives
+/// on (a watchdog's) has left: its peers learn so at once. The handle held
+/// the whole fabric, so no leave or goodbye went out until it was dropped
+/// (between processes, the rank's exit then read as a crash).
+#[test]
+fn a_live_abort_handle_does_not_hide_a_departure() {
+    for kind in [TransportKind::Tcp, TransportKind::Shm] {
+        let store = std::sync::Arc::new(oxccl::bootstrap::MemoryStore::new());
+        let builder = Communicator::builder()
+            .timeout(Duration::from_secs(30))
+            .transport(kind);
+        let ranks: Vec<_> = (0..2)
+            .map(|rank| {
+                let (store, builder) = (store.clone(), builder.clone());
+                std::thread::spawn(move || -> Result<Option<Duration>, String> {
+                    let mut comm = builder.init(rank, 2, store).map_err(|e| e.to_string())?;
+                    if rank == 1 {
+                        let watchdog = comm.abort_handle();
+                        drop(comm);
+                        std::thread::sleep(Duration::from_secs(6));
+                        drop(watchdog);
+                        return Ok(None);
+                    }
+                    let start = Instant::now();
+                    let mut v = vec![1.0f32; 1000];
+                    match comm.all_reduce_in_place(&mut v, ReduceOp::Sum) {
+                        Err(Error::PeerLost { peer: 1, .. }) => Ok(Some(start.elapsed())),
+                        other => Err(format!("rank 0: {other:?}")),
+                    }
+                })
+            })
+            .collect();
+        let results: Vec<_> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
+        let waited = results[0]
+            .clone()
+            .unwrap_or_else(|e| panic!("{kind:?}: {e}"))
+            .expect("rank 0 waited");
+        assert!(
+            waited < Duration::from_secs(3),
+            "{kind:?}: rank 0 waited {waited:?} for a rank that had left"
+        );
+    }
+}
+
 /// Survivors name the rank whose loss started a failure, not a rank that
 /// failed because of it: over TCP, ring all-reduce (0 → 1 → 2 → 3 → 0),
 /// rank 3 leaves; rank 0, which receives from it, fails and leaves; ranks

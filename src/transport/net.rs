@@ -447,11 +447,6 @@ impl NetShared {
         self.fabric.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Makes every wait of every communicator on this fabric return `Aborted`.
-    pub fn abort(&self) {
-        self.aborted.store(true, Ordering::SeqCst);
-    }
-
     pub fn is_aborted(&self) -> bool {
         self.aborted.load(Ordering::SeqCst)
     }
@@ -1045,7 +1040,8 @@ impl NetEndpoint {
         self.ctx
     }
 
-    /// The abort flag, for waits outside the fabric (the arena).
+    /// The abort flag: set, it makes every wait of every communicator on
+    /// this fabric (and the arena's) return `Aborted`; every wait polls it.
     pub fn abort_flag(&self) -> Arc<AtomicBool> {
         self.shared.aborted.clone()
     }
