@@ -242,6 +242,50 @@ fn a_live_abort_handle_does_not_hide_a_departure() {
     }
 }
 
+/// A rank whose peer left while a large send to it was still queued drops
+/// its communicator at once: what is queued for a peer that has gone (its
+/// goodbye read) is never written, so the drop does not wait out the
+/// goodbye's 2 s flush for it.
+#[test]
+fn a_drop_does_not_wait_to_flush_to_a_departed_peer() {
+    for kind in [TransportKind::Shm, TransportKind::Tcp] {
+        let store = std::sync::Arc::new(oxccl::bootstrap::MemoryStore::new());
+        let builder = Communicator::builder()
+            .timeout(Duration::from_secs(30))
+            .transport(kind);
+        let ranks: Vec<_> = (0..2)
+            .map(|rank| {
+                let (store, builder) = (store.clone(), builder.clone());
+                std::thread::spawn(move || -> Result<Duration, String> {
+                    let mut comm = builder.init(rank, 2, store).map_err(|e| e.to_string())?;
+                    if rank == 0 {
+                        std::thread::sleep(Duration::from_millis(300));
+                        drop(comm);
+                        return Ok(Duration::ZERO);
+                    }
+                    // 64 MiB: more than the ring or the socket buffers hold.
+                    let big = vec![1u8; 64 << 20];
+                    match comm.send(&big, 0) {
+                        Err(Error::PeerLost { peer: 0, .. }) => {}
+                        other => return Err(format!("rank 1's send: {other:?}")),
+                    }
+                    let start = Instant::now();
+                    drop(comm);
+                    Ok(start.elapsed())
+                })
+            })
+            .collect();
+        let results: Vec<_> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
+        let dropped_in = results[1]
+            .clone()
+            .unwrap_or_else(|e| panic!("{kind:?}: {e}"));
+        assert!(
+            dropped_in < Duration::from_secs(1),
+            "{kind:?}: the drop took {dropped_in:?}"
+        );
+    }
+}
+
 /// Survivors name the rank whose loss started a failure, not a rank that
 /// failed because of it: over TCP, ring all-reduce (0 → 1 → 2 → 3 → 0),
 /// rank 3 leaves; rank 0, which receives from it, fails and leaves; ranks
