@@ -151,6 +151,47 @@ pub enum CheckError {
     Wrong(String),
 }
 
+/// `n` zeroed elements, or an error naming the counts when the system
+/// will not allocate them (the counts are the caller's: an error, not an
+/// abort).
+fn zeroed<T: Element>(n: usize, rank: Rank) -> Result<Vec<T>, CheckError> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|e| {
+        CheckError::Comm(Error::InvalidArgument {
+            op: OpKind::AllGather,
+            rank,
+            arg: "counts",
+            reason: format!("the check's buffers of {n} elements: {e}"),
+        })
+    })?;
+    v.resize(n, T::zeroed());
+    Ok(v)
+}
+
+/// Refuses counts whose largest buffer (`count × world` elements) holds
+/// more bytes than one allocation can (`isize::MAX`), before any product
+/// of them could overflow.
+fn check_counts<T: Element>(counts: &[usize], rank: Rank, world: usize) -> Result<(), CheckError> {
+    let too_large = counts.iter().find(|&&count| {
+        count
+            .checked_mul(world)
+            .and_then(|n| n.checked_mul(std::mem::size_of::<T>()))
+            .is_none_or(|bytes| bytes > isize::MAX as usize)
+    });
+    match too_large {
+        Some(&count) => Err(CheckError::Comm(Error::InvalidArgument {
+            op: OpKind::AllGather,
+            rank,
+            arg: "counts",
+            reason: format!(
+                "{count} {} per rank over {world} ranks is more than one allocation can hold",
+                T::DTYPE
+            ),
+        })),
+        None => Ok(()),
+    }
+}
+
 fn ensure(wrong: usize, what: impl FnOnce() -> String) -> Result<(), CheckError> {
     if wrong == 0 {
         Ok(())
@@ -187,6 +228,7 @@ pub fn every_collective<T: Element>(
     counts: &[usize],
 ) -> Result<(), CheckError> {
     let (rank, world) = (comm.rank(), comm.world_size());
+    check_counts::<T>(counts, rank, world)?;
     for &count in counts {
         // Sums with no closed form (half precision over many ranks) are
         // skipped: they round by the fold order.
@@ -196,9 +238,9 @@ pub fn every_collective<T: Element>(
         {
             let ctx = || format!("{} {op} count {count} world {world}", T::DTYPE);
             // all_reduce
-            let mut send = vec![T::zeroed(); count];
+            let mut send = zeroed::<T>(count, rank)?;
             fill(&mut send, rank, 0, op);
-            let mut recv = vec![T::zeroed(); count];
+            let mut recv = zeroed::<T>(count, rank)?;
             comm.all_reduce(&send, &mut recv, op)?;
             ensure(count_wrong_reduced(&recv, world, 0, op), || {
                 format!("all_reduce {}", ctx())
@@ -210,9 +252,9 @@ pub fn every_collective<T: Element>(
             })?;
 
             // reduce_scatter: `count` per rank
-            let mut full = vec![T::zeroed(); count * world];
+            let mut full = zeroed::<T>(count * world, rank)?;
             fill(&mut full, rank, 0, op);
-            let mut part = vec![T::zeroed(); count];
+            let mut part = zeroed::<T>(count, rank)?;
             comm.reduce_scatter(&full, &mut part, op)?;
             ensure(count_wrong_reduced(&part, world, rank * count, op), || {
                 format!("reduce_scatter {}", ctx())
@@ -225,7 +267,7 @@ pub fn every_collective<T: Element>(
 
             // reduce to every root
             for root in 0..world {
-                let mut recv = vec![T::zeroed(); if rank == root { count } else { 0 }];
+                let mut recv = zeroed::<T>(if rank == root { count } else { 0 }, rank)?;
                 comm.reduce(&send, &mut recv, op, root)?;
                 ensure(count_wrong_reduced(&recv, world, 0, op), || {
                     format!("reduce root {root} {}", ctx())
@@ -242,14 +284,14 @@ pub fn every_collective<T: Element>(
         }
         let op = ReduceOp::Sum;
         // all_gather: rank r contributes its inputs for indices r*count..
-        let mut mine = vec![T::zeroed(); count];
+        let mut mine = zeroed::<T>(count, rank)?;
         fill(&mut mine, 0, rank * count, op);
-        let mut gathered = vec![T::zeroed(); count * world];
+        let mut gathered = zeroed::<T>(count * world, rank)?;
         comm.all_gather(&mine, &mut gathered)?;
         ensure(count_wrong_input(&gathered, 0, 0, op), || {
             format!("all_gather count {count}")
         })?;
-        let mut buf = vec![T::zeroed(); count * world];
+        let mut buf = zeroed::<T>(count * world, rank)?;
         buf[rank * count..(rank + 1) * count].copy_from_slice(&mine);
         comm.all_gather_in_place(&mut buf)?;
         ensure(count_wrong_input(&buf, 0, 0, op), || {
@@ -258,9 +300,9 @@ pub fn every_collective<T: Element>(
 
         // broadcast from every root
         for root in 0..world {
-            let mut src = vec![T::zeroed(); count];
+            let mut src = zeroed::<T>(count, rank)?;
             fill(&mut src, root, 0, op);
-            let mut recv = vec![T::zeroed(); count];
+            let mut recv = zeroed::<T>(count, rank)?;
             let send: &[T] = if rank == root { &src } else { &[] };
             comm.broadcast(send, &mut recv, root)?;
             ensure(count_wrong_input(&recv, root, 0, op), || {
@@ -269,7 +311,7 @@ pub fn every_collective<T: Element>(
             let mut buf = if rank == root {
                 src.clone()
             } else {
-                vec![T::zeroed(); count]
+                zeroed::<T>(count, rank)?
             };
             comm.broadcast_in_place(&mut buf, root)?;
             ensure(count_wrong_input(&buf, root, 0, op), || {
@@ -278,13 +320,13 @@ pub fn every_collective<T: Element>(
         }
 
         // all_to_all: block p of rank r's input is rank r's inputs at p*count..
-        let mut send = vec![T::zeroed(); count * world];
+        let mut send = zeroed::<T>(count * world, rank)?;
         fill(&mut send, rank, 0, op);
-        let mut recv = vec![T::zeroed(); count * world];
+        let mut recv = zeroed::<T>(count * world, rank)?;
         comm.all_to_all(&send, &mut recv)?;
         for from in 0..world {
             let block = &recv[from * count..(from + 1) * count];
-            let mut expected = vec![T::zeroed(); count];
+            let mut expected = zeroed::<T>(count, rank)?;
             fill(&mut expected, from, rank * count, op);
             ensure(usize::from(block != expected.as_slice()), || {
                 format!("all_to_all from {from} count {count}")
@@ -296,7 +338,7 @@ pub fn every_collective<T: Element>(
             let next = (rank + 1) % world;
             let prev = (rank + world - 1) % world;
             comm.send(&send[..count], next)?;
-            let mut got = vec![T::zeroed(); count];
+            let mut got = zeroed::<T>(count, rank)?;
             comm.recv(&mut got, prev)?;
             ensure(count_wrong_input(&got, prev, 0, op), || {
                 format!("send/recv from {prev} count {count}")
@@ -322,6 +364,7 @@ pub fn every_collective_shared<T: Element>(
     counts: &[usize],
 ) -> Result<(), CheckError> {
     let (rank, world) = (comm.rank(), comm.world_size());
+    check_counts::<T>(counts, rank, world)?;
     for &count in counts {
         let direct = |comm: &Communicator, what: &str, bytes: usize| {
             // Ranks joined by a shared arena run a 1 MiB all-reduce in it

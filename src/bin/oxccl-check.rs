@@ -57,6 +57,9 @@ fn parse_size(s: &str) -> Option<usize> {
     num.parse::<usize>().ok()?.checked_mul(mul)
 }
 
+/// The longest `--loop-seconds`: a year.
+const MAX_LOOP_SECONDS: f64 = 365.0 * 24.0 * 3600.0;
+
 fn parse_args() -> Result<Args, String> {
     let mut a = Args {
         quick: false,
@@ -66,7 +69,14 @@ fn parse_args() -> Result<Args, String> {
         loop_seconds: 0.0,
         loop_bytes: 64 << 20,
     };
-    let argv: Vec<String> = std::env::args().skip(1).collect();
+    // `args_os`: `args` panics on an argument that is not UTF-8.
+    let argv: Vec<String> = std::env::args_os()
+        .skip(1)
+        .map(|a| {
+            a.into_string()
+                .map_err(|a| format!("argument {a:?} is not UTF-8"))
+        })
+        .collect::<Result<_, _>>()?;
     let mut i = 0;
     while i < argv.len() {
         let flag = argv[i].as_str();
@@ -93,11 +103,15 @@ fn parse_args() -> Result<Args, String> {
             }
             "--loop-seconds" => {
                 let v = value()?;
+                // At most a year: `Instant + Duration` panics past what the
+                // clock holds (1e19 s did).
                 a.loop_seconds = v
                     .parse()
                     .ok()
-                    .filter(|s: &f64| s.is_finite() && *s >= 0.0)
-                    .ok_or_else(|| format!("--loop-seconds: bad number {v:?}"))?;
+                    .filter(|s: &f64| s.is_finite() && (0.0..=MAX_LOOP_SECONDS).contains(s))
+                    .ok_or_else(|| {
+                        format!("--loop-seconds: {v:?} is not a number of 0 to {MAX_LOOP_SECONDS} seconds")
+                    })?;
             }
             "--size" => {
                 let v = value()?;
@@ -159,8 +173,16 @@ fn run(a: &Args) -> Result<String, String> {
     if a.loop_seconds > 0.0 {
         // Out of place, each result checked: rank r sends r + 1 (small
         // integers, so every order of summation gives the same f32).
-        let send = vec![(rank + 1) as f32; a.loop_bytes / 4];
-        let mut recv = vec![0.0f32; send.len()];
+        let floats = a.loop_bytes / 4;
+        let filled = |value: f32| -> Result<Vec<f32>, String> {
+            let mut v = Vec::new();
+            v.try_reserve_exact(floats)
+                .map_err(|e| format!("--size {}: {e}", a.loop_bytes))?;
+            v.resize(floats, value);
+            Ok(v)
+        };
+        let send = filled((rank + 1) as f32)?;
+        let mut recv = filled(0.0)?;
         let expect = (world * (world + 1) / 2) as f32;
         println!("rank {rank}: pid {} looping", std::process::id());
         let until = Instant::now() + Duration::from_secs_f64(a.loop_seconds);

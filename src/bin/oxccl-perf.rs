@@ -264,7 +264,14 @@ fn parse_args() -> Result<Args, String> {
         backend: "host".into(),
         shared: false,
     };
-    let argv: Vec<String> = std::env::args().skip(1).collect();
+    // `args_os`: `args` panics on an argument that is not UTF-8.
+    let argv: Vec<String> = std::env::args_os()
+        .skip(1)
+        .map(|a| {
+            a.into_string()
+                .map_err(|a| format!("argument {a:?} is not UTF-8"))
+        })
+        .collect::<Result<_, _>>()?;
     let mut i = 0;
     while i < argv.len() {
         let flag = argv[i].as_str();
@@ -410,26 +417,28 @@ struct Aligned<T: Element> {
 unsafe impl<T: Element> Send for Aligned<T> {}
 
 impl<T: Element> Aligned<T> {
+    /// The layout of `len` elements (`values` of a live slice: its size
+    /// fits the address space).
     fn layout(len: usize) -> std::alloc::Layout {
         let bytes = (len * std::mem::size_of::<T>()).max(1);
         std::alloc::Layout::from_size_align(bytes, BUFFER_ALIGN.max(std::mem::align_of::<T>()))
             .expect("a buffer size that fits the address space")
     }
 
-    /// A copy of `values`.
-    fn from_slice(values: &[T]) -> Aligned<T> {
+    /// A copy of `values`, or an error when the system will not allocate it.
+    fn from_slice(values: &[T]) -> Result<Aligned<T>, String> {
         let layout = Self::layout(values.len());
         // SAFETY: the layout has a non-zero size.
         let raw = unsafe { std::alloc::alloc(layout) } as *mut T;
         let Some(ptr) = std::ptr::NonNull::new(raw) else {
-            std::alloc::handle_alloc_error(layout)
+            return Err(format!("cannot allocate {} bytes", layout.size()));
         };
         // SAFETY: a fresh allocation of values.len() elements.
         unsafe { std::ptr::copy_nonoverlapping(values.as_ptr(), ptr.as_ptr(), values.len()) };
-        Aligned {
+        Ok(Aligned {
             ptr,
             len: values.len(),
-        }
+        })
     }
 }
 
@@ -484,9 +493,10 @@ struct Placed<T: Element> {
 /// allocation per buffer, so every rank must place the same buffers).
 fn place<T: Element>(comm: &mut Communicator, a: &Args, b: Bufs<T>) -> oxccl::Result<Placed<T>> {
     if !a.shared {
+        let aligned = |v: &[T]| Aligned::from_slice(v).map_err(|e| too_large(a, comm.rank(), e));
         return Ok(Placed {
-            send: Storage::Plain(Aligned::from_slice(&b.send)),
-            recv: Storage::Plain(Aligned::from_slice(&b.recv)),
+            send: Storage::Plain(aligned(&b.send)?),
+            recv: Storage::Plain(aligned(&b.recv)?),
         });
     }
     let mut send = comm.alloc_shared::<T>(b.send.len())?;
@@ -537,6 +547,26 @@ fn run_once<T: Element>(
     }
 }
 
+/// `len` copies of `value`, or an error when the system will not allocate
+/// them (the sizes are the user's: an error, not an abort).
+fn filled<T: Clone>(len: usize, value: T) -> Result<Vec<T>, String> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(len)
+        .map_err(|e| format!("{len} elements of {} bytes: {e}", std::mem::size_of::<T>()))?;
+    v.resize(len, value);
+    Ok(v)
+}
+
+/// The error of a buffer this rank could not allocate (`why`).
+fn too_large(a: &Args, rank: usize, why: String) -> oxccl::Error {
+    oxccl::Error::InvalidArgument {
+        op: op_kind(a.coll),
+        rank,
+        arg: "size",
+        reason: format!("the benchmark's buffers: {why}"),
+    }
+}
+
 /// Allocates and fills the buffers for `count` elements (nccl-tests' count:
 /// the full buffer), returning them and, when `with_expected`, the expected
 /// output (else an empty list: it costs a buffer's worth of memory and a
@@ -549,7 +579,7 @@ fn prepare<T: Element>(
     count: usize,
     in_place: bool,
     with_expected: bool,
-) -> (Bufs<T>, Vec<Option<T>>) {
+) -> Result<(Bufs<T>, Vec<Option<T>>), String> {
     let per = count / n;
     let z = T::zeroed();
     let op = a.op;
@@ -561,12 +591,10 @@ fn prepare<T: Element>(
     let reduced_value = |n: usize, i: usize, op: ReduceOp| -> Option<T> {
         checkable.then(|| reduced_value(n, i, op))
     };
-    let expect = |len: usize, at: &dyn Fn(usize) -> Option<T>| -> Vec<Option<T>> {
-        if with_expected {
-            (0..len).map(at).collect()
-        } else {
-            Vec::new()
-        }
+    let expect = |len: usize, at: &dyn Fn(usize) -> Option<T>| -> Result<Vec<Option<T>>, String> {
+        let mut v = filled(if with_expected { len } else { 0 }, None)?;
+        v.iter_mut().enumerate().for_each(|(i, e)| *e = at(i));
+        Ok(v)
     };
     let (send_len, recv_len) = match a.coll {
         Coll::AllReduce | Coll::Broadcast | Coll::SendRecv | Coll::AllToAll => (count, count),
@@ -574,10 +602,10 @@ fn prepare<T: Element>(
         Coll::AllGather => (per, count),
         Coll::ReduceScatter => (count, per),
     };
-    let mut send = vec![z; send_len];
-    let mut recv = vec![z; recv_len];
+    let mut send = filled(send_len, z)?;
+    let mut recv = filled(recv_len, z)?;
     // `None` marks elements whose value is unspecified (not checked).
-    let expected: Vec<Option<T>>;
+    let expected: Result<Vec<Option<T>>, String>;
     match a.coll {
         Coll::AllReduce => {
             fill(&mut send, rank, 0, op);
@@ -641,7 +669,7 @@ fn prepare<T: Element>(
             }
         }
     }
-    (Bufs { send, recv }, expected)
+    Ok((Bufs { send, recv }, expected?))
 }
 
 struct Measurement {
@@ -658,7 +686,8 @@ fn measure<T: Element>(
     in_place: bool,
 ) -> oxccl::Result<Measurement> {
     let (rank, n) = (comm.rank(), comm.world_size());
-    let (b, _) = prepare::<T>(a, rank, n, count, in_place, false);
+    let (b, _) =
+        prepare::<T>(a, rank, n, count, in_place, false).map_err(|e| too_large(a, rank, e))?;
     let mut b = place(comm, a, b)?;
     for _ in 0..a.warmup {
         run_once(comm, a, &mut b, in_place)?;
@@ -681,7 +710,8 @@ fn measure<T: Element>(
         // As nccl-tests does: after the timed calls, on the same buffers
         // (refilled), so the call checked takes the paths the timed ones
         // took.
-        let (fresh, expected) = prepare::<T>(a, rank, n, count, in_place, true);
+        let (fresh, expected) =
+            prepare::<T>(a, rank, n, count, in_place, true).map_err(|e| too_large(a, rank, e))?;
         b.send.copy_from_slice(&fresh.send);
         b.recv.copy_from_slice(&fresh.recv);
         run_once(comm, a, &mut b, in_place)?;

@@ -72,7 +72,8 @@ fn measure<T: Element + DeviceRepr>(
 ) -> Result<(f64, u64), String> {
     let (rank, n) = (comm.rank(), comm.world_size());
     let err = |e: oxccl::Error| e.to_string();
-    let (host, expected) = prepare::<T>(a, rank, n, count, in_place, a.check);
+    let (host, expected) = prepare::<T>(a, rank, n, count, in_place, a.check)
+        .map_err(|e| format!("rank {rank}: the benchmark's buffers: {e}"))?;
     let mut b = DeviceBufs {
         send: upload(comm, &host.send)?,
         recv: upload(comm, &host.recv)?,
