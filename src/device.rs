@@ -358,11 +358,15 @@ impl DeviceCommBuilder {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] for `n == 0`; [`Error::Cuda`] when fewer
+    /// [`Error::InvalidArgument`] for `n == 0` or more than a job's ranks
+    /// (65 536); [`Error::Cuda`] when fewer
     /// than `n` GPUs are visible (NCCL refuses two ranks on one GPU); as
     /// [`init`](Self::init).
     pub fn local_group(&self, n: usize) -> Result<Vec<DeviceCommunicator>> {
         let timeout = self.config_timeout()?;
+        // At most a job's world size, as `init` and the host's
+        // `local_group` allow (the cuda-ring group sizes an n × n table).
+        crate::comm::check_rank(0, n.max(1))?;
         if n == 0 {
             return Err(Error::InvalidArgument {
                 op: OpKind::Split,

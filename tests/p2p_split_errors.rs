@@ -754,3 +754,17 @@ fn a_call_that_moves_nothing_fails_after_abort() {
     .unwrap();
     assert_eq!(outcomes, [true, true]);
 }
+
+/// A device group larger than a job is refused before any device is
+/// looked at (the cuda-ring group sizes an n × n table of paths).
+#[test]
+fn a_device_group_larger_than_a_job_is_refused() {
+    match oxccl::DeviceCommunicator::builder().local_group(100_000) {
+        Err(Error::InvalidArgument { arg, reason, .. }) => {
+            assert_eq!(arg, "world_size");
+            assert!(reason.contains("100000 ranks"), "{reason}");
+        }
+        Err(e) => panic!("another error: {e}"),
+        Ok(_) => panic!("a group of 100000 ranks was made"),
+    }
+}
