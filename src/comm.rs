@@ -192,14 +192,14 @@ impl CommConfig {
     /// [`Error::Config`] naming the variable when one is malformed.
     pub fn from_env() -> Result<Self> {
         let mut config = CommConfig::default();
-        if let Ok(value) = std::env::var("OXCCL_TIMEOUT") {
+        if let Some(value) = env_value("OXCCL_TIMEOUT")? {
             config.timeout = parse_duration(&value).ok_or_else(|| Error::Config {
                 name: "OXCCL_TIMEOUT".into(),
                 value: value.clone(),
                 reason: "expected a positive duration such as 30, 30s, 500ms or 2m".into(),
             })?;
         }
-        if let Ok(value) = std::env::var("OXCCL_CHUNK_BYTES") {
+        if let Some(value) = env_value("OXCCL_CHUNK_BYTES")? {
             config.chunk_bytes =
                 value
                     .parse()
@@ -211,17 +211,17 @@ impl CommConfig {
                         reason: "expected a positive number of bytes".into(),
                     })?;
         }
-        if let Ok(value) = std::env::var("OXCCL_TRANSPORT") {
+        if let Some(value) = env_value("OXCCL_TRANSPORT")? {
             config.transport = TransportKind::from_name(&value).ok_or_else(|| Error::Config {
                 name: "OXCCL_TRANSPORT".into(),
                 value: value.clone(),
                 reason: "expected auto, shm or tcp".into(),
             })?;
         }
-        if let Ok(value) = std::env::var("OXCCL_SOCKET_IFNAME") {
+        if let Some(value) = env_value("OXCCL_SOCKET_IFNAME")? {
             config.socket_ifname = Some(value).filter(|v| !v.trim().is_empty());
         }
-        if let Ok(value) = std::env::var("OXCCL_SHM_RING_BYTES") {
+        if let Some(value) = env_value("OXCCL_SHM_RING_BYTES")? {
             config.shm_ring_bytes = value
                 .parse::<usize>()
                 .ok()
@@ -232,14 +232,14 @@ impl CommConfig {
                     reason: "expected a power of two from 4096 to 1 GiB".into(),
                 })?;
         }
-        if let Ok(value) = std::env::var("OXCCL_ALGO") {
+        if let Some(value) = env_value("OXCCL_ALGO")? {
             config.algo = Algo::from_name(&value).ok_or_else(|| Error::Config {
                 name: "OXCCL_ALGO".into(),
                 value: value.clone(),
                 reason: "expected auto, ring or direct".into(),
             })?;
         }
-        if let Ok(value) = std::env::var("OXCCL_SHM_STORES") {
+        if let Some(value) = env_value("OXCCL_SHM_STORES")? {
             config.shm_stores = ShmStores::from_name(&value).ok_or_else(|| Error::Config {
                 name: "OXCCL_SHM_STORES".into(),
                 value: value.clone(),
@@ -488,7 +488,7 @@ impl CommBuilder {
         let job_id = self
             .job_id
             .clone()
-            .or_else(|| std::env::var("OXCCL_JOB_ID").ok())
+            .map_or_else(|| env_value("OXCCL_JOB_ID"), |id| Ok(Some(id)))?
             .map(|id| id.trim().to_owned())
             .filter(|id| !id.is_empty());
         let (endpoint, arena_segment) = net::connect(net::Setup {
@@ -577,6 +577,21 @@ impl CommBuilder {
                 comm
             })
             .collect())
+    }
+}
+
+/// The value of the environment variable `name`, `None` when unset; an
+/// [`Error::Config`] when it is not UTF-8 (taken for unset, it would run
+/// with the default the user meant to change).
+pub(crate) fn env_value(name: &str) -> Result<Option<String>> {
+    match std::env::var(name) {
+        Ok(value) => Ok(Some(value)),
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(raw)) => Err(Error::Config {
+            name: name.into(),
+            value: raw.to_string_lossy().into_owned(),
+            reason: "not UTF-8".into(),
+        }),
     }
 }
 

@@ -196,12 +196,13 @@ impl DeviceCommBuilder {
         }
     }
 
-    fn job(&self) -> String {
-        self.job_id
+    fn job(&self) -> Result<String> {
+        Ok(self
+            .job_id
             .clone()
-            .or_else(|| std::env::var("OXCCL_JOB_ID").ok())
+            .map_or_else(|| crate::comm::env_value("OXCCL_JOB_ID"), |id| Ok(Some(id)))?
             .filter(|id| !id.trim().is_empty())
-            .unwrap_or_else(|| "default".into())
+            .unwrap_or_else(|| "default".into()))
     }
 
     fn config_timeout(&self) -> Result<Duration> {
@@ -249,14 +250,15 @@ impl DeviceCommBuilder {
         let timeout = self.config_timeout()?;
         crate::comm::check_rank(rank, world_size)?;
         let generation = INIT_GENERATION.fetch_add(1, Ordering::Relaxed);
-        let prefix = format!("oxccl/device/{}/{generation}", self.job());
+        let job = self.job()?;
+        let prefix = format!("oxccl/device/{job}/{generation}");
         match self.process_backend(rank, &*store, &prefix, timeout)? {
             DeviceBackend::CudaRing => {
                 let ctx = open_device(rank, device)?;
                 let control = crate::comm::CommBuilder::default()
                     .timeout(timeout)
                     .algo(crate::comm::Algo::Ring)
-                    .job_id(format!("{}-cuda-ring-{generation}", self.job()))
+                    .job_id(format!("{job}-cuda-ring-{generation}"))
                     .init(
                         rank,
                         world_size,
@@ -565,13 +567,13 @@ impl DeviceBackend {
     }
 
     fn from_env() -> Result<DeviceBackend> {
-        match std::env::var("OXCCL_BACKEND") {
-            Ok(v) => DeviceBackend::from_name(&v).ok_or_else(|| Error::Config {
+        match crate::comm::env_value("OXCCL_BACKEND")? {
+            Some(v) => DeviceBackend::from_name(&v).ok_or_else(|| Error::Config {
                 name: "OXCCL_BACKEND".into(),
                 value: v,
                 reason: "expected auto, nccl or cuda-ring".into(),
             }),
-            Err(_) => Ok(DeviceBackend::Auto),
+            None => Ok(DeviceBackend::Auto),
         }
     }
 }
@@ -1389,8 +1391,8 @@ const RING_CHUNK_BYTES: usize = 64 << 20;
 /// `OXCCL_CHUNK_BYTES` for the cuda-ring: a malformed value is an error,
 /// as on the host backend, not a silent fall back to the default.
 fn ring_chunk_bytes_from_env() -> Result<usize> {
-    match std::env::var("OXCCL_CHUNK_BYTES") {
-        Ok(value) => value
+    match crate::comm::env_value("OXCCL_CHUNK_BYTES")? {
+        Some(value) => value
             .trim()
             .parse::<usize>()
             .ok()
@@ -1400,7 +1402,7 @@ fn ring_chunk_bytes_from_env() -> Result<usize> {
                 value,
                 reason: "expected a positive number of bytes".into(),
             }),
-        Err(_) => Ok(RING_CHUNK_BYTES),
+        None => Ok(RING_CHUNK_BYTES),
     }
 }
 
@@ -1452,13 +1454,13 @@ fn peer_direct_allowed(ring: &RingComm, algo: Algo) -> bool {
 /// `auto` (the default) and `direct` run all-reduce, reduce-scatter,
 /// all-gather and broadcast peer-direct where the ranks allow it.
 fn ring_algo_from_env() -> Result<Algo> {
-    match std::env::var("OXCCL_ALGO") {
-        Ok(value) => Algo::from_name(&value).ok_or_else(|| Error::Config {
+    match crate::comm::env_value("OXCCL_ALGO")? {
+        Some(value) => Algo::from_name(&value).ok_or_else(|| Error::Config {
             name: "OXCCL_ALGO".into(),
             value,
             reason: "expected auto, ring or direct".into(),
         }),
-        Err(_) => Ok(Algo::Auto),
+        None => Ok(Algo::Auto),
     }
 }
 

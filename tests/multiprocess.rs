@@ -946,3 +946,25 @@ fn a_second_communicator_from_the_same_variables_says_so() {
     }
     let _ = std::fs::remove_file(&go);
 }
+
+/// An `OXCCL_*` value that is not UTF-8 is a configuration error naming
+/// the variable, not taken for unset (it ran with the default the user
+/// meant to change).
+#[test]
+fn a_setting_that_is_not_utf8_is_refused_not_ignored() {
+    use std::os::unix::ffi::OsStrExt;
+    let not_utf8 = std::ffi::OsStr::from_bytes(b"tc\xffp");
+    for name in ["OXCCL_TRANSPORT", "OXCCL_TIMEOUT", "OXCCL_ALGO"] {
+        let mut cmd = rank_cmd(0, 1, free_port(), "auto");
+        cmd.env(name, not_utf8).arg("--quick");
+        let (code, out, err) =
+            Running::spawn(&mut cmd).finish(Instant::now() + Duration::from_secs(30));
+        assert_eq!(code, Some(1), "{name}\n{out}\n{err}");
+        assert!(
+            err.contains(&format!(
+                "invalid configuration {name}=\"tc\u{fffd}p\": not UTF-8"
+            )),
+            "{name}: {err}"
+        );
+    }
+}
