@@ -2775,11 +2775,13 @@ impl Arena {
         let mut room = u64::MAX;
         for reader in (0..self.world()).filter(|&r| r != me) {
             let position = self.read_position(reader, me);
-            // A reader that left reads no more: its units are free.
+            // A reader that left reads no more: its units are free. The
+            // position is in memory the reader writes: saturating, so that
+            // a corrupt one cannot overflow (a panic in debug builds).
             self.wait(call, reader, true, || {
-                position.load(Ordering::Acquire) + MAILBOX_UNITS >= end
+                position.load(Ordering::Acquire).saturating_add(MAILBOX_UNITS) >= end
             })?;
-            room = room.min(position.load(Ordering::Acquire) + MAILBOX_UNITS);
+            room = room.min(position.load(Ordering::Acquire).saturating_add(MAILBOX_UNITS));
         }
         self.mailbox_room = room;
         Ok(())
