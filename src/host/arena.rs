@@ -1234,8 +1234,11 @@ impl Arena {
             let seen = control.wake.load(Ordering::SeqCst);
             // Leaving or failing bumps the wake word after the state store:
             // if that bump came before `seen`, the state shows it here, and
-            // the loop reports it now rather than after a whole sleep.
-            if !ready() && self.state(peer) == STATE_ALIVE {
+            // the loop reports it now rather than after a whole sleep. A
+            // peer that has not attached yet (state 0) is slept on too (the
+            // sleep is bounded): waiting for it spun a core for the whole
+            // timeout.
+            if !ready() && !matches!(self.state(peer), STATE_DEPARTED | STATE_FAILED) {
                 futex_wait(&control.wake, seen, SLEEP.min(deadline - now));
             }
             control.sleepers.fetch_sub(1, Ordering::SeqCst);
@@ -2779,9 +2782,16 @@ impl Arena {
             // position is in memory the reader writes: saturating, so that
             // a corrupt one cannot overflow (a panic in debug builds).
             self.wait(call, reader, true, || {
-                position.load(Ordering::Acquire).saturating_add(MAILBOX_UNITS) >= end
+                position
+                    .load(Ordering::Acquire)
+                    .saturating_add(MAILBOX_UNITS)
+                    >= end
             })?;
-            room = room.min(position.load(Ordering::Acquire).saturating_add(MAILBOX_UNITS));
+            room = room.min(
+                position
+                    .load(Ordering::Acquire)
+                    .saturating_add(MAILBOX_UNITS),
+            );
         }
         self.mailbox_room = room;
         Ok(())
@@ -4115,10 +4125,27 @@ mod tests {
     /// A peer that never attaches makes the set-up time out naming the
     /// communicator's set-up (`init`) and the peer, not a barrier with a
     /// sequence number nobody called.
+    /// (The wait for that peer sleeps: it had spun a core for the whole
+    /// timeout, as a peer not attached yet was never slept on.)
     #[test]
     fn a_set_up_timeout_names_init_and_the_peer() {
+        let thread_cpu = || {
+            let mut t = libc::timespec {
+                tv_sec: 0,
+                tv_nsec: 0,
+            };
+            // SAFETY: `t` is a valid timespec to write.
+            unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) };
+            Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
+        };
+        let cpu_before = thread_cpu();
         let err = shared_arena_alone("setup", Geometry::new(2).bytes(), Geometry::new(2), 0)
             .expect("no peer attached: a timeout");
+        let cpu = thread_cpu() - cpu_before;
+        assert!(
+            cpu < Duration::from_millis(60),
+            "the 200 ms wait used {cpu:?} of CPU"
+        );
         let text = err.to_string();
         assert!(
             text.contains("init #0") && text.contains("rank 1"),
