@@ -16,7 +16,7 @@ use crate::host::shared::{SharedBuffer, SharedRegion};
 use crate::schedule;
 use crate::transport::local::{LocalEndpoint, LocalGroup};
 use crate::transport::net::{self, TransportKind};
-use crate::transport::{Space, Transport, TransportError};
+use crate::transport::{FailureCause, Space, Transport, TransportError};
 use crate::types::{DType, Element, OpKind, Rank, ReduceOp};
 
 /// Default wait before a peer is declared unresponsive.
@@ -615,14 +615,19 @@ fn record_failure(
 ) {
     *failed = Some(error.to_string());
     // A lost peer is the cause to tell the others, who may meet this
-    // rank's departure before they find that peer gone themselves.
+    // rank's departure before they find that peer gone themselves; a late
+    // one too, so that they name it, not this rank that gave up on it.
     let cause = match error {
-        Error::PeerLost { peer, .. } => Some(*peer),
+        Error::PeerLost { peer, .. } => Some(FailureCause::Lost(*peer)),
+        Error::Timeout { peer, .. } => Some(FailureCause::Late(*peer)),
+        // Not where this rank is the late one (a peer gave up waiting on
+        // it while it waited on another): naming itself would mislead.
+        Error::PeerTimedOut { late, rank, .. } if late != rank => Some(FailureCause::Late(*late)),
         _ => None,
     };
     transport.mark_failed(cause);
     if let Some(arena) = arena {
-        arena.mark_failed();
+        arena.mark_failed(cause);
     }
 }
 

@@ -64,6 +64,25 @@ pub enum Error {
         peer: Rank,
     },
 
+    /// A peer gave up on the call because a third rank did not answer it
+    /// within the timeout (that peer's own error is a [`Error::Timeout`]
+    /// naming `late`): this rank cannot finish the call either. `late` is
+    /// where to look: a rank stuck or slow outside oxccl, or one that
+    /// called something else.
+    #[error("rank {rank}: {op} #{seq}: peer rank {peer} timed out waiting for rank {late}")]
+    PeerTimedOut {
+        /// The operation in progress.
+        op: OpKind,
+        /// Its sequence number on this communicator.
+        seq: u64,
+        /// The rank that noticed.
+        rank: Rank,
+        /// The rank that timed out.
+        peer: Rank,
+        /// The rank it was waiting for.
+        late: Rank,
+    },
+
     /// The ranks disagree about which collective they are running: a frame
     /// arrived for the same sequence number but a different operation or a
     /// different size. Usually a program that calls collectives in different

@@ -364,7 +364,9 @@ fn a_lane_all_reduce_against_another_call_is_a_mismatch() {
 /// named at once to the ranks still waiting on it elsewhere in the ring.
 /// Rank 1 leaves without joining; rank 2, which receives from it, fails
 /// and keeps its communicator; rank 0 receives from rank 2 only, and must
-/// not wait out its 30 s timeout for frames rank 2 will never send.
+/// not wait out its 30 s timeout for frames rank 2 will never send. It
+/// names rank 1, whose departure made rank 2 fail (the cause rank 2 gave),
+/// as over the processes' links.
 #[test]
 fn a_failure_over_the_links_is_told_to_ranks_waiting_elsewhere() {
     use std::sync::atomic::{AtomicBool, Ordering};
@@ -394,7 +396,7 @@ fn a_failure_over_the_links_is_told_to_ranks_waiting_elsewhere() {
     })
     .unwrap();
     let rank0 = outcomes[0].clone().unwrap().unwrap_err();
-    assert!(rank0.contains("peer rank 2 is gone"), "{rank0}");
+    assert!(rank0.contains("peer rank 1 is gone"), "{rank0}");
     let rank2 = outcomes[2].clone().unwrap().unwrap_err();
     assert!(rank2.contains("peer rank 1 is gone"), "{rank2}");
     assert!(

@@ -326,6 +326,15 @@ fn remote_error(
             rank,
             peer,
         },
+        Error::PeerTimedOut {
+            peer: failed, late, ..
+        } => Error::PeerTimedOut {
+            op,
+            seq,
+            rank,
+            peer: failed,
+            late,
+        },
         Error::Aborted { .. } => Error::Aborted { op, seq, rank },
         other => other,
     }

@@ -40,7 +40,7 @@ use std::time::{Duration, Instant};
 use crate::comm::ShmStores;
 use crate::error::Result;
 use crate::transport::shm::{process_alive, Segment};
-use crate::transport::TransportError;
+use crate::transport::{FailureCause, TransportError};
 use crate::types::{Element, OpKind, Rank, ReduceOp};
 
 use super::executor::CallInfo;
@@ -267,6 +267,32 @@ struct Control {
     wake: AtomicU32,
     /// Ranks currently asleep waiting on this rank.
     sleepers: AtomicU32,
+    /// Once failed: why, when it said ([`encode_cause`]), stored before
+    /// the state; 0 otherwise.
+    cause: AtomicU64,
+}
+
+/// A failure's cause as the word [`Control::cause`] holds: the rank + 1
+/// (rank < 2^32), with the top bit set when it was late rather than lost.
+fn encode_cause(cause: Option<FailureCause>) -> u64 {
+    const LATE: u64 = 1 << 63;
+    match cause {
+        Some(FailureCause::Lost(r)) => u64::try_from(r).map_or(0, |r| r + 1),
+        Some(FailureCause::Late(r)) => u64::try_from(r).map_or(0, |r| (r + 1) | LATE),
+        None => 0,
+    }
+}
+
+/// The cause [`encode_cause`] wrote (peer-written: a rank outside the
+/// world reads as none).
+fn decode_cause(word: u64, world: usize) -> Option<FailureCause> {
+    const LATE: u64 = 1 << 63;
+    let rank = usize::try_from((word & !LATE).checked_sub(1)?).ok()?;
+    (rank < world).then_some(if word & LATE != 0 {
+        FailureCause::Late(rank)
+    } else {
+        FailureCause::Lost(rank)
+    })
 }
 
 /// The header at the start of every slot.
@@ -1216,7 +1242,7 @@ impl Arena {
                 if lost == peer && peer_left_ok && self.departed(peer) {
                     return Ok(());
                 }
-                return Err(call.error(lost, TransportError::PeerLost { rank: Some(lost) }));
+                return Err(call.error(lost, self.lost_error(lost)));
             }
             if now >= deadline {
                 return Err(call.error(peer, TransportError::Timeout(now - start)));
@@ -1301,11 +1327,31 @@ impl Arena {
 
     /// Tells the other ranks that this rank's communicator failed and
     /// that it takes part in no further call (see [`STATE_FAILED`]).
-    pub fn mark_failed(&self) {
-        self.control(self.rank)
-            .state
-            .store(STATE_FAILED, Ordering::Release);
+    /// `cause`: the rank whose loss or lateness made this one fail, when
+    /// known; the others then name it rather than this rank.
+    pub fn mark_failed(&self, cause: Option<FailureCause>) {
+        let me = self.control(self.rank);
+        me.cause.store(encode_cause(cause), Ordering::Relaxed);
+        me.state.store(STATE_FAILED, Ordering::Release);
         self.notify();
+    }
+
+    /// The error a wait reports for `lost`, which
+    /// [`lost_member`](Self::lost_member) found gone or failed: its cause
+    /// where it failed and gave one.
+    fn lost_error(&self, lost: Rank) -> TransportError {
+        let cause = (self.state(lost) == STATE_FAILED)
+            .then(|| {
+                decode_cause(
+                    self.control(lost).cause.load(Ordering::Relaxed),
+                    self.world(),
+                )
+            })
+            .flatten();
+        match cause {
+            Some(cause) => cause.error_for(lost, self.rank),
+            None => TransportError::PeerLost { rank: Some(lost) },
+        }
     }
 
     /// Starts the next round: waits until this rank's slot for it is free
@@ -3282,7 +3328,7 @@ impl Arena {
     /// mid-call (a debugger, `SIGSTOP`) can hold it longer, and the rank
     /// then says on stderr what it waits for.
     fn withdraw(&self, call: &CallInfo, k: u64) {
-        self.mark_failed();
+        self.mark_failed(None);
         let own = self.lane_header(self.rank, k);
         let mine = (
             own.seq.load(Ordering::Relaxed),

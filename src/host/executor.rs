@@ -188,6 +188,13 @@ impl CallInfo {
                 rank,
                 peer: lost.unwrap_or(peer),
             },
+            TransportError::PeerTimedOut { rank: failed, late } => Error::PeerTimedOut {
+                op,
+                seq,
+                rank,
+                peer: failed,
+                late,
+            },
             TransportError::Aborted => Error::Aborted { op, seq, rank },
             TransportError::Mismatch(detail) => Error::Mismatch {
                 op,

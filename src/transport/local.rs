@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::{CollectiveArrivals, FrameHeader, Payload, Space, TransportError};
+use super::{CollectiveArrivals, FailureCause, FrameHeader, Payload, Space, TransportError};
 
 type Key = (usize, u64, Space, u64, u32);
 
@@ -53,10 +53,10 @@ pub(crate) struct LocalGroup {
     aborted: Arc<AtomicBool>,
     /// `(ctx, global rank)` of endpoints that were dropped.
     departed: Mutex<HashSet<(u64, usize)>>,
-    /// `(ctx, global rank)` of endpoints whose communicator failed: they
-    /// take part in no further call of it (see
-    /// [`LocalEndpoint::mark_failed`]).
-    failed: Mutex<HashSet<(u64, usize)>>,
+    /// `(ctx, global rank)` of endpoints whose communicator failed, with
+    /// the cause they gave (its rank global): they take part in no
+    /// further call of it (see [`LocalEndpoint::mark_failed`]).
+    failed: Mutex<HashMap<(u64, usize), Option<FailureCause>>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -71,7 +71,7 @@ impl LocalGroup {
             mailboxes: (0..world).map(|_| Mailbox::default()).collect(),
             aborted: Arc::new(AtomicBool::new(false)),
             departed: Mutex::new(HashSet::new()),
-            failed: Mutex::new(HashSet::new()),
+            failed: Mutex::new(HashMap::new()),
         })
     }
 
@@ -153,8 +153,10 @@ impl LocalEndpoint {
     /// they wait (a ring's rank two hops after a lost one waits on a rank
     /// that will not send, not on the lost one), instead of waiting out
     /// their timeout.
-    pub fn mark_failed(&self) {
-        lock(&self.group.failed).insert((self.ctx, self.members[self.rank]));
+    /// `cause` (communicator ranks) is what the others then report.
+    pub fn mark_failed(&self, cause: Option<FailureCause>) {
+        let cause = cause.and_then(|c| c.map(|r| self.members.get(r).copied()));
+        lock(&self.group.failed).insert((self.ctx, self.members[self.rank]), cause);
         self.group.wake_all();
     }
 
@@ -215,11 +217,19 @@ impl LocalEndpoint {
                 let me = self.members[self.rank];
                 let lost = std::iter::once(peer)
                     .chain(0..self.members.len())
-                    .find(|&r| {
-                        self.members[r] != me && failed.contains(&(self.ctx, self.members[r]))
+                    .find_map(|r| {
+                        let cause = failed.get(&(self.ctx, self.members[r]))?;
+                        (self.members[r] != me).then_some((r, *cause))
                     });
-                if let Some(rank) = lost {
-                    return Err(TransportError::PeerLost { rank: Some(rank) });
+                if let Some((rank, cause)) = lost {
+                    // Named by its cause where it gave one (global ranks
+                    // back to this communicator's).
+                    let member = |g: usize| self.members.iter().position(|&m| m == g);
+                    return Err(cause
+                        .and_then(|c| c.map(member))
+                        .map_or(TransportError::PeerLost { rank: Some(rank) }, |c| {
+                            c.error_for(rank, self.rank)
+                        }));
                 }
             }
             drop(failed);

@@ -298,6 +298,39 @@ mod pool {
     }
 }
 
+/// Why a rank's communicator failed, as it tells the others (so that they
+/// name the rank at the root of a failure rather than the messenger):
+/// the communicator rank it lost or timed out waiting for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum FailureCause {
+    /// That rank was gone (left, died, failed).
+    Lost(usize),
+    /// That rank did not answer within the timeout.
+    Late(usize),
+}
+
+impl FailureCause {
+    /// The same cause with its rank mapped (`f`: communicator rank to
+    /// global, or back); `None` where `f` has none.
+    pub fn map(self, f: impl FnOnce(usize) -> Option<usize>) -> Option<FailureCause> {
+        match self {
+            FailureCause::Lost(r) => f(r).map(FailureCause::Lost),
+            FailureCause::Late(r) => f(r).map(FailureCause::Late),
+        }
+    }
+
+    /// The error a rank reports for member `failed`, which failed for this
+    /// cause (its rank a communicator rank); `me`, the reporting rank, is
+    /// never named as lost.
+    pub fn error_for(self, failed: usize, me: usize) -> TransportError {
+        match self {
+            FailureCause::Late(late) => TransportError::PeerTimedOut { rank: failed, late },
+            FailureCause::Lost(lost) if lost != me => TransportError::PeerLost { rank: Some(lost) },
+            FailureCause::Lost(_) => TransportError::PeerLost { rank: Some(failed) },
+        }
+    }
+}
+
 /// Why a transport call failed; the executor adds the op, rank and peer.
 #[derive(Debug)]
 pub(crate) enum TransportError {
@@ -306,6 +339,12 @@ pub(crate) enum TransportError {
     /// the peer the call was talking to.
     PeerLost {
         rank: Option<usize>,
+    },
+    /// Rank `rank` (a communicator rank) failed because it timed out
+    /// waiting for rank `late`: this call cannot finish either.
+    PeerTimedOut {
+        rank: usize,
+        late: usize,
     },
     Aborted,
     Mismatch(String),
@@ -376,11 +415,11 @@ impl Transport {
 
     /// Tells the ranks of this transport that this rank's communicator
     /// failed: their waits on it in this communicator fail at once.
-    /// `cause`: the (communicator) rank whose loss made this one fail,
-    /// when known.
-    pub fn mark_failed(&self, cause: Option<usize>) {
+    /// `cause`: the (communicator) rank whose loss or lateness made this
+    /// one fail, when known; they name it.
+    pub fn mark_failed(&self, cause: Option<FailureCause>) {
         match self {
-            Transport::Local(t) => t.mark_failed(),
+            Transport::Local(t) => t.mark_failed(cause),
             Transport::Net(t) => t.mark_failed(cause),
         }
     }

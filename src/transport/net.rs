@@ -56,7 +56,7 @@ use std::time::{Duration, Instant};
 
 use super::shm::{self, Segment, ShmLink};
 use super::tcp::{self, TcpLink, Token};
-use super::{CollectiveArrivals, FrameHeader, Payload, Space, TransportError};
+use super::{CollectiveArrivals, FailureCause, FrameHeader, Payload, Space, TransportError};
 use crate::bootstrap::Store;
 use crate::error::{as_ranks_store_error, Error, RendezvousStage, Result};
 use crate::types::{OpKind, Rank};
@@ -84,6 +84,8 @@ const KIND_GOODBYE: u8 = 1;
 const KIND_LEAVE: u8 = 2;
 const LEAVE_DROPPED: u32 = 0;
 const LEAVE_FAILED: u32 = 1;
+/// Failed because it timed out waiting for the global rank in `call`.
+const LEAVE_TIMED_OUT: u32 = 2;
 
 /// How often a waiting rank checks that its shared-memory peers still run.
 const LIVENESS_INTERVAL: Duration = Duration::from_millis(10);
@@ -136,7 +138,9 @@ fn decode(b: &[u8; FRAME_HEADER_BYTES]) -> std::result::Result<(u8, FrameHeader)
         return Err(format!("goodbye of {bytes} bytes (16 per context)"));
     }
     let step = u32_at(8);
-    if kind == KIND_LEAVE && (bytes != 0 || !matches!(step, LEAVE_DROPPED | LEAVE_FAILED)) {
+    if kind == KIND_LEAVE
+        && (bytes != 0 || !matches!(step, LEAVE_DROPPED | LEAVE_FAILED | LEAVE_TIMED_OUT))
+    {
         return Err(format!("leave frame of {bytes} bytes, reason {step}"));
     }
     Ok((
@@ -296,8 +300,8 @@ struct Left {
     /// Its communicator failed: frames it had yet to send in the calls it
     /// entered will not come either.
     failed: bool,
-    /// The global rank whose loss made it fail, when it said.
-    cause: Option<usize>,
+    /// What made it fail, when it said (the rank global).
+    cause: Option<FailureCause>,
 }
 
 struct Peer {
@@ -784,9 +788,14 @@ impl Fabric {
                 cause: None,
             });
             left.entered = left.entered.max(header.seq);
-            left.failed |= header.step == LEAVE_FAILED;
+            left.failed |= matches!(header.step, LEAVE_FAILED | LEAVE_TIMED_OUT);
             if header.call != 0 {
-                left.cause = Some(header.call as usize - 1);
+                let global = header.call as usize - 1;
+                left.cause = Some(if header.step == LEAVE_TIMED_OUT {
+                    FailureCause::Late(global)
+                } else {
+                    FailureCause::Lost(global)
+                });
             }
             self.left_contexts.insert(header.ctx);
             return;
@@ -1131,15 +1140,15 @@ impl NetEndpoint {
         // its leave (and its process's goodbye) may reach this rank before
         // this rank finds the loss itself (reading through what the lost
         // rank sent before it died).
-        let me = fabric.rank;
-        let blame = |member: usize| {
+        let me = self.members.iter().position(|&g| g == fabric.rank);
+        let lost = |member: usize| {
             left(member)
                 .and_then(|l| l.cause)
-                .filter(|&g| g != me)
-                .and_then(|g| self.members.iter().position(|&m| m == g))
-                .unwrap_or(member)
+                .and_then(|c| c.map(|g| self.members.iter().position(|&m| m == g)))
+                .map_or(lost(member), |c| {
+                    c.error_for(member, me.unwrap_or(usize::MAX))
+                })
         };
-        let lost = |member: usize| lost(blame(member));
         if let Some(h) = collective {
             for member in involved.clone() {
                 if let Some(Gone::Departed(entered)) = fabric.gone(self.members[member]) {
@@ -1220,9 +1229,13 @@ impl NetEndpoint {
 
     /// Tells the other members that this rank's communicator failed.
     /// `cause`: the member whose loss made it fail, told to the others.
-    pub fn mark_failed(&self, cause: Option<usize>) {
-        let cause = cause.and_then(|m| self.members.get(m).copied());
-        self.leave_because(LEAVE_FAILED, cause);
+    pub fn mark_failed(&self, cause: Option<FailureCause>) {
+        let cause = cause.and_then(|c| c.map(|m| self.members.get(m).copied()));
+        match cause {
+            Some(FailureCause::Late(global)) => self.leave_because(LEAVE_TIMED_OUT, Some(global)),
+            Some(FailureCause::Lost(global)) => self.leave_because(LEAVE_FAILED, Some(global)),
+            None => self.leave_because(LEAVE_FAILED, None),
+        }
     }
 
     pub fn send(
