@@ -1491,6 +1491,10 @@ impl RingComm {
     }
 }
 
+/// How long dropping an aborted communicator waits for its stream (see
+/// `Drop for RingComm`).
+const ABORTED_DRAIN: Duration = Duration::from_millis(100);
+
 impl Drop for RingComm {
     fn drop(&mut self) {
         if let Links::Local(group) = &self.links {
@@ -1503,9 +1507,21 @@ impl Drop for RingComm {
         // context stays bound for the events and mappings the links
         // release after this.)
         let _ = self.ctx.bind_to_thread();
-        let drained = self
-            .drain_stream("dropping the communicator: draining its stream")
-            .is_ok();
+        // Aborted, the stream may wait for good on a dead peer's event:
+        // drain it briefly only (its inboxes and mappings are kept either
+        // way), not for the whole timeout.
+        let within = if self.aborted() {
+            self.timeout.min(ABORTED_DRAIN)
+        } else {
+            self.timeout
+        };
+        let drained = drain(
+            &self.stream,
+            self.rank,
+            within,
+            "dropping the communicator: draining its stream",
+        )
+        .is_ok();
         match (drained, &mut self.links) {
             // Peers' GPUs may still wait on this rank's events and write
             // its inboxes until they, too, are done (collective, bounded).

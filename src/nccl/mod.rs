@@ -299,6 +299,11 @@ impl NcclCall {
 /// How often a wait polls NCCL's asynchronous state. NCCL's own examples
 /// spin on `ncclCommGetAsyncError`; a short sleep keeps a waiting rank off a
 /// core it may share with NCCL's proxy thread.
+/// The longest [`NcclComm::abort`] waits for `ncclCommAbort` (less when the
+/// communicator's timeout is shorter): a healthy abort returns in well
+/// under a second; one that hangs (see there) is left behind.
+const ABORT_GRACE: Duration = Duration::from_secs(10);
+
 const POLL_INTERVAL: Duration = Duration::from_micros(50);
 
 /// An NCCL communicator (non-blocking), owned: finalized and destroyed on
@@ -507,19 +512,22 @@ impl NcclComm {
     /// `ncclCommAbort`: stops whatever runs on the device for this
     /// communicator and frees it. Later calls fail.
     ///
-    /// Waits for it at most the communicator's timeout: NCCL's abort joins
-    /// its internal threads and has hung there while a peer on the node
-    /// was stopped (NVIDIA/nccl#863, #1777); past the bound the abort is
-    /// left running on its own thread (the communicator's resources leak,
-    /// said on stderr) so the timeout that called it is still returned.
+    /// Waits for it at most the communicator's timeout, and at most
+    /// [`ABORT_GRACE`]: NCCL's abort joins its internal threads and has
+    /// hung there while a peer on the node was stopped (NVIDIA/nccl#863,
+    /// #1777); past the bound the abort is left running on its own thread
+    /// (the communicator's resources leak, said on stderr) so the timeout
+    /// that called it is still returned — after the wait that timed out
+    /// plus this grace, not twice the timeout.
     pub(crate) fn abort(&mut self) {
         if !self.raw.is_null() {
             let raw = RawCommToAbort(self.raw);
             let comm_abort = self.library.comm_abort;
+            let bound = self.timeout.min(ABORT_GRACE);
             // SAFETY: `raw` is a live communicator, freed here exactly once
             // (this handle forgets it below, whether or not the abort
             // returns in time).
-            let finished = call_bounded(self.timeout, move || unsafe {
+            let finished = call_bounded(bound, move || unsafe {
                 let raw = raw;
                 comm_abort(raw.0);
             });
@@ -527,7 +535,7 @@ impl NcclComm {
                 eprintln!(
                     "oxccl: rank {}: ncclCommAbort did not return within {:?}; left \
                      running on its own thread (this communicator's resources leak)",
-                    self.rank, self.timeout
+                    self.rank, bound
                 );
             }
             self.raw = std::ptr::null_mut();
