@@ -336,6 +336,20 @@ fn remote_error(
             late,
         },
         Error::Aborted { .. } => Error::Aborted { op, seq, rank },
+        // The control channel's own calls are `recv #0`: name the
+        // cuda-ring call instead.
+        Error::Mismatch { detail, .. } => Error::Mismatch {
+            op,
+            seq,
+            rank,
+            peer,
+            detail,
+        },
+        Error::Failed { first_error, .. } => Error::Failed {
+            op,
+            rank,
+            first_error,
+        },
         other => other,
     }
 }

@@ -2052,7 +2052,9 @@ fn connect_rank(setup: Setup) -> Result<(NetEndpoint, Option<Segment>)> {
                 Error::RendezvousTimeout {
                     rank,
                     store: format!("{} (accepting peer connections)", infos[rank].addr),
-                    waited: timeout,
+                    // Since the set-up began (its deadline is `timeout` on).
+                    waited: timeout
+                        .saturating_sub(deadline.saturating_duration_since(Instant::now())),
                     stage: RendezvousStage::Connect,
                     missing,
                 }
