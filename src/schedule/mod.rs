@@ -246,8 +246,12 @@ impl ChunkLayout {
 }
 
 /// Part `i` of `total` split into `parts` near-equal parts: the first
-/// `total % parts` parts are one longer.
+/// `total % parts` parts are one longer. Nothing at all is split into no
+/// parts (a [`ChunkLayout`] of 0 elements has none).
 fn split_even(total: usize, parts: usize, i: usize) -> (usize, usize) {
+    if parts == 0 {
+        return (0, 0);
+    }
     let base = total / parts;
     let extra = total % parts;
     let len = base + usize::from(i < extra);
@@ -259,6 +263,12 @@ fn split_even(total: usize, parts: usize, i: usize) -> (usize, usize) {
 ///
 /// `chunk_bytes` is the pipeline piece size in bytes (the communicator's
 /// configuration); it becomes a piece size in elements of the call's type.
+///
+/// # Panics
+///
+/// On a descriptor that [`CollectiveDesc::validate`] refuses (a world size
+/// of 0, a root or rank outside the world): the communicators validate
+/// every call before planning it.
 pub fn plan(desc: &CollectiveDesc, chunk_bytes: usize) -> Plan {
     plan_with(desc, chunk_bytes, choose(desc))
 }
@@ -269,6 +279,10 @@ pub fn plan(desc: &CollectiveDesc, chunk_bytes: usize) -> Plan {
 pub const MAX_PIECES: usize = 1 << 20;
 
 /// [`plan`] with the family chosen by the caller.
+///
+/// # Panics
+///
+/// As [`plan`].
 pub fn plan_with(desc: &CollectiveDesc, chunk_bytes: usize, family: Family) -> Plan {
     if family == Family::Direct {
         if let Some(plan) = plan_direct(desc) {
@@ -402,6 +416,16 @@ mod sim;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An empty layout has no pieces; asking for one anyway (the layout is
+    /// public) is an empty range, not a division by zero.
+    #[test]
+    fn an_empty_layout_answers_without_dividing_by_zero() {
+        let layout = ChunkLayout::new(0, 4, 8);
+        assert_eq!(layout.pieces(), 0);
+        assert_eq!(layout.piece(0, 0), (0, 0));
+        assert_eq!(layout.piece_in_chunk(3, 0), (0, 0));
+    }
 
     #[test]
     fn chunks_cover_the_buffer_exactly() {
