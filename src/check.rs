@@ -445,6 +445,23 @@ pub fn every_collective_shared<T: Element>(
                 comm.reduce(&send, &mut [], op, root)?;
             }
             direct(comm, "reduce, empty output off the root", bytes)?;
+            // The same with the root's output in an allocation the others
+            // have dropped, and forgotten by allocating again: every rank
+            // must still take the same path (they hung, the root zero-copy
+            // and the others staged).
+            let root_out = comm.alloc_shared::<T>(count)?;
+            let root_out = (rank == root).then_some(root_out);
+            let _later = comm.alloc_shared::<T>(1)?;
+            fill(&mut send, rank, 0, op);
+            if let Some(mut out) = root_out {
+                comm.reduce(&send, &mut out, op, root)?;
+                ensure(count_wrong_reduced(&out, world, 0, op), || {
+                    format!("reduce into an allocation only the root kept {}", ctx())
+                })?;
+            } else {
+                comm.reduce(&send, &mut [], op, root)?;
+            }
+            direct(comm, "reduce into an allocation only the root kept", bytes)?;
         }
         let op = ReduceOp::Sum;
         let mut mine = comm.alloc_shared::<T>(count)?;

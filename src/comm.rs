@@ -614,17 +614,7 @@ fn record_failure(
     error: &Error,
 ) {
     *failed = Some(error.to_string());
-    // A lost peer is the cause to tell the others, who may meet this
-    // rank's departure before they find that peer gone themselves; a late
-    // one too, so that they name it, not this rank that gave up on it.
-    let cause = match error {
-        Error::PeerLost { peer, .. } => Some(FailureCause::Lost(*peer)),
-        Error::Timeout { peer, .. } => Some(FailureCause::Late(*peer)),
-        // Not where this rank is the late one (a peer gave up waiting on
-        // it while it waited on another): naming itself would mislead.
-        Error::PeerTimedOut { late, rank, .. } if late != rank => Some(FailureCause::Late(*late)),
-        _ => None,
-    };
+    let cause = FailureCause::of(error);
     transport.mark_failed(cause);
     if let Some(arena) = arena {
         arena.mark_failed(cause);

@@ -64,12 +64,16 @@ pub enum Error {
         peer: Rank,
     },
 
-    /// A peer gave up on the call because a third rank did not answer it
-    /// within the timeout (that peer's own error is a [`Error::Timeout`]
-    /// naming `late`): this rank cannot finish the call either. `late` is
-    /// where to look: a rank stuck or slow outside oxccl, or one that
-    /// called something else.
-    #[error("rank {rank}: {op} #{seq}: peer rank {peer} timed out waiting for rank {late}")]
+    /// A peer gave up on the call because rank `late` did not answer
+    /// within the timeout (the peer timed out waiting for it, or failed
+    /// because a rank before it did: that rank's own error is a
+    /// [`Error::Timeout`] naming `late`), so this rank cannot finish the
+    /// call either. `late` is where to look: a rank stuck or slow outside
+    /// oxccl, or one that called something else.
+    #[error(
+        "rank {rank}: {op} #{seq}: peer rank {peer} gave up on this call: rank {late} did not \
+         answer within the timeout"
+    )]
     PeerTimedOut {
         /// The operation in progress.
         op: OpKind,
@@ -77,9 +81,10 @@ pub enum Error {
         seq: u64,
         /// The rank that noticed.
         rank: Rank,
-        /// The rank that timed out.
+        /// The failed rank this one met (it timed out, or failed because a
+        /// rank it waited on did).
         peer: Rank,
-        /// The rank it was waiting for.
+        /// The rank that did not answer.
         late: Rank,
     },
 

@@ -316,70 +316,78 @@ fn a_failure_names_the_lost_rank_that_caused_it() {
     assert_eq!(result, [Some(3), Some(3), Some(3), None]);
 }
 
-/// Survivors of a ring whose rank 2 is late name rank 2: rank 3, waiting
-/// on it, times out naming it, and ranks 0 and 1, which wait on rank 3 (or
-/// on a rank waiting on it), say that a peer timed out waiting for rank 2
-/// (before, they said "peer rank 3 is gone", blaming the messenger).
-/// Rank 3's timeout is the shortest here so that it fires first: when
-/// several ranks' timers run out together, the first to fire is what the
-/// others name.
+/// Survivors of a call whose rank 2 is late name rank 2. Over a TCP ring:
+/// rank 3, which entered first, times out naming it, and ranks 0 and 1,
+/// which entered later and wait on rank 3 (or on a rank waiting on it),
+/// say that a peer gave up because rank 2 did not answer (before, they
+/// said "peer rank 3 is gone", blaming the messenger). When several ranks'
+/// timers run out together, the first to fire is what the others name;
+/// here rank 3's fires 1.5 s before theirs.
 #[test]
 fn ranks_behind_a_timed_out_one_name_the_late_rank() {
-    // TCP links running a ring; the shared arena (ranks as threads on one
-    // host over shared memory), where a failed rank's cause is in its
-    // control line.
-    for (kind, algo) in [
-        (TransportKind::Tcp, oxccl::Algo::Ring),
-        (TransportKind::Shm, oxccl::Algo::Auto),
-    ] {
-        ranks_behind_a_timed_out_one(kind, algo);
+    let body = |comm: &mut Communicator| -> oxccl::Result<Option<(&'static str, usize)>> {
+        match comm.rank() {
+            2 => {
+                std::thread::sleep(Duration::from_secs(6));
+                return Ok(None);
+            }
+            3 => {}
+            _ => std::thread::sleep(Duration::from_millis(1500)),
+        }
+        let mut v = vec![1.0f32; 100_000];
+        match comm.all_reduce_in_place(&mut v, ReduceOp::Sum) {
+            Err(Error::Timeout { peer, .. }) => Ok(Some(("timeout", peer))),
+            Err(Error::PeerTimedOut { late, .. }) => Ok(Some(("behind", late))),
+            other => Err(fail(format!("rank {}: {other:?}", comm.rank()))),
+        }
+    };
+    let builder = Communicator::builder().timeout(Duration::from_secs(3));
+    let runs = [
+        // TCP links running a ring 0 → 1 → 2 → 3 → 0 (rank 3 receives
+        // from rank 2; the others wait on rank 3 or behind it).
+        (
+            "tcp ring",
+            run_ranks_net(
+                4,
+                builder.clone().algo(oxccl::Algo::Ring),
+                TransportKind::Tcp,
+                body,
+            ),
+        ),
+        // The shared arena across "processes" (staged: every rank awaits
+        // every other; a failed rank's cause is in its control line).
+        (
+            "shm arena",
+            run_ranks_net(4, builder.clone(), TransportKind::Shm, body),
+        ),
+        // Threads: zero copy, where the rank that times out withdraws its
+        // post and waits for the others to fail before it returns.
+        ("threads", common::run_ranks_with(4, builder, body)),
+    ];
+    for (what, result) in runs {
+        let result = result.unwrap_or_else(|e| panic!("{what}: {e}"));
+        if what == "tcp ring" {
+            assert_eq!(
+                result,
+                [
+                    Some(("behind", 2)),
+                    Some(("behind", 2)),
+                    None,
+                    Some(("timeout", 2))
+                ],
+                "{what}"
+            );
+        } else {
+            // In the arena every rank waits on rank 2 itself, each wait
+            // timed from its start (rank 3's starts once ranks 0 and 1
+            // have posted): whoever fires first, every rank names rank 2,
+            // never the rank that gave up first.
+            for (rank, outcome) in result.iter().enumerate() {
+                let expected = rank == 2 || matches!(outcome, Some((_, 2)));
+                assert!(expected, "{what}: rank {rank}: {result:?}");
+            }
+        }
     }
-}
-
-fn ranks_behind_a_timed_out_one(kind: TransportKind, algo: oxccl::Algo) {
-    let store = std::sync::Arc::new(oxccl::bootstrap::MemoryStore::new());
-    let ranks: Vec<_> = (0..4)
-        .map(|rank| {
-            let store = store.clone();
-            std::thread::spawn(move || -> Result<Option<(&str, usize)>, String> {
-                let timeout = if rank == 3 { 500 } else { 3000 };
-                let mut comm = Communicator::builder()
-                    .timeout(Duration::from_millis(timeout))
-                    .transport(kind)
-                    .algo(algo)
-                    .init(rank, 4, store)
-                    .map_err(|e| e.to_string())?;
-                if rank == 2 {
-                    std::thread::sleep(Duration::from_millis(2000));
-                    return Ok(None);
-                }
-                let mut v = vec![1.0f32; 100_000];
-                match comm.all_reduce_in_place(&mut v, ReduceOp::Sum) {
-                    Err(Error::Timeout { peer, .. }) => Ok(Some(("timeout", peer))),
-                    // Behind rank 3, or behind a rank that failed because
-                    // of rank 3's timeout (it names rank 3's cause).
-                    Err(Error::PeerTimedOut { late, .. }) => Ok(Some(("behind", late))),
-                    other => Err(format!("{kind:?}: rank {rank}: {other:?}")),
-                }
-            })
-        })
-        .collect();
-    let results: Vec<_> = ranks
-        .into_iter()
-        .map(|h| h.join().unwrap().unwrap_or_else(|e| panic!("{e}")))
-        .collect();
-    // Ring 0 → 1 → 2 → 3 → 0: rank 3 receives from rank 2; in the arena
-    // every rank awaits every other.
-    assert_eq!(
-        results,
-        [
-            Some(("behind", 2)),
-            Some(("behind", 2)),
-            None,
-            Some(("timeout", 2))
-        ],
-        "{kind:?}"
-    );
 }
 
 /// A rank that drops a sub-communicator while keeping its parent (and so

@@ -759,6 +759,7 @@ fn a_call_that_moves_nothing_fails_after_abort() {
 
 /// A device group larger than a job is refused before any device is
 /// looked at (the cuda-ring group sizes an n × n table of paths).
+#[cfg(feature = "cuda")]
 #[test]
 fn a_device_group_larger_than_a_job_is_refused() {
     match oxccl::DeviceCommunicator::builder().local_group(100_000) {

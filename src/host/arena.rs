@@ -564,6 +564,13 @@ pub(crate) struct Arena {
     stores_moves: u32,
     /// This rank's shared allocations (`alloc_shared`), while they live.
     shared: Vec<SharedEntry>,
+    /// Every allocation's bytes per rank, by number, those this rank has
+    /// dropped too (`None`: its `alloc_shared` failed). Equal on every rank
+    /// (allocation is collective), unlike `shared`, which each rank prunes
+    /// as it drops its handles: the zero-copy decision checks peers' places
+    /// against this, so that every rank decides alike (a root's reduce
+    /// output may lie in an allocation the others dropped).
+    allocation_bytes: Vec<Option<usize>>,
     /// Whether `alloc_shared` ever ran on this communicator: from then on
     /// large calls across processes first exchange where their buffers
     /// are, to run zero-copy when every rank's are in one allocation.
@@ -1090,6 +1097,7 @@ impl Arena {
             stores_round_trip: None,
             stores_moves: 0,
             shared: Vec::new(),
+            allocation_bytes: Vec::new(),
             shared_ever: false,
             next_shared: 0,
             peer_buffers: PeerBuffers::default(),
@@ -3129,12 +3137,15 @@ impl Arena {
     /// the peers' buffers directly, and if so enters it (posting this
     /// rank's buffers, awaiting everyone's): threads from
     /// [`ZERO_COPY_MIN_BYTES`]; across processes, zero-copy from the same
-    /// size when every rank's input and output lie in one shared allocation
-    /// each, else CMA when the caller says it suits (`cma_ok`: all-gather
-    /// and broadcast, [`cma_suits`](Self::cma_suits)). Every rank takes the
-    /// same decision: it depends only on the call, on `shared_ever`, on the
-    /// slot stores (equal everywhere) and on what every rank posted.
-    /// `lens` are the input's and output's lengths in elements.
+    /// size when the inputs and outputs the call touches (`touches`) lie
+    /// in one shared allocation each
+    /// ([`all_in_one_allocation`](Self::all_in_one_allocation)), else CMA
+    /// when the caller says it suits (`cma_ok`: all-gather and broadcast,
+    /// [`cma_suits`](Self::cma_suits)). Every rank takes the same decision:
+    /// it depends only on the call, on `shared_ever`, on the slot stores
+    /// (equal everywhere), on the allocations made (collective) and on what
+    /// every rank posted. `lens` are the input's and output's lengths in
+    /// elements.
     fn enter_direct<T>(
         &mut self,
         call: &CallInfo,
@@ -3236,7 +3247,7 @@ impl Arena {
             unsafe { (slot.add(2).read(), slot.add(3).read()) }
         };
         let tag = |place: u64| place >> PLACE_OFFSET_BITS;
-        let fits = |place: u64, len: usize| place_fits(&self.shared, place, len, align);
+        let fits = |place: u64, len: usize| place_fits(&self.allocation_bytes, place, len, align);
         // The allocation every touched input (output) lies in, once seen.
         let (mut inputs_in, mut outputs_in) = (None, None);
         let agrees = |want: &mut Option<u64>, place: u64, len: usize| {
@@ -3295,7 +3306,7 @@ impl Arena {
             std::ptr::copy_nonoverlapping(words.as_ptr(), payload.cast::<u64>(), words.len())
         });
         if let Err(e) = self.lane_await_all(call, sig, k) {
-            self.withdraw(call, k);
+            self.withdraw(call, k, &e);
             return Err(e);
         }
         Ok(k)
@@ -3304,8 +3315,8 @@ impl Arena {
     /// Ends a direct call that entered in lane call `k` with `result` (its
     /// body and [`leave`](Self::leave)): on an error, withdraws first.
     fn finish_direct(&self, call: &CallInfo, k: u64, result: Result<()>) -> Result<()> {
-        if result.is_err() {
-            self.withdraw(call, k);
+        if let Err(e) = &result {
+            self.withdraw(call, k, e);
         }
         result
     }
@@ -3327,8 +3338,10 @@ impl Arena {
     /// own wait fails (its timeout, at the latest); only a peer stopped
     /// mid-call (a debugger, `SIGSTOP`) can hold it longer, and the rank
     /// then says on stderr what it waits for.
-    fn withdraw(&self, call: &CallInfo, k: u64) {
-        self.mark_failed(None);
+    fn withdraw(&self, call: &CallInfo, k: u64, error: &crate::error::Error) {
+        // With the failure's cause, as `Communicator::fail` then writes
+        // it: the peers this waits for read it first.
+        self.mark_failed(FailureCause::of(error));
         let own = self.lane_header(self.rank, k);
         let mine = (
             own.seq.load(Ordering::Relaxed),
@@ -3520,6 +3533,11 @@ impl Arena {
         };
         self.shared.retain(SharedEntry::alive);
         self.shared.push(SharedEntry::of(&region));
+        let number = usize::try_from(id).unwrap_or(usize::MAX);
+        if self.allocation_bytes.len() <= number {
+            self.allocation_bytes.resize(number.saturating_add(1), None);
+        }
+        self.allocation_bytes[number] = Some(bytes);
         self.shared_ever = true;
         self.lane_max_bytes = self.lane_max_bytes.min(ZERO_COPY_MIN_BYTES - 1);
         Ok(region)
@@ -3996,18 +4014,23 @@ fn affinity_words() -> [u64; AFFINITY_WORDS] {
     words
 }
 
-/// Whether a posted place word names one of `shared`'s allocations with
-/// `len` bytes from its offset inside it. The word is a peer's: it must
+/// Whether a posted place word names one of the communicator's allocations
+/// (`allocation_bytes`, by number) with `len` bytes from its offset inside
+/// it. The word is a peer's: it must
 /// leave the buffer inside the allocation, or this process would reach past
 /// its mapping of the peer's block (a well-behaved peer's `locate` checked
 /// it; a corrupt one is refused, and the call takes another path). The
 /// offset must also keep the elements aligned (`align`; blocks start on a
 /// page): a misaligned `*const T` is undefined behaviour.
-fn place_fits(shared: &[SharedEntry], place: u64, len: usize, align: usize) -> bool {
+fn place_fits(allocation_bytes: &[Option<usize>], place: u64, len: usize, align: usize) -> bool {
     let (tag, at) = (place >> PLACE_OFFSET_BITS, place & PLACE_OFFSET_MASK);
-    shared.iter().find(|e| e.id + 1 == tag).is_some_and(|e| {
+    let bytes = tag
+        .checked_sub(1)
+        .and_then(|number| usize::try_from(number).ok())
+        .and_then(|number| allocation_bytes.get(number).copied().flatten());
+    bytes.is_some_and(|bytes| {
         usize::try_from(at).ok().is_some_and(|at| {
-            at % align.max(1) == 0 && at.checked_add(len).is_some_and(|end| end <= e.bytes)
+            at % align.max(1) == 0 && at.checked_add(len).is_some_and(|end| end <= bytes)
         })
     })
 }
@@ -4285,14 +4308,7 @@ mod tests {
 
     #[test]
     fn a_peer_place_is_trusted_only_inside_its_allocation() {
-        let entry = SharedEntry {
-            region: Weak::new(),
-            id: 0,
-            own: 0,
-            bytes: 4096,
-            maps: Vec::new(),
-        };
-        let shared = [entry];
+        let shared = [Some(4096)];
         assert!(place_fits(&shared, place_word(1, 4096 - 8), 8, 8));
         assert!(!place_fits(&shared, place_word(1, 4096 - 8), 16, 8));
         assert!(!place_fits(&shared, place_word(1, 8), usize::MAX, 8));

@@ -310,6 +310,24 @@ pub(crate) enum FailureCause {
 }
 
 impl FailureCause {
+    /// What `error`, a failure of this rank's call, tells the others: a
+    /// lost peer (they may meet this rank's departure before they find
+    /// that peer gone themselves), or a late one, so that they name it
+    /// rather than this rank that gave up on it; not where this rank is
+    /// the late one (a peer gave up waiting on it while it waited on
+    /// another: naming itself would mislead).
+    pub fn of(error: &crate::error::Error) -> Option<FailureCause> {
+        use crate::error::Error;
+        match *error {
+            Error::PeerLost { peer, .. } => Some(FailureCause::Lost(peer)),
+            Error::Timeout { peer, .. } => Some(FailureCause::Late(peer)),
+            Error::PeerTimedOut { late, rank, .. } if late != rank => {
+                Some(FailureCause::Late(late))
+            }
+            _ => None,
+        }
+    }
+
     /// The same cause with its rank mapped (`f`: communicator rank to
     /// global, or back); `None` where `f` has none.
     pub fn map(self, f: impl FnOnce(usize) -> Option<usize>) -> Option<FailureCause> {
