@@ -944,7 +944,15 @@ fn run_as_rank<T: Element>(a: &Args) -> Result<RunResult, String> {
         let transport = comm.transport_description();
         print_header(a, comm.world_size(), "processes", &transport);
     }
-    bench::<T>(&mut comm, a).map_err(|e| format!("rank {}: {e}", comm.rank()))
+    bench::<T>(&mut comm, a).map_err(|e| {
+        // Most errors name their rank already.
+        let (rank, text) = (comm.rank(), e.to_string());
+        if text.starts_with(&format!("rank {rank}:")) {
+            text
+        } else {
+            format!("rank {rank}: {text}")
+        }
+    })
 }
 
 fn run_typed<T: Element>(a: &Args) -> Result<RunResult, String> {
