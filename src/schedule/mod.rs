@@ -278,13 +278,21 @@ pub fn plan(desc: &CollectiveDesc, chunk_bytes: usize) -> Plan {
 /// `chunk_bytes` on a large buffer gets larger pieces instead.
 pub const MAX_PIECES: usize = 1 << 20;
 
+/// The most bytes one step sends as one frame: a link's reader takes a
+/// header claiming more for corruption (`transport::net`). Pieces are cut
+/// to it whatever `chunk_bytes` says, and a direct plan, which sends a
+/// whole buffer at once, gives way to the pipelined one above it.
+pub const MAX_PIECE_BYTES: usize = 1 << 36;
+
 /// [`plan`] with the family chosen by the caller.
 ///
 /// # Panics
 ///
 /// As [`plan`].
 pub fn plan_with(desc: &CollectiveDesc, chunk_bytes: usize, family: Family) -> Plan {
-    if family == Family::Direct {
+    // A direct step moves a whole buffer (all-gather, reduce-scatter:
+    // a rank's block) in one frame; `bytes()` bounds them all.
+    if family == Family::Direct && desc.bytes() <= MAX_PIECE_BYTES {
         if let Some(plan) = plan_direct(desc) {
             return plan;
         }
@@ -300,7 +308,10 @@ pub fn plan_with(desc: &CollectiveDesc, chunk_bytes: usize, family: Family) -> P
         }
         _ => desc.count(),
     };
+    // MAX_PIECES over 2^36-byte pieces is 2^56 bytes, past any buffer: the
+    // two bounds never conflict.
     let piece_elems = (chunk_bytes / desc.dtype.size())
+        .min(MAX_PIECE_BYTES / desc.dtype.size())
         .max(1)
         .max(elements.div_ceil(MAX_PIECES));
     let rank = desc.rank;
@@ -416,6 +427,8 @@ mod sim;
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::desc::BufDesc;
+    use crate::types::DType;
 
     /// An empty layout has no pieces; asking for one anyway (the layout is
     /// public) is an empty range, not a division by zero.
@@ -425,6 +438,57 @@ mod tests {
         assert_eq!(layout.pieces(), 0);
         assert_eq!(layout.piece(0, 0), (0, 0));
         assert_eq!(layout.piece_in_chunk(3, 0), (0, 0));
+    }
+
+    /// The bytes each step sends as one frame.
+    fn frame_bytes(plan: &Plan, size: usize) -> impl Iterator<Item = usize> + '_ {
+        plan.steps.iter().filter_map(move |step| match *step {
+            Step::Send { src, .. } => Some(src.len * size),
+            Step::RecvReduceSend { local, .. } => Some(local.len * size),
+            Step::RecvCopySend { dst, .. } => Some(dst.len * size),
+            _ => None,
+        })
+    }
+
+    /// No plan sends a frame larger than a link's reader accepts (it takes
+    /// such a header for corruption and fails every communicator on the
+    /// link): neither a forced direct plan on a buffer past it nor a piece
+    /// size past it.
+    #[test]
+    fn no_step_sends_more_than_one_frame_may_hold() {
+        let buf = |len| BufDesc {
+            len,
+            memory: crate::desc::MemoryKind::Host,
+        };
+        let huge = (MAX_PIECE_BYTES / 4) + 1;
+        let all_reduce = CollectiveDesc::new(
+            OpKind::AllReduce,
+            DType::F32,
+            0,
+            2,
+            crate::desc::MemoryKind::Host,
+        )
+        .with_reduce_op(ReduceOp::Sum)
+        .with_send(buf(huge))
+        .with_recv(buf(huge));
+        let plan = plan_with(&all_reduce, 256 << 10, Family::Direct);
+        assert!(frame_bytes(&plan, 4).count() > 0);
+        assert!(frame_bytes(&plan, 4).all(|b| b <= MAX_PIECE_BYTES));
+
+        let broadcast = CollectiveDesc::new(
+            OpKind::Broadcast,
+            DType::U8,
+            0,
+            2,
+            crate::desc::MemoryKind::Host,
+        )
+        .with_root(0)
+        .with_in_place(buf(MAX_PIECE_BYTES * 2));
+        let plan = plan_with(&broadcast, 1 << 40, Family::Ring);
+        assert_eq!(
+            frame_bytes(&plan, 1).collect::<Vec<_>>(),
+            vec![MAX_PIECE_BYTES; 2]
+        );
     }
 
     #[test]

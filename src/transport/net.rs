@@ -63,8 +63,9 @@ use crate::types::{OpKind, Rank};
 
 const FRAME_MAGIC: u32 = 0x4652_584f; // "OXRF"
 pub(crate) const FRAME_HEADER_BYTES: usize = 40;
-/// Larger byte counts are taken as corruption rather than allocated.
-const MAX_FRAME_BYTES: u64 = 1 << 36;
+/// Larger byte counts are taken as corruption rather than allocated; no
+/// plan sends a larger piece.
+const MAX_FRAME_BYTES: u64 = crate::schedule::MAX_PIECE_BYTES as u64;
 /// A frame read into a buffer of its own gets at most this much at first,
 /// and its buffer doubles as its bytes arrive: memory follows what came,
 /// not what a header claims (a corrupt one may claim up to
