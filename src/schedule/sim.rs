@@ -7,10 +7,11 @@
 //! in the executors), each contribution is combined exactly once (so a reduced
 //! element is combined exactly N-1 times), `Avg` divides exactly once, and
 //! every element ends where the sequential definition of the collective puts it.
-//! Each element also carries a fingerprint of how its terms were grouped, so
-//! that a run checks that every rank reduces an element in the same order
-//! (the ranks' bits agree), that all-reduce groups as reduce-scatter does,
-//! and that the direct plans fold in rank order.
+//! Each element also carries a fingerprint of how its terms were grouped
+//! and in which operand order, so that a run checks that every rank reduces
+//! an element in the same order (the ranks' bits agree), that all-reduce
+//! groups as reduce-scatter does, and that the direct plans fold in rank
+//! order.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -59,11 +60,14 @@ fn leaf(rank: usize) -> u64 {
     splitmix(rank as u64 + 1)
 }
 
-/// The fingerprint of combining two groups: the operands' order does not
-/// count (IEEE addition and multiplication commute bit for bit), the
-/// grouping does (they do not associate).
+/// The fingerprint of combining two groups, `a ⊕ b`: the grouping counts
+/// (floats do not associate), and so does the operands' order. Addition
+/// and multiplication commute bit for bit on ordinary values, but which NaN
+/// payload survives two NaNs meeting, and the sign of zero that Min/Max
+/// keep on a tie (`-0.0` against `+0.0`), are the first operand's: two
+/// ranks folding `x ⊕ y` and `y ⊕ x` can disagree.
 fn node(a: u64, b: u64) -> u64 {
-    splitmix(a.min(b) ^ splitmix(a.max(b)))
+    splitmix(a ^ splitmix(b))
 }
 
 impl Sym {
