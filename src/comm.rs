@@ -44,6 +44,10 @@ pub const DEFAULT_SHM_RING_BYTES: usize = 1 << 20;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CommConfig {
     /// How long any single wait for a peer may last (`OXCCL_TIMEOUT`).
+    /// One wait outlasts it on purpose: after a zero-copy call fails, the
+    /// rank waits until every peer that may still touch its buffers lets go
+    /// of them, printing which rank it waits for, rather than return
+    /// buffers a peer still reads or writes (see `docs/architecture.md`).
     pub timeout: Duration,
     /// Pipeline piece size in bytes (`OXCCL_CHUNK_BYTES`); at least one element.
     pub chunk_bytes: usize,
@@ -118,9 +122,11 @@ impl ShmStores {
     pub fn from_name(name: &str) -> Option<ShmStores> {
         let name = name.trim().to_ascii_lowercase();
         if let Some(every) = name.strip_prefix("auto:") {
-            let remeasure = match every.trim() {
-                "0" => None,
-                every => Some(parse_duration(every)?),
+            // Zero in any unit (`0`, `0s`, `0ms`) measures at set-up only.
+            let remeasure = if duration_seconds(every)? == 0.0 {
+                None
+            } else {
+                Some(parse_duration(every)?)
             };
             return Some(ShmStores::Auto { remeasure });
         }
@@ -265,6 +271,19 @@ impl CommConfig {
 
 /// Parses `30`, `30s`, `1.5s`, `500ms`, `2m` into a positive duration.
 fn parse_duration(text: &str) -> Option<Duration> {
+    match duration_seconds(text)? {
+        // Past what a Duration holds (1e20 s) is "as long as allowed", not
+        // a panic: `bounded_timeout` takes it down to MAX_TIMEOUT.
+        seconds if seconds > 0.0 => {
+            Some(Duration::try_from_secs_f64(seconds).unwrap_or(Duration::MAX))
+        }
+        _ => None,
+    }
+}
+
+/// The seconds a duration as [`parse_duration`] reads it stands for, zero
+/// and negative ones included; `None` when it is not a finite number.
+fn duration_seconds(text: &str) -> Option<f64> {
     let text = text.trim();
     let (number, scale) = if let Some(n) = text.strip_suffix("ms") {
         (n, 1e-3)
@@ -276,10 +295,9 @@ fn parse_duration(text: &str) -> Option<Duration> {
         (text, 1.0)
     };
     let seconds: f64 = number.trim().parse().ok()?;
-    // Past what a Duration holds (1e20 s) is "as long as allowed", not a
-    // panic: `bounded_timeout` takes it down to MAX_TIMEOUT.
-    (seconds.is_finite() && seconds > 0.0)
-        .then(|| Duration::try_from_secs_f64(seconds * scale).unwrap_or(Duration::MAX))
+    // A finite number of minutes may still overflow to +inf seconds, which
+    // `parse_duration` reads as "as long as allowed".
+    seconds.is_finite().then_some(seconds * scale)
 }
 
 /// The implementations behind [`Communicator`] (static dispatch).
@@ -295,6 +313,12 @@ enum Backend {
 /// next call, whatever the call (one that moves no data included); every
 /// call after that returns [`Error::Failed`] naming the abort. Ranks in other processes see this
 /// rank leave once its communicators are dropped.
+///
+/// The group is the communicator a split started from and every
+/// communicator split from it: aborting a sub-communicator aborts its
+/// parent and its siblings in this process too (they share the links and
+/// the flag), unlike `ncclCommAbort`, which aborts one communicator. A rank
+/// that must give up on one sub-group gives up on all of them.
 #[derive(Clone)]
 pub struct AbortHandle {
     target: AbortTarget,
@@ -862,7 +886,8 @@ impl Communicator {
         AbortHandle { target }
     }
 
-    /// Aborts this communicator's group: see [`AbortHandle`].
+    /// Aborts this communicator's group — the communicator it was split
+    /// from and every split of it, in this process: see [`AbortHandle`].
     pub fn abort(&self) {
         self.abort_handle().abort();
     }
@@ -1340,6 +1365,19 @@ impl Communicator {
                 first_error: first.clone(),
             });
         }
+        // As every call after an abort, this one fails (and takes the
+        // communicator down): without the check a group of one, or the last
+        // rank into the arena's agreement, would hand out a buffer.
+        let Backend::Host(transport) = &self.backend;
+        if transport.is_aborted() {
+            let aborted = Error::Aborted {
+                op: OpKind::AllocShared,
+                seq: self.seq,
+                rank: self.rank,
+            };
+            self.fail(&aborted);
+            return Err(aborted);
+        }
         let uses_arena = self.arena.is_some() && self.config.algo != Algo::Ring;
         let region = match self.arena.as_mut() {
             Some(arena) if uses_arena => {
@@ -1538,7 +1576,10 @@ mod tests {
             ShmStores::from_name("auto:500ms"),
             auto(Some(Duration::from_millis(500)))
         );
-        assert_eq!(ShmStores::from_name("auto:0"), auto(None));
+        // Zero in any unit the timeout takes: set-up only.
+        for zero in ["auto:0", "auto:0s", "auto:0ms", "auto:0.0"] {
+            assert_eq!(ShmStores::from_name(zero), auto(None), "{zero}");
+        }
         assert_eq!(ShmStores::from_name(" cached "), Some(ShmStores::Cached));
         assert_eq!(
             ShmStores::from_name("streaming"),

@@ -2,8 +2,16 @@
 //!
 //! # Reduction semantics
 //!
-//! These hold on every backend oxccl has, so results are comparable bit for bit
-//! between them (the ring executors share one plan and one reduction order):
+//! These hold on every backend oxccl has. Every rank of a call receives the
+//! same bits, and all-reduce equals reduce-scatter followed by all-gather bit
+//! for bit. Floating-point results are bit-equal across backends and
+//! algorithms only where they add the terms in one order: the shared arena
+//! and the direct (one-step) schedules fold in rank order, `((x0 ⊕ x1) ⊕ x2)
+//! ⊕ …`; a ring starts each chunk at a different rank (as NCCL's does, and
+//! the CUDA ring shares its plan), so the same call run as a ring (large
+//! calls over TCP, `OXCCL_ALGO=ring`, the CUDA backends) may round
+//! differently, keep a different NaN payload, or give Min/Max a different
+//! sign of zero. Integers, and Min/Max on other values, agree everywhere.
 //!
 //! | op | integers (`i8 u8 i32 u32 i64 u64`) | floats (`f32 f64`) | `f16` / `bf16` |
 //! |---|---|---|---|
@@ -11,6 +19,15 @@
 //! | [`ReduceOp::Prod`] | wrapping multiplication | IEEE multiplication | as `Sum`, with `*` |
 //! | [`ReduceOp::Min`] / [`ReduceOp::Max`] | exact | exact; **NaN propagates**: if either operand is NaN the result is NaN | as floats (conversion to `f32` is exact) |
 //! | [`ReduceOp::Avg`] | wrapping sum, then truncating division (toward zero) by the world size | sum, then one division by the world size | sum as above, then `f32` division, rounded once |
+//!
+//! Avg of floats adds in the element type, then divides once (NCCL instead
+//! scales each term by `1/N` before adding): a sum that overflows the type
+//! is `inf` although the mean is not — eight `f16` ranks each holding
+//! `10000` average to `inf` here (the sum passes 65504), and to `10000` on
+//! NCCL. Scale `f16` inputs down first, or reduce in `f32`, when the sum of
+//! all ranks may pass the type's largest value. The rounding of the two
+//! methods differs slightly in general (`oxccl-check` allows for it on
+//! NCCL).
 //!
 //! NaN propagation in Min/Max follows PyTorch's `torch.min`/`torch.max`
 //! rather than C's `fmin`, so a diverged rank is visible in every rank's result

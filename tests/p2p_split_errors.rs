@@ -508,6 +508,35 @@ fn a_call_after_abort_fails_even_when_nothing_waits() {
     }
 }
 
+/// `alloc_shared` after `abort()` fails as every other call does, then the
+/// communicator reports the abort: a group of one (no arena) and two
+/// threads (the arena's agreement, which the last rank in passed without
+/// looking at the flag) both handed out buffers.
+#[test]
+fn alloc_shared_after_abort_fails() {
+    let mut solo = Communicator::local_group(1).unwrap().remove(0);
+    solo.abort();
+    assert!(matches!(
+        solo.alloc_shared::<f32>(4),
+        Err(Error::Aborted {
+            op: OpKind::AllocShared,
+            ..
+        })
+    ));
+    assert!(matches!(solo.barrier(), Err(Error::Failed { .. })));
+
+    let aborted = std::sync::Arc::new(std::sync::Barrier::new(2));
+    let result = run_ranks_with(2, Communicator::builder(), move |comm| {
+        if comm.rank() == 0 {
+            comm.abort_handle().abort();
+        }
+        aborted.wait();
+        Ok(comm.alloc_shared::<f32>(1024).is_err())
+    })
+    .unwrap();
+    assert_eq!(result, vec![true, true]);
+}
+
 /// An allocation the system refuses is an error on every rank, not an
 /// abort of the process, and the communicator goes on working.
 #[test]

@@ -91,8 +91,11 @@ impl Drop for SharedRegion {
 /// Zero copy across processes needs the buffers a call uses in shared
 /// allocations: every rank's input in one and its output in one (off the
 /// root, a broadcast's input and a reduce's output are unused and may be
-/// empty); other calls run as on any slice. The memory stays valid after
-/// the communicator is dropped.
+/// empty); other calls run as on any slice. Zero copy holds on the
+/// communicator that allocated the buffer: a communicator split from it
+/// has its own arena and treats the buffer as ordinary memory (correct,
+/// through the slots or CMA); allocate on the sub-communicator for zero
+/// copy there. The memory stays valid after the communicator is dropped.
 pub struct SharedBuffer<T: Element> {
     region: Arc<SharedRegion>,
     len: usize,

@@ -8,7 +8,9 @@
 //! `((x0 ⊕ x1) ⊕ x2) ⊕ …`, exactly as the shared arena does
 //! ([`crate::host`]'s intra-node path), so all ranks hold the same bits,
 //! all-reduce equals all-gather of reduce-scatter bit for bit, and the
-//! result does not depend on whether the arena or the links carried it.
+//! result does not depend on whether the arena or the links carried it
+//! (a ring, for larger calls, starts each chunk at another rank and may
+//! round floats differently: see [`crate::types`]).
 //! In place, a rank whose own contribution is not first keeps a copy of it
 //! in the plan's scratch buffer before the fold overwrites it.
 
