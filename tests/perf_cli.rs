@@ -14,6 +14,7 @@ fn perf(args: &[&str]) -> Output {
         .env_remove("OMPI_COMM_WORLD_RANK")
         .env_remove("PMI_RANK")
         .env_remove("SLURM_PROCID")
+        .env_remove("NCCL_TESTS_MIN_BW")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -51,6 +52,10 @@ fn sizes_that_never_end_or_overflow_are_usage_errors() {
         (&["-e", "17179869200G"][..], "bad size"),
         (&["-n", "10", "--samples", "3"][..], "divide -n"),
         (&["-n", "10", "--samples", "0"][..], "divide -n"),
+        (&["-i", "0"][..], "-i >= 1"),
+        (&["-f", "0"][..], "-f >= 1"),
+        (&["-T", "0"][..], "-T: seconds above 0"),
+        (&["-T", "soon"][..], "-T: seconds above 0"),
     ] {
         let out = perf(args);
         let stderr = String::from_utf8_lossy(&out.stderr);
@@ -129,4 +134,88 @@ fn samples_are_named_in_the_header_and_the_json() {
         written.contains("\"iters\": 12, \"samples\": 4"),
         "{written}"
     );
+}
+
+/// The sizes of the table's rows, in order.
+fn row_sizes(stdout: &str) -> Vec<u64> {
+    stdout
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.split_whitespace().next()?.parse().ok())
+        .collect()
+}
+
+/// `-i` steps by bytes, as nccl-tests does when `-f` is not above 1 (`-f 1`
+/// alone: by 1 MiB); a factor above 1 wins over it. The header says which.
+#[test]
+fn sizes_step_by_bytes_or_by_a_factor_as_in_nccl_tests() {
+    for (args, sizes, step) in [
+        (
+            &["-b", "1K", "-e", "4K", "-i", "1K"][..],
+            vec![1024, 2048, 3072, 4096],
+            "step: 1024(bytes)",
+        ),
+        (
+            &["-b", "0", "-e", "2M", "-f", "1"][..],
+            vec![0, 1 << 20, 2 << 20],
+            "step: 1048576(bytes)",
+        ),
+        (
+            &["-b", "1K", "-e", "16K", "-f", "4", "-i", "1K"][..],
+            vec![1024, 4096, 16384],
+            "step: 4(factor)",
+        ),
+    ] {
+        let mut all = vec!["-t", "2", "-n", "1", "-w", "0"];
+        all.extend_from_slice(args);
+        let out = perf(&all);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{args:?}: {stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(row_sizes(&stdout), sizes, "{args:?}: {stdout}");
+        assert!(stdout.contains(step), "{args:?}: {stdout}");
+    }
+}
+
+/// nccl-tests' health check: with `NCCL_TESTS_MIN_BW` set, an average bus
+/// bandwidth below 90 % of it is marked FAILED and the run exits 1; a
+/// value that is not a bandwidth is a usage error, not a check that always
+/// passes.
+#[test]
+fn a_minimum_bus_bandwidth_fails_a_slower_run() {
+    let run = |min: &str| {
+        Command::new(PERF)
+            .args([
+                "-t", "2", "-b", "1K", "-e", "4K", "-n", "2", "-w", "1", "-T", "60",
+            ])
+            .env("NCCL_TESTS_MIN_BW", min)
+            .env_remove("RANK")
+            .output()
+            .expect("oxccl-perf runs")
+    };
+    let slow = run("100000");
+    let stdout = String::from_utf8_lossy(&slow.stdout);
+    assert_eq!(slow.status.code(), Some(1), "{stdout}");
+    assert!(stdout.contains("Out of bounds values : 0 OK"), "{stdout}");
+    assert!(
+        stdout
+            .lines()
+            .any(|l| l.starts_with("# Avg bus bandwidth") && l.ends_with(" FAILED")),
+        "{stdout}"
+    );
+    let fast = run("0.000001");
+    let stdout = String::from_utf8_lossy(&fast.stdout);
+    assert!(fast.status.success(), "{stdout}");
+    assert!(
+        stdout
+            .lines()
+            .any(|l| l.starts_with("# Avg bus bandwidth") && l.ends_with(" OK")),
+        "{stdout}"
+    );
+    let bad = run("fast");
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("NCCL_TESTS_MIN_BW"));
 }

@@ -23,7 +23,9 @@ const USAGE: &str = "\
 usage: oxccl-perf [options]
   -b, --minbytes <size>   smallest size (default 8; suffixes K M G)
   -e, --maxbytes <size>   largest size (default 32M)
-  -f, --stepfactor <n>    multiply the size by n each step (default 2)
+  -f, --stepfactor <n>    multiply the size by n each step (default 2; 1: add -i instead)
+  -i, --stepbytes <size>  add this many bytes each step instead (as nccl-tests: used
+                          when -f is not given or is 1; default with -f 1: 1M)
   -n, --iters <n>         timed iterations per size (default 20)
   -w, --warmup_iters <n>  untimed iterations per size (default 5)
       --samples <s>       time the -n iterations as s samples of n/s calls, each
@@ -58,7 +60,13 @@ usage: oxccl-perf [options]
                           threads, several per GPU allowed); GPU runs are timed with
                           CUDA events and print the device's copy bandwidth; need the
                           cuda (cuda-ring) or nccl feature
+  -T, --timeout <secs>    fail a call that waits on a peer longer than this (the
+                          communicators' timeout, OXCCL_TIMEOUT; default 300 s): a hung
+                          run ends with an error naming the call and the rank
   -h, --help              this text
+
+NCCL_TESTS_MIN_BW=<GB/s>, as for nccl-tests: the footer's average bus bandwidth
+is marked FAILED, and the exit status is 1, below 0.9 times this figure.
 
 The last column, algo, is the algorithm oxccl chose for that size
 (OXCCL_ALGO=auto|ring|direct overrides the choice).";
@@ -195,7 +203,8 @@ impl TimeAcrossRanks {
 struct Args {
     min_bytes: usize,
     max_bytes: usize,
-    factor: usize,
+    /// How each size follows the one before: `-f`, or `-i`.
+    step: SizeStep,
     iters: usize,
     /// `--samples`: the `iters` timed calls split into this many equal
     /// batches, each after a barrier; the reported time is the median
@@ -223,6 +232,38 @@ struct Args {
     backend: String,
     /// `--shared`: host buffers from `Communicator::alloc_shared`.
     shared: bool,
+    /// `-T`: the communicators' wait limit, when given.
+    timeout: Option<std::time::Duration>,
+    /// `NCCL_TESTS_MIN_BW`: the average bus bandwidth (GB/s) a run must
+    /// reach within 10 %, when set.
+    min_busbw: Option<f64>,
+}
+
+/// How the size list steps from `-b` to `-e`, as nccl-tests steps it: by a
+/// factor when `-f` is above 1, else by `-i` bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum SizeStep {
+    Factor(usize),
+    Bytes(usize),
+}
+
+impl SizeStep {
+    /// The size after `size`, `None` past `max` or on overflow.
+    fn next(self, size: usize, max: usize) -> Option<usize> {
+        match self {
+            SizeStep::Factor(f) => size.checked_mul(f),
+            SizeStep::Bytes(b) => size.checked_add(b),
+        }
+        .filter(|&next| next <= max)
+    }
+
+    /// nccl-tests' header: `step: 2(factor)` or `step: 1048576(bytes)`.
+    fn describe(self) -> String {
+        match self {
+            SizeStep::Factor(f) => format!("{f}(factor)"),
+            SizeStep::Bytes(b) => format!("{b}(bytes)"),
+        }
+    }
 }
 
 fn parse_size(s: &str) -> Result<usize, String> {
@@ -240,10 +281,12 @@ fn parse_size(s: &str) -> Result<usize, String> {
 }
 
 fn parse_args() -> Result<Args, String> {
+    let mut factor: Option<usize> = None;
+    let mut step_bytes: Option<usize> = None;
     let mut a = Args {
         min_bytes: 8,
         max_bytes: 32 << 20,
-        factor: 2,
+        step: SizeStep::Factor(2),
         iters: 20,
         samples: 1,
         warmup: 5,
@@ -263,6 +306,8 @@ fn parse_args() -> Result<Args, String> {
         plot_only: false,
         backend: "host".into(),
         shared: false,
+        timeout: None,
+        min_busbw: None,
     };
     // `args_os`: `args` panics on an argument that is not UTF-8.
     let argv: Vec<String> = std::env::args_os()
@@ -299,7 +344,17 @@ fn parse_args() -> Result<Args, String> {
         match flag {
             "-b" | "--minbytes" => a.min_bytes = parse_size(value)?,
             "-e" | "--maxbytes" => a.max_bytes = parse_size(value)?,
-            "-f" | "--stepfactor" => a.factor = num()?,
+            "-f" | "--stepfactor" => factor = Some(num()?),
+            "-i" | "--stepbytes" => step_bytes = Some(parse_size(value)?),
+            "-T" | "--timeout" => {
+                let seconds = value
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|s| s.is_finite() && *s > 0.0)
+                    .and_then(|s| std::time::Duration::try_from_secs_f64(s).ok())
+                    .ok_or_else(|| format!("{flag}: seconds above 0, not {value:?}"))?;
+                a.timeout = Some(seconds);
+            }
             "-n" | "--iters" => a.iters = num()?,
             "-w" | "--warmup_iters" => a.warmup = num()?,
             "--samples" => a.samples = num()?,
@@ -350,8 +405,28 @@ fn parse_args() -> Result<Args, String> {
     if let Some(n) = a.processes {
         a.ranks = n;
     }
-    if a.ranks == 0 || a.factor < 2 || a.min_bytes > a.max_bytes || a.iters == 0 {
-        return Err("need -t >= 1, -f >= 2, -b <= -e and -n >= 1".into());
+    // As nccl-tests: a factor above 1 wins; otherwise -i's bytes (1 MiB
+    // when -f 1 came alone).
+    a.step = match (factor, step_bytes) {
+        (Some(0), _) => return Err("need -f >= 1".into()),
+        (Some(f), _) if f > 1 => SizeStep::Factor(f),
+        (_, Some(0)) => return Err("need -i >= 1 (a step of 0 bytes never ends)".into()),
+        (_, Some(b)) => SizeStep::Bytes(b),
+        (Some(_), None) => SizeStep::Bytes(1 << 20),
+        (None, None) => SizeStep::Factor(2),
+    };
+    if a.ranks == 0 || a.min_bytes > a.max_bytes || a.iters == 0 {
+        return Err("need -t >= 1, -b <= -e and -n >= 1".into());
+    }
+    if let Some(text) = std::env::var_os("NCCL_TESTS_MIN_BW") {
+        let text = text.to_string_lossy();
+        a.min_busbw = Some(
+            text.trim()
+                .parse::<f64>()
+                .ok()
+                .filter(|gbps| gbps.is_finite() && *gbps >= 0.0)
+                .ok_or_else(|| format!("NCCL_TESTS_MIN_BW={text:?}: a bandwidth in GB/s"))?,
+        );
     }
     if a.samples == 0 || !a.iters.is_multiple_of(a.samples) {
         return Err(format!(
@@ -363,7 +438,7 @@ fn parse_args() -> Result<Args, String> {
         // GPU runs time one stream of calls with CUDA events.
         return Err("--samples: host backend only".into());
     }
-    if a.min_bytes == 0 && a.sizes.is_none() {
+    if a.min_bytes == 0 && a.sizes.is_none() && matches!(a.step, SizeStep::Factor(_)) {
         // 0 times the factor stays 0: the size list would never end.
         return Err("need -b >= 1 (a zero-byte row: --sizes 0,...)".into());
     }
@@ -792,14 +867,14 @@ fn op_kind(coll: Coll) -> oxccl::OpKind {
     }
 }
 
-/// The sizes to run, in bytes: `--sizes`, else `-b` times `-f` up to `-e`.
+/// The sizes to run, in bytes: `--sizes`, else from `-b` by `-f` or `-i`
+/// up to `-e`.
 fn size_list(a: &Args) -> Vec<usize> {
     match &a.sizes {
         Some(list) => list.clone(),
-        None => std::iter::successors(Some(a.min_bytes), |&s| {
-            s.checked_mul(a.factor).filter(|&next| next <= a.max_bytes)
-        })
-        .collect(),
+        None => {
+            std::iter::successors(Some(a.min_bytes), |&s| a.step.next(s, a.max_bytes)).collect()
+        }
     }
 }
 
@@ -910,10 +985,10 @@ fn print_header(a: &Args, ranks: usize, what: &str, transport: &str) {
         a.coll, a.backend
     );
     println!(
-        "#  minBytes {} maxBytes {} step: {}(factor) warmup iters: {} iters: {} {} validation: {}",
+        "#  minBytes {} maxBytes {} step: {} warmup iters: {} iters: {} {} validation: {}",
         a.min_bytes,
         a.max_bytes,
-        a.factor,
+        a.step.describe(),
         a.warmup,
         a.iters,
         if a.samples > 1 {
@@ -937,9 +1012,19 @@ fn print_header(a: &Args, ranks: usize, what: &str, transport: &str) {
     println!("#{:>11}  {:>12}  {:>8}  {:>6}  {:>6}  {:>7}  {:>6}  {:>6}  {:>5}  {:>7}  {:>6}  {:>6}  {:>5}  {:>8}", "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", "", "");
 }
 
+/// The host communicators' settings: the environment's, with `-T`'s
+/// timeout over `OXCCL_TIMEOUT`.
+fn comm_builder(a: &Args) -> oxccl::CommBuilder {
+    let builder = Communicator::builder();
+    match a.timeout {
+        Some(timeout) => builder.timeout(timeout),
+        None => builder,
+    }
+}
+
 /// This process is one rank of a launched job.
 fn run_as_rank<T: Element>(a: &Args) -> Result<RunResult, String> {
-    let mut comm = Communicator::from_env().map_err(|e| e.to_string())?;
+    let mut comm = comm_builder(a).from_env().map_err(|e| e.to_string())?;
     if comm.rank() == 0 {
         let transport = comm.transport_description();
         print_header(a, comm.world_size(), "processes", &transport);
@@ -960,7 +1045,9 @@ fn run_typed<T: Element>(a: &Args) -> Result<RunResult, String> {
         return run_as_rank::<T>(a);
     }
     print_header(a, a.ranks, "threads", "in-process");
-    let comms = Communicator::local_group(a.ranks).map_err(|e| e.to_string())?;
+    let comms = comm_builder(a)
+        .local_group(a.ranks)
+        .map_err(|e| e.to_string())?;
     let handles: Vec<_> = comms
         .into_iter()
         .map(|mut comm| {
@@ -1069,12 +1156,19 @@ fn main() -> ExitCode {
                 run.wrong,
                 if run.wrong == 0 { "OK" } else { "FAILED" }
             );
+            let avg_busbw = if run.busbw_count > 0 {
+                run.busbw_sum / run.busbw_count as f64
+            } else {
+                0.0
+            };
+            // nccl-tests' health check: below 90 % of NCCL_TESTS_MIN_BW fails.
+            let too_slow = a.min_busbw.is_some_and(|min| avg_busbw < 0.9 * min);
             println!(
-                "# Avg bus bandwidth    : {:.4}",
-                if run.busbw_count > 0 {
-                    run.busbw_sum / run.busbw_count as f64
-                } else {
-                    0.0
+                "# Avg bus bandwidth    : {avg_busbw:.4}{}",
+                match a.min_busbw {
+                    None => "",
+                    Some(_) if too_slow => " FAILED",
+                    Some(_) => " OK",
                 }
             );
             println!("#");
@@ -1082,7 +1176,7 @@ fn main() -> ExitCode {
                 eprintln!("oxccl-perf: {e}");
                 return ExitCode::FAILURE;
             }
-            if run.wrong == 0 {
+            if run.wrong == 0 && !too_slow {
                 ExitCode::SUCCESS
             } else {
                 ExitCode::FAILURE

@@ -248,20 +248,25 @@ fn backend(a: &Args) -> DeviceBackend {
     }
 }
 
+/// The device communicators' settings: `--backend`, and `-T`'s timeout.
+fn device_builder(a: &Args) -> oxccl::DeviceCommBuilder {
+    let builder = DeviceCommunicator::builder().backend(backend(a));
+    match a.timeout {
+        Some(timeout) => builder.timeout(timeout),
+        None => builder,
+    }
+}
+
 /// Runs the benchmark on GPUs for element type `T`.
 pub(crate) fn run_typed<T: Element + DeviceRepr>(a: &Args) -> Result<RunResult, String> {
     if under_launcher() {
-        let mut comm = DeviceCommunicator::builder()
-            .backend(backend(a))
-            .from_env()
-            .map_err(|e| e.to_string())?;
+        let mut comm = device_builder(a).from_env().map_err(|e| e.to_string())?;
         if comm.rank() == 0 {
             header(a, &comm, "processes");
         }
         return bench::<T>(&mut comm, a).map_err(|e| format!("rank {}: {e}", comm.rank()));
     }
-    let comms = DeviceCommunicator::builder()
-        .backend(backend(a))
+    let comms = device_builder(a)
         .local_group(a.ranks)
         .map_err(|e| e.to_string())?;
     header(a, &comms[0], "threads");
