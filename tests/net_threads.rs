@@ -946,3 +946,29 @@ fn a_broadcast_whose_ranks_disagree_on_the_root_is_a_mismatch() {
     })
     .unwrap();
 }
+
+/// A frame of another call with the same byte count (an `f32` send against
+/// an `i32` receive) is refused without a byte of it written into the
+/// receiver's buffer, over TCP and shared memory. The receive is posted
+/// first, so the frame starts arriving while its destination waits: it
+/// was read straight into it, and only then compared with the call.
+#[test]
+fn a_mismatched_frame_never_lands_in_the_callers_buffer() {
+    for kind in [TransportKind::Tcp, TransportKind::Shm] {
+        let builder = Communicator::builder().timeout(Duration::from_secs(10));
+        let result = run_ranks_net(2, builder, kind, |comm| {
+            if comm.rank() == 0 {
+                // Rank 1's receive is posted by the time this arrives.
+                std::thread::sleep(Duration::from_millis(300));
+                let _ = comm.send(&[1.5f32; 4096], 1);
+                Ok(None)
+            } else {
+                let mut out = vec![-7i32; 4096];
+                let refused = matches!(comm.recv(&mut out, 0), Err(Error::Mismatch { .. }));
+                Ok(Some((refused, out.iter().all(|&x| x == -7))))
+            }
+        })
+        .unwrap();
+        assert_eq!(result[1], Some((true, true)), "{kind:?}");
+    }
+}

@@ -253,6 +253,28 @@ enum Incoming {
 struct Posted {
     ptr: *mut u8,
     len: usize,
+    /// The operation and call digest the receive expects: a frame of
+    /// another call (ranks that disagree on the element type, reduce
+    /// operation or root, with equal byte counts) is read into a buffer of
+    /// its own and refused, never into the caller's output.
+    op: OpKind,
+    call: u32,
+}
+
+impl Posted {
+    fn new(ptr: *mut u8, expect: &FrameHeader) -> Posted {
+        Posted {
+            ptr,
+            len: expect.bytes,
+            op: expect.op,
+            call: expect.call,
+        }
+    }
+
+    /// Whether the frame `header` may be read straight into this buffer.
+    fn takes(&self, header: &FrameHeader) -> bool {
+        self.len > 0 && self.len == header.bytes && self.op == header.op && self.call == header.call
+    }
 }
 
 // SAFETY: the pointer is used only under the fabric's lock, and only while
@@ -381,7 +403,7 @@ impl Hold {
         header: &FrameHeader,
     ) -> Option<Incoming> {
         match posted.get(&key) {
-            Some(&to) if to.len == header.bytes && to.len > 0 => Some(Incoming::Direct {
+            Some(&to) if to.takes(header) => Some(Incoming::Direct {
                 header: *header,
                 key,
                 to,
@@ -1312,10 +1334,8 @@ impl NetEndpoint {
         timeout: Duration,
         dst: &mut [u8],
     ) -> std::result::Result<(), TransportError> {
-        let to = Posted {
-            ptr: dst.as_mut_ptr(),
-            len: dst.len(),
-        };
+        debug_assert_eq!(dst.len(), expect.bytes);
+        let to = Posted::new(dst.as_mut_ptr(), expect);
         if let Some(payload) = self.receive(peer, expect, timeout, Some(to))? {
             dst.copy_from_slice(payload.as_bytes());
         }
@@ -1333,11 +1353,9 @@ impl NetEndpoint {
         let mut fabric = self.shared.lock();
         for (peer, expect, ptr) in recvs {
             if expect.bytes > 0 {
-                let to = Posted {
-                    ptr: *ptr,
-                    len: expect.bytes,
-                };
-                fabric.posted.insert(self.key(*peer, expect), to);
+                fabric
+                    .posted
+                    .insert(self.key(*peer, expect), Posted::new(*ptr, expect));
             }
         }
     }
