@@ -2088,11 +2088,32 @@ impl Arena {
         input: *const T,
         count: usize,
     ) -> Result<u64> {
+        self.lane_exchange_except(call, sig, input, count, 0..0)
+    }
+
+    /// [`lane_exchange`](Self::lane_exchange) that leaves `unread` (a range
+    /// of the `count` elements no peer reads: a reduce-scatter's own part)
+    /// out of the post; the slot keeps the layout, with stale bytes there.
+    fn lane_exchange_except<T>(
+        &mut self,
+        call: &CallInfo,
+        sig: &CallSig,
+        input: *const T,
+        count: usize,
+        unread: std::ops::Range<usize>,
+    ) -> Result<u64> {
         self.last_direct = None;
+        debug_assert!(unread.start <= unread.end && unread.end <= count);
         // SAFETY: the input holds count elements, and the payload room for
-        // them (the caller checked `lane_fits`).
+        // them (the caller checked `lane_fits`); both pieces lie inside.
         let k = self.lane_post(sig, |payload| unsafe {
-            std::ptr::copy_nonoverlapping(input, payload.cast::<T>(), count)
+            let payload = payload.cast::<T>();
+            std::ptr::copy_nonoverlapping(input, payload, unread.start);
+            std::ptr::copy_nonoverlapping(
+                input.add(unread.end),
+                payload.add(unread.end),
+                count - unread.end,
+            );
         });
         self.lane_await_all(call, sig, k)?;
         if self.rounds_compared < self.round {
@@ -2142,8 +2163,21 @@ impl Arena {
         count: usize,
         op: ReduceOp,
     ) -> Result<()> {
-        let k = self.lane_exchange(call, sig, bufs.input, self.world() * count)?;
-        // In place the output is part `rank` of the input: its own term.
+        // This rank's own part is read by no peer, and this rank folds it
+        // from its input (in place: the output, part `rank` of it) unless
+        // `own_term_from_slot`: then, from a cache line up, it is not
+        // posted. 4 KiB, 2 processes, far placement: 32 lines to claim back
+        // from the peer's cache per call instead of 64, 1.29–1.35 µs
+        // against 1.45–1.48 (three pairs); near 0.38–0.55 against 0.46–0.66
+        // (six). Smaller parts share their lines with the rest: one copy.
+        let skip_own = !own_term_from_slot(self.rank, bufs.in_place)
+            && count * std::mem::size_of::<T>() >= CACHE_LINE;
+        let own = if skip_own {
+            self.rank * count..(self.rank + 1) * count
+        } else {
+            0..0
+        };
+        let k = self.lane_exchange_except(call, sig, bufs.input, self.world() * count, own)?;
         self.lane_fold(op, &bufs, k, self.rank * count, count);
         Ok(())
     }
