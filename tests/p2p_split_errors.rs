@@ -508,6 +508,34 @@ fn a_call_after_abort_fails_even_when_nothing_waits() {
     }
 }
 
+/// Ranks that disagree on a staged broadcast's root all return from it
+/// (each "root" only posts), and the disagreement is found when a later
+/// call compares the recent rounds. Zero-copy calls (here 4 KiB
+/// all-reduces between threads) did not compare them, so while only they
+/// followed, every rank went on with `Ok` and rank 1 kept its own data.
+#[test]
+fn a_root_disagreement_is_reported_by_the_zero_copy_calls_after_it() {
+    let result = run_ranks_with(3, Communicator::builder(), |comm| {
+        let root = if comm.rank() == 1 { 1 } else { 0 };
+        let mut data = vec![comm.rank() as u8; 1024];
+        let mut refused = matches!(
+            comm.broadcast_in_place(&mut data, root),
+            Err(Error::Mismatch { .. })
+        );
+        for _ in 0..100 {
+            let mut v = vec![1.0f32; 1024];
+            match comm.all_reduce_in_place(&mut v, ReduceOp::Sum) {
+                Err(Error::Mismatch { .. }) => refused = true,
+                Err(_) => break,
+                Ok(()) => {}
+            }
+        }
+        Ok(refused)
+    })
+    .unwrap();
+    assert!(result.iter().any(|&r| r), "{result:?}");
+}
+
 /// `alloc_shared` after `abort()` fails as every other call does, then the
 /// communicator reports the abort: a group of one (no arena) and two
 /// threads (the arena's agreement, which the last rank in passed without

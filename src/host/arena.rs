@@ -3343,6 +3343,16 @@ impl Arena {
             self.withdraw(call, k, &e);
             return Err(e);
         }
+        // As every lane call: the staged rounds before this call are
+        // compared here, or ranks that disagreed in a call that only posts
+        // (a broadcast's root, a reduce's non-root) would never hear of it
+        // while only direct calls follow.
+        if self.rounds_compared < self.round {
+            if let Err(e) = self.compare_recent_rounds(call) {
+                self.withdraw(call, k, &e);
+                return Err(e);
+            }
+        }
         Ok(k)
     }
 
