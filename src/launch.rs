@@ -118,8 +118,12 @@ pub struct LaunchSpec {
 /// local ranks.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Bind {
-    /// `Core` when the launcher may use at least `nproc_per_node` CPUs,
-    /// else `None`.
+    /// When the launcher may use at least `nproc_per_node` CPUs, each
+    /// local rank gets its own contiguous share of them (`n / nproc`, the
+    /// first `n % nproc` ranks one more), so no two ranks share a core and
+    /// each rank's own threads (a framework's intra-op pool, data loaders)
+    /// have its whole share, not one core; else `None`. With as many CPUs
+    /// as ranks, as `Core`.
     #[default]
     Auto,
     /// Local rank `i` runs on the `i`-th CPU the launcher may use (modulo
@@ -142,7 +146,7 @@ impl Bind {
 }
 
 /// Binds the calling thread to the `local_rank`-th CPU this process may
-/// use, as [`Bind::Auto`] does for launched ranks: only when there are at
+/// use, as [`Bind::Core`] does for launched ranks: only when there are at
 /// least `local_world` such CPUs. Returns whether it bound. For ranks run
 /// as threads (`oxccl-perf -t`, benches), which no launcher places.
 pub fn bind_thread_like_a_rank(local_rank: usize, local_world: usize) -> bool {
@@ -155,6 +159,22 @@ pub fn bind_thread_like_a_rank(local_rank: usize, local_world: usize) -> bool {
         let mut set: libc::cpu_set_t = std::mem::zeroed();
         libc::CPU_SET(cpus[local_rank % cpus.len()], &mut set);
         libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
+    }
+}
+
+/// The CPUs `bind` gives local rank `local_rank` of `local_world` out of
+/// the launcher's `cpus`; empty for no binding.
+pub fn rank_cpus(bind: Bind, cpus: &[usize], local_rank: usize, local_world: usize) -> &[usize] {
+    match bind {
+        _ if cpus.is_empty() || local_world == 0 => &[],
+        Bind::None => &[],
+        Bind::Core => std::slice::from_ref(&cpus[local_rank % cpus.len()]),
+        Bind::Auto if local_world > cpus.len() => &[],
+        Bind::Auto => {
+            // Rank i: cpus[i·n/w .. (i+1)·n/w], every CPU used once.
+            let n = cpus.len();
+            &cpus[local_rank * n / local_world..(local_rank + 1) * n / local_world]
+        }
     }
 }
 
@@ -593,14 +613,21 @@ impl Job {
         let node_rank = spec.node_rank.to_string();
         let port = spec.master_port.to_string();
         let cpus = allowed_cpus();
-        let bind = match spec.bind {
-            Bind::Core => !cpus.is_empty(),
-            Bind::Auto => !cpus.is_empty() && spec.nproc_per_node <= cpus.len(),
-            Bind::None => false,
-        };
         for local_rank in 0..spec.nproc_per_node {
             let rank = spec.global_rank(local_rank);
-            let cpu = bind.then(|| cpus[local_rank % cpus.len()]);
+            let share = rank_cpus(spec.bind, &cpus, local_rank, spec.nproc_per_node);
+            // Built here: the child may only make system calls before exec.
+            let affinity = (!share.is_empty()).then(|| {
+                // SAFETY: a zeroed cpu_set_t is valid; CPU_SET stays within
+                // it for the CPUs sched_getaffinity reported.
+                unsafe {
+                    let mut set: libc::cpu_set_t = std::mem::zeroed();
+                    for &cpu in share {
+                        libc::CPU_SET(cpu, &mut set);
+                    }
+                    set
+                }
+            });
             let mut cmd = Command::new(&spec.program);
             cmd.args(&spec.args)
                 .env("RANK", rank.to_string())
@@ -635,11 +662,9 @@ impl Job {
                     if libc::getppid() != launcher_pid {
                         libc::_exit(1);
                     }
-                    if let Some(cpu) = cpu {
+                    if let Some(set) = &affinity {
                         // Best effort: a failed binding leaves the rank unbound.
-                        let mut set: libc::cpu_set_t = std::mem::zeroed();
-                        libc::CPU_SET(cpu, &mut set);
-                        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+                        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), set);
                     }
                     Ok(())
                 });
@@ -1342,6 +1367,23 @@ impl Drop for SignalGuard {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `auto` gives each local rank its own contiguous share of the CPUs,
+    /// all of them used, not one core per rank (every thread of the rank
+    /// would inherit that core); `core` one each; fewer CPUs than ranks or
+    /// `none`: no binding.
+    #[test]
+    fn each_rank_gets_its_share_of_the_cpus() {
+        let cpus: Vec<usize> = (10..20).collect();
+        let shares: Vec<&[usize]> = (0..3).map(|r| rank_cpus(Bind::Auto, &cpus, r, 3)).collect();
+        assert_eq!(shares, [&cpus[0..3], &cpus[3..6], &cpus[6..10]]);
+        assert_eq!(rank_cpus(Bind::Auto, &cpus, 0, 1), &cpus[..]);
+        assert_eq!(rank_cpus(Bind::Auto, &[4, 5], 1, 2), &[5]);
+        assert!(rank_cpus(Bind::Auto, &[4, 5], 2, 3).is_empty());
+        assert_eq!(rank_cpus(Bind::Core, &cpus, 12, 13), &[12]);
+        assert!(rank_cpus(Bind::None, &cpus, 0, 2).is_empty());
+        assert!(rank_cpus(Bind::Core, &[], 0, 2).is_empty());
+    }
 
     #[test]
     fn exit_codes_follow_the_shell() {

@@ -732,3 +732,23 @@ fn orphans_the_ranks_leave_are_reaped_while_the_job_runs() {
     assert_eq!(r.code, Some(0), "{}", r.stderr);
     assert!(r.stdout.contains("[rank 0] zombies 0"), "{}", r.stdout);
 }
+
+/// A rank of a job with fewer ranks than CPUs may run on its whole share of
+/// them, so its own threads (a framework's intra-op pool, data loaders)
+/// are not all pinned to one core: here one rank gets every CPU the
+/// launcher has. It got one.
+#[test]
+fn a_lone_rank_may_use_every_cpu_the_launcher_has() {
+    let allowed = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let out = run(&[
+        "--nproc-per-node",
+        "1",
+        "--master-port",
+        "29671",
+        "--no-prefix",
+        "--",
+        "nproc",
+    ]);
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    assert_eq!(out.stdout.trim(), allowed.to_string());
+}

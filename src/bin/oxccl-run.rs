@@ -17,8 +17,9 @@ usage: oxccl-run [options] [--] PROGRAM [ARGS...]
   --master-port P      port of the store (default 29500)
   --kill-grace SECS    time between SIGTERM and SIGKILL when stopping ranks (default 5)
   --bind-to core|none|auto
-                       bind local rank i to the i-th allowed CPU (default auto: core
-                       when there are at least as many CPUs as local ranks)
+                       core: local rank i on the i-th allowed CPU; auto (default): when
+                       there are at least as many CPUs as local ranks, each rank on its
+                       own contiguous share of them (all of them with one rank)
   --no-prefix          do not prefix output lines with [rank R]
   -h, --help           this text
 torchrun spellings (--nproc_per_node, --node_rank, --master_addr, --master_port)
