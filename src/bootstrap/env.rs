@@ -322,7 +322,7 @@ impl LaunchEnv {
         }
 
         let master_addr = match var("MASTER_ADDR") {
-            Some(addr) => addr,
+            Some(addr) => host_only(addr)?,
             None if local_world_size == world_size => "127.0.0.1".into(),
             None if names.source == LaunchSource::Slurm => slurm_master(&var)?,
             None => {
@@ -400,6 +400,33 @@ impl LaunchEnv {
         } else {
             format!("{}:{}", self.master_addr, self.master_port)
         }
+    }
+}
+
+/// `MASTER_ADDR` as given, when it is a host name or address alone: one
+/// with a port (`10.0.0.1:29500`, `[::1]:29500`), a scheme (`tcp://h`) or a
+/// path was taken for a name that never resolves, and every rank waited
+/// out its whole timeout.
+fn host_only(addr: String) -> Result<String> {
+    let bare = addr.split('%').next().unwrap_or_default();
+    let inner = bare
+        .strip_prefix('[')
+        .and_then(|b| b.strip_suffix(']'))
+        .unwrap_or(bare);
+    let ipv6 = inner.parse::<std::net::Ipv6Addr>().is_ok();
+    let bracketed = inner.len() != bare.len();
+    let reason = if addr.contains("://") || addr.contains('/') {
+        Some("expected a host name or address, without a scheme or path")
+    } else if addr.chars().any(char::is_whitespace) {
+        Some("expected a host name or address, without spaces")
+    } else if (bracketed || addr.contains(':')) && !ipv6 {
+        Some("expected a host name or address without a port: the port goes in MASTER_PORT")
+    } else {
+        None
+    };
+    match reason {
+        Some(reason) => Err(config("MASTER_ADDR", &addr, reason)),
+        None => Ok(addr),
     }
 }
 
@@ -633,6 +660,27 @@ mod tests {
         assert_eq!(at("node7"), "node7:29500");
         let addr: std::net::SocketAddr = at("fd00::1").parse().unwrap();
         assert_eq!(addr.port(), 29500);
+    }
+
+    /// A port, scheme or path in MASTER_ADDR is refused at once, naming the
+    /// variable, instead of a name that never resolves (every rank waited
+    /// out its timeout, and rank 0 listed them all as never joined).
+    #[test]
+    fn master_addr_with_a_port_or_scheme_is_refused() {
+        for addr in [
+            "10.0.0.1:29500",
+            "[::1]:29500",
+            "tcp://h",
+            "h/x",
+            "node7:1",
+            "[h]",
+            "a b",
+        ] {
+            match env(&[("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", addr)]) {
+                Err(Error::Config { name, .. }) => assert_eq!(name, "MASTER_ADDR", "{addr}"),
+                other => panic!("{addr}: expected a configuration error, got {other:?}"),
+            }
+        }
     }
 
     #[test]
