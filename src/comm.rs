@@ -745,6 +745,12 @@ pub(crate) fn launch_store(
     env: &LaunchEnv,
     timeout: Duration,
 ) -> Result<(Arc<dyn Store>, Option<std::net::IpAddr>)> {
+    // A job of one rank meets nobody: no port to take (two one-rank jobs
+    // on a node, `srun -n1` sweeps, collided on MASTER_PORT) and no name
+    // to resolve.
+    if env.world_size == 1 && env.file_store.is_none() {
+        return Ok((Arc::new(crate::bootstrap::MemoryStore::new()), None));
+    }
     let master = env.store_address();
     // Only to pick the interface that faces the master: a name the
     // resolver is slow on gets a few seconds here, not the timeout (the

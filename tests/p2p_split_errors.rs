@@ -828,3 +828,23 @@ fn a_device_group_larger_than_a_job_is_refused() {
         Ok(_) => panic!("a group of 100000 ranks was made"),
     }
 }
+
+/// A job of one rank takes no port: two such jobs on a node (`srun -n1`
+/// sweeps) collided on MASTER_PORT, the second failing with "port in use"
+/// though it meets nobody. Here the port is held by someone else.
+#[test]
+fn a_job_of_one_rank_needs_no_free_port() {
+    let holder = std::net::TcpListener::bind(("0.0.0.0", 0)).unwrap();
+    let port = holder.local_addr().unwrap().port().to_string();
+    let env = oxccl::bootstrap::LaunchEnv::from_vars(|name| match name {
+        "RANK" => Some("0".into()),
+        "WORLD_SIZE" => Some("1".into()),
+        "MASTER_PORT" => Some(port.clone()),
+        _ => None,
+    })
+    .unwrap();
+    let mut comm = Communicator::builder().from_launch_env(&env).unwrap();
+    let mut v = vec![3.0f32; 16];
+    comm.all_reduce_in_place(&mut v, ReduceOp::Sum).unwrap();
+    assert_eq!(v, vec![3.0; 16]);
+}
