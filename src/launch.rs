@@ -1288,10 +1288,19 @@ static PENDING_SIGNAL: AtomicI32 = AtomicI32::new(0);
 /// and the ranks, which stay in the launcher's group, have it already.
 const FROM_TERMINAL: i32 = 1 << 16;
 
+/// Whether the launcher leads its session (`ssh -t host oxccl-run …`, a
+/// tmux pane's command, `setsid`): a hang-up then reaches the session
+/// leader alone (the foreground group gets it only once the leader
+/// exits), so the launcher forwards it like any other signal. Set when
+/// the handlers are installed.
+static SESSION_LEADER: AtomicBool = AtomicBool::new(false);
+
 extern "C" fn on_signal(sig: libc::c_int, info: *mut libc::siginfo_t, _: *mut libc::c_void) {
     // SAFETY: with SA_SIGINFO the kernel passes a valid siginfo_t (checked
     // for null all the same); reading a field is async-signal-safe.
-    let from_terminal = !info.is_null() && unsafe { (*info).si_code } == libc::SI_KERNEL;
+    let from_kernel = !info.is_null() && unsafe { (*info).si_code } == libc::SI_KERNEL;
+    let only_to_leader = sig == libc::SIGHUP && SESSION_LEADER.load(Ordering::SeqCst);
+    let from_terminal = from_kernel && !only_to_leader;
     let flag = if from_terminal { FROM_TERMINAL } else { 0 };
     PENDING_SIGNAL.store(sig | flag, Ordering::SeqCst);
 }
@@ -1307,6 +1316,9 @@ struct SignalGuard {
 impl SignalGuard {
     fn install() -> Self {
         PENDING_SIGNAL.store(0, Ordering::SeqCst);
+        // SAFETY: getsid and getpid only read this process's ids.
+        let leader = unsafe { libc::getsid(0) == libc::getpid() };
+        SESSION_LEADER.store(leader, Ordering::SeqCst);
         let mut previous = Vec::new();
         for sig in FORWARDED {
             // SAFETY: the sigaction structs are zero-initialised plain data,

@@ -451,6 +451,88 @@ fn ctrl_c_at_the_terminal_reaches_each_rank_once() {
     assert_eq!(counts, vec![1, 1], "SIGINTs per rank ({status:?})");
 }
 
+/// A hang-up (the terminal closed: an `ssh -t` connection dropped) reaches
+/// only the session leader while it lives: when the launcher leads its
+/// session it forwards the SIGHUP, once, to every rank. It took it for a
+/// terminal signal the ranks "got too", and they never saw it.
+#[test]
+fn a_hang_up_reaches_each_rank_once_when_the_launcher_leads_its_session() {
+    let dir = scratch_dir("hang-up");
+    let script = format!(
+        "exec >/dev/null 2>&1; trap 'echo got >> {0}/hup.$RANK' HUP; touch {0}/ready.$RANK; \
+         for i in 1 2 3 4 5 6 7 8 9 10; do sleep 0.2 & wait; done",
+        dir.display()
+    );
+    let (mut master, mut slave) = (0, 0);
+    // SAFETY: openpty writes two descriptors; the null arguments are allowed.
+    let opened = unsafe {
+        libc::openpty(
+            &mut master,
+            &mut slave,
+            std::ptr::null_mut(),
+            std::ptr::null(),
+            std::ptr::null(),
+        )
+    };
+    assert_eq!(opened, 0, "openpty: {}", std::io::Error::last_os_error());
+    // The launcher and its ranks must not inherit the master end: the
+    // terminal hangs up only when its last copy closes.
+    // SAFETY: fcntl on a descriptor this test owns.
+    assert_eq!(unsafe { libc::fcntl(master, libc::F_SETFD, libc::FD_CLOEXEC) }, 0);
+    let tty = |fd: i32| {
+        // SAFETY: dup of a descriptor this test owns; Stdio takes the copy.
+        Stdio::from(unsafe { std::os::fd::OwnedFd::from_raw_fd(libc::dup(fd)) })
+    };
+    let mut cmd = launcher(&[
+        "-np",
+        "2",
+        "--master-port",
+        "29672",
+        "--kill-grace",
+        "5",
+        "--",
+        "/bin/sh",
+        "-c",
+        &script,
+    ]);
+    cmd.stdin(tty(slave)).stdout(tty(slave)).stderr(tty(slave));
+    use std::os::fd::FromRawFd;
+    use std::os::unix::process::CommandExt;
+    // SAFETY: setsid and ioctl are async-signal-safe; the child leads a
+    // session whose controlling terminal is the pty, as `ssh -t` sets up.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::setsid() < 0 || libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().unwrap();
+    // SAFETY: closing the test's copy of the slave end.
+    unsafe { libc::close(slave) };
+    wait_for_files(&dir, &["ready.0", "ready.1"]);
+    // The last close of the master end hangs the terminal up.
+    // SAFETY: the test's only copy of the master descriptor.
+    unsafe { libc::close(master) };
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(started.elapsed() < DEADLINE, "the launcher did not finish");
+        thread::sleep(Duration::from_millis(20));
+    };
+    let counts: Vec<usize> = (0..2)
+        .map(|rank| {
+            std::fs::read_to_string(dir.join(format!("hup.{rank}")))
+                .map_or(0, |t| t.lines().count())
+        })
+        .collect();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(counts, vec![1, 1], "SIGHUPs per rank ({status:?})");
+}
+
 /// A launcher started with SIGCHLD ignored (inherited) still waits for its
 /// ranks and reports how they ended, instead of finding them gone.
 #[test]
