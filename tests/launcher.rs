@@ -478,7 +478,10 @@ fn a_hang_up_reaches_each_rank_once_when_the_launcher_leads_its_session() {
     // The launcher and its ranks must not inherit the master end: the
     // terminal hangs up only when its last copy closes.
     // SAFETY: fcntl on a descriptor this test owns.
-    assert_eq!(unsafe { libc::fcntl(master, libc::F_SETFD, libc::FD_CLOEXEC) }, 0);
+    assert_eq!(
+        unsafe { libc::fcntl(master, libc::F_SETFD, libc::FD_CLOEXEC) },
+        0
+    );
     let tty = |fd: i32| {
         // SAFETY: dup of a descriptor this test owns; Stdio takes the copy.
         Stdio::from(unsafe { std::os::fd::OwnedFd::from_raw_fd(libc::dup(fd)) })

@@ -455,8 +455,26 @@ fn handshake(stream: &TcpStream, addr: &str, context: &str, deadline: Instant) -
     write_all_deadline(stream, &hello, deadline)
         .map_err(|e| not_a_store(format!("sending the handshake failed: {e}")))?;
     let mut reply = [0u8; 12];
-    read_exact_deadline(stream, &mut reply, deadline)
-        .map_err(|e| not_a_store(format!("no valid handshake reply: {e}")))?;
+    read_exact_deadline(stream, &mut reply, deadline).map_err(|e| {
+        if matches!(
+            e.kind(),
+            io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock
+        ) {
+            // Accepted (by the kernel) but never served: another program,
+            // or a store that cannot take the connection in.
+            Error::Bootstrap {
+                context: context.to_string(),
+                detail: format!(
+                    "the server at {addr} took the connection but did not answer the \
+                     handshake in time ({e}): is the port taken by another program, or is \
+                     rank 0's store out of file descriptors (`ulimit -n`; it says so on \
+                     its stderr) or stopped?"
+                ),
+            }
+        } else {
+            not_a_store(format!("no valid handshake reply: {e}"))
+        }
+    })?;
     if &reply[..8] != SERVER_MAGIC {
         return Err(not_a_store(format!(
             "it answered {:?}",
@@ -708,6 +726,8 @@ fn read_frame_deadline(stream: &TcpStream, deadline: Instant) -> io::Result<Vec<
 // --------------------------------------------------------------------- server
 
 fn accept_loop(listener: TcpListener, map: MemoryStore, stop: Arc<AtomicBool>) {
+    // Out of descriptors, every pass fails: said once a minute at most.
+    let mut told_out_of_fds: Option<Instant> = None;
     while !stop.load(Ordering::SeqCst) {
         match listener.accept() {
             Ok((stream, peer)) => {
@@ -722,10 +742,34 @@ fn accept_loop(listener: TcpListener, map: MemoryStore, stop: Arc<AtomicBool>) {
             }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::thread::sleep(ACCEPT_POLL),
-            // ECONNABORTED, EMFILE and the like: back off and keep serving.
+            // The ranks waiting in the backlog would otherwise time out
+            // blaming the network or another program.
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) => {
+                if told_out_of_fds.is_none_or(|t| t.elapsed() >= Duration::from_secs(60)) {
+                    told_out_of_fds = Some(Instant::now());
+                    eprintln!(
+                        "oxccl: store: cannot take in more ranks' connections: {e} (this \
+                         process may open {} files; raise `ulimit -n`)",
+                        open_file_limit().map_or("a limited number of".into(), |n| n.to_string())
+                    );
+                }
+                std::thread::sleep(ACCEPT_POLL);
+            }
+            // ECONNABORTED and the like: back off and keep serving.
             Err(_) => std::thread::sleep(ACCEPT_POLL),
         }
     }
+}
+
+/// This process's soft limit on open files, if it has one.
+fn open_file_limit() -> Option<u64> {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the struct it is given.
+    let ok = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } == 0;
+    (ok && limit.rlim_cur != libc::RLIM_INFINITY).then_some(limit.rlim_cur)
 }
 
 /// Why a client's connection ended.
@@ -1185,7 +1229,12 @@ mod tests {
             .unwrap()
             .to_string();
         assert!(start.elapsed() < Duration::from_millis(1400));
-        assert!(e.contains("not an oxccl store"), "{e}");
+        // Silence may also be a store that cannot take the connection in.
+        assert!(e.contains("did not answer the handshake in time"), "{e}");
+        assert!(
+            e.contains("another program") && e.contains("ulimit -n"),
+            "{e}"
+        );
         t.join().unwrap();
     }
 
