@@ -464,7 +464,7 @@ impl CommBuilder {
         world_size: usize,
         store: Arc<dyn Store>,
     ) -> Result<Communicator> {
-        self.init_toward(rank, world_size, store, None)
+        self.init_toward(rank, world_size, store, None, None)
     }
 
     /// Joins the job described by the launcher's environment variables
@@ -495,7 +495,15 @@ impl CommBuilder {
         if builder.job_id.is_none() {
             builder.job_id = env.job_id.clone();
         }
-        builder.init_toward(env.rank, env.world_size, store, toward)
+        // A rank that reaches the previous job's store (this process's
+        // earlier communicator, whose rank 0 is still dropping its own)
+        // connects again, as it first did.
+        let again = env.clone();
+        let reconnect: net::Reconnect = Box::new(move |deadline| {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            launch_store(&again, left).map(|(store, _)| store)
+        });
+        builder.init_toward(env.rank, env.world_size, store, toward, Some(reconnect))
     }
 
     /// [`init`](Self::init), picking the network interface that reaches
@@ -506,6 +514,7 @@ impl CommBuilder {
         world_size: usize,
         store: Arc<dyn Store>,
         toward: Option<std::net::IpAddr>,
+        reconnect: Option<net::Reconnect>,
     ) -> Result<Communicator> {
         let config = self.config()?;
         check_rank(rank, world_size)?;
@@ -543,6 +552,7 @@ impl CommBuilder {
                     format!("{:?}", config.transport).to_ascii_lowercase(),
                 ),
             ],
+            reconnect,
         })?;
         let arena = arena_segment
             .map(|segment| {

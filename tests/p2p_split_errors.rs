@@ -848,3 +848,51 @@ fn a_job_of_one_rank_needs_no_free_port() {
     comm.all_reduce_in_place(&mut v, ReduceOp::Sum).unwrap();
     assert_eq!(v, vec![3.0; 16]);
 }
+
+/// A process that drops its communicator and makes the next one from the
+/// same rendezvous may reach the previous job's store while that job's
+/// rank 0 is still dropping its own: the rank connects again until the
+/// new store is up. It was refused, told that a communicator it made from
+/// the same rendezvous "is still alive". Ranks are threads here, each
+/// with its own launch variables; rank 0 drops 400 ms after rank 1.
+#[test]
+fn a_communicator_made_again_waits_out_the_previous_store() {
+    let port = {
+        let probe = std::net::TcpListener::bind(("127.0.0.1", 0)).unwrap();
+        probe.local_addr().unwrap().port().to_string()
+    };
+    let ranks: Vec<_> = (0..2)
+        .map(|rank| {
+            let port = port.clone();
+            std::thread::spawn(move || -> Result<f32, String> {
+                let env = oxccl::bootstrap::LaunchEnv::from_vars(|name| match name {
+                    "RANK" => Some(rank.to_string()),
+                    "WORLD_SIZE" => Some("2".into()),
+                    "MASTER_ADDR" => Some("127.0.0.1".into()),
+                    "MASTER_PORT" => Some(port.clone()),
+                    "OXCCL_TRANSPORT" => Some("tcp".into()),
+                    _ => None,
+                })
+                .map_err(|e| e.to_string())?;
+                let builder = Communicator::builder()
+                    .timeout(Duration::from_secs(10))
+                    .transport(oxccl::TransportKind::Tcp);
+                let mut total = 0.0;
+                for round in 0..2 {
+                    let mut comm = builder.from_launch_env(&env).map_err(|e| e.to_string())?;
+                    let mut v = vec![1.0f32; 8];
+                    comm.all_reduce_in_place(&mut v, ReduceOp::Sum)
+                        .map_err(|e| e.to_string())?;
+                    total += v[0];
+                    if rank == 0 && round == 0 {
+                        std::thread::sleep(Duration::from_millis(400));
+                    }
+                }
+                Ok(total)
+            })
+        })
+        .collect();
+    for (rank, handle) in ranks.into_iter().enumerate() {
+        assert_eq!(handle.join().unwrap(), Ok(4.0), "rank {rank}");
+    }
+}

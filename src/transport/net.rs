@@ -453,6 +453,9 @@ pub(crate) struct Fabric {
     own_segment: Option<Segment>,
     /// Keeps the store (rank 0 serves it) alive as long as the job.
     _store: Arc<dyn Store>,
+    /// This rank's claim on the store, live while the fabric is
+    /// (`None` in unit tests that build a fabric by hand).
+    _claim: Option<LiveClaim>,
     /// The TCP interface, for descriptions.
     interface: Option<String>,
 }
@@ -1612,6 +1615,73 @@ pub(crate) struct Setup {
     /// links wait for connections that never come. Published in the rank's
     /// entry and compared at rendezvous. Values hold no newline.
     pub settings: Vec<(&'static str, String)>,
+    /// Connects to the job's store again (by the deadline given), for a
+    /// store that still holds this process's claim from a communicator
+    /// already dropped: the previous job's store, whose host (rank 0) has
+    /// not dropped its communicator yet. `None` when the caller gave the
+    /// store itself.
+    pub reconnect: Option<Reconnect>,
+}
+
+/// See [`Setup::reconnect`].
+pub(crate) type Reconnect = Box<dyn Fn(Instant) -> Result<Arc<dyn Store>> + Send>;
+
+/// How long a rank that found the previous job's store waits before
+/// connecting again.
+const STALE_STORE_RETRY: Duration = Duration::from_millis(50);
+
+/// The ranks this process holds through a live communicator, per store
+/// (`Store::describe`), counted: a claim the store refuses because this
+/// process made it is a live communicator's only if it is here.
+static LIVE_CLAIMS: Mutex<Vec<(String, usize)>> = Mutex::new(Vec::new());
+
+/// One entry of [`LIVE_CLAIMS`], removed when the fabric that made the
+/// claim drops.
+struct LiveClaim {
+    store: String,
+    rank: usize,
+}
+
+impl LiveClaim {
+    fn new(store: String, rank: usize) -> LiveClaim {
+        lock_claims().push((store.clone(), rank));
+        LiveClaim { store, rank }
+    }
+
+    fn is_live(store: &str, rank: usize) -> bool {
+        lock_claims().iter().any(|(s, r)| s == store && *r == rank)
+    }
+}
+
+impl Drop for LiveClaim {
+    fn drop(&mut self) {
+        let mut claims = lock_claims();
+        if let Some(i) = claims
+            .iter()
+            .position(|(s, r)| *s == self.store && *r == self.rank)
+        {
+            claims.swap_remove(i);
+        }
+    }
+}
+
+fn lock_claims() -> std::sync::MutexGuard<'static, Vec<(String, usize)>> {
+    // Each critical section is one push, scan or removal.
+    LIVE_CLAIMS.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Why [`claim_rank`] did not claim.
+enum Refused {
+    /// This process claimed the rank before, through a communicator that
+    /// has been dropped: the store is the previous job's.
+    StaleStore(Error),
+    Other(Error),
+}
+
+impl From<Error> for Refused {
+    fn from(e: Error) -> Refused {
+        Refused::Other(e)
+    }
 }
 
 /// What each rank publishes at rendezvous.
@@ -1680,9 +1750,9 @@ fn disagreeing_setting(
 /// second process given the same RANK — is refused here, before it could
 /// overwrite the entry the peers read. The error names the holder when
 /// its entry is there.
-fn claim_rank(store: &dyn Store, rank: usize) -> Result<()> {
+fn claim_rank(store: &dyn Store, rank: usize) -> std::result::Result<LiveClaim, Refused> {
     if store.add(&format!("oxccl/claim/{rank}"), 1)? == 1 {
-        return Ok(());
+        return Ok(LiveClaim::new(store.describe(), rank));
     }
     let holder = store.try_get(&rank_key(rank))?.map(|entry| {
         let entry = String::from_utf8_lossy(&entry);
@@ -1692,10 +1762,24 @@ fn claim_rank(store: &dyn Store, rank: usize) -> Result<()> {
     });
     if let Some((pid, host)) = &holder {
         if *pid == std::process::id().to_string() && *host == shm::host_identity() {
+            if !LiveClaim::is_live(&store.describe(), rank) {
+                // The communicator that claimed it is gone: this is its
+                // job's store, still up until its rank 0 drops its own.
+                return Err(Refused::StaleStore(bootstrap_error(
+                    rank,
+                    "rendezvous",
+                    format!(
+                        "the store at {} still belongs to this process's previous \
+                         communicator from the same rendezvous (dropped): its rank 0 has \
+                         not dropped its own yet",
+                        store.describe()
+                    ),
+                )));
+            }
             // Not another job: this process made a communicator from the
             // same rendezvous before and it is still alive (its store, on
             // rank 0, still answers).
-            return Err(bootstrap_error(
+            return Err(Refused::Other(bootstrap_error(
                 rank,
                 "rendezvous",
                 format!(
@@ -1705,13 +1789,13 @@ fn claim_rank(store: &dyn Store, rank: usize) -> Result<()> {
                      before making another, or give the second its own MASTER_PORT",
                     store.describe()
                 ),
-            ));
+            )));
         }
     }
     let holder = holder
         .map(|(pid, host)| format!("by pid {pid} on host {host}"))
         .unwrap_or_else(|| "by a process that has not announced itself yet".into());
-    Err(bootstrap_error(
+    Err(Refused::Other(bootstrap_error(
         rank,
         "rendezvous",
         format!(
@@ -1720,7 +1804,7 @@ fn claim_rank(store: &dyn Store, rank: usize) -> Result<()> {
              processes were given RANK={rank}",
             store.describe()
         ),
-    ))
+    )))
 }
 
 fn random_token() -> Token {
@@ -1793,7 +1877,7 @@ fn connect_rank(setup: Setup) -> Result<(NetEndpoint, Option<Segment>)> {
     let Setup {
         rank,
         world,
-        store,
+        mut store,
         timeout,
         transport,
         socket_ifname,
@@ -1802,6 +1886,7 @@ fn connect_rank(setup: Setup) -> Result<(NetEndpoint, Option<Segment>)> {
         shm_ring_bytes,
         arena_bytes,
         settings,
+        reconnect,
     } = setup;
     let deadline = Instant::now() + timeout;
     let all: Vec<usize> = (0..world).collect();
@@ -1836,7 +1921,22 @@ fn connect_rank(setup: Setup) -> Result<(NetEndpoint, Option<Segment>)> {
         .map(|(_, a)| a.to_string())
         .unwrap_or_else(|| "-".into());
     let host = shm::host_identity();
-    claim_rank(&*store, rank)?;
+    // A process that dropped a communicator and makes the next one from the
+    // same rendezvous may reach the previous job's store while its rank 0
+    // is still dropping: connect again until that store is gone.
+    let claim = loop {
+        match claim_rank(&*store, rank) {
+            Ok(claim) => break claim,
+            Err(Refused::StaleStore(e)) => match &reconnect {
+                Some(reconnect) if Instant::now() + STALE_STORE_RETRY < deadline => {
+                    std::thread::sleep(STALE_STORE_RETRY);
+                    store = reconnect(deadline)?;
+                }
+                _ => return Err(e),
+            },
+            Err(Refused::Other(e)) => return Err(e),
+        }
+    };
     let mut entry = format!(
         "host={host}\npid={}\naddr={my_addr}\nworld={world}\n",
         std::process::id()
@@ -2100,6 +2200,7 @@ fn connect_rank(setup: Setup) -> Result<(NetEndpoint, Option<Segment>)> {
         next_liveness_check: Instant::now(),
         own_segment,
         _store: store,
+        _claim: Some(claim),
         interface,
     };
     let endpoint = NetEndpoint {
@@ -2149,6 +2250,7 @@ mod tests {
             next_liveness_check: Instant::now(),
             own_segment: None,
             _store: Arc::new(crate::bootstrap::MemoryStore::new()),
+            _claim: None,
             interface: None,
         };
         let endpoint = NetEndpoint {
@@ -2334,6 +2436,7 @@ mod tests {
             shm_ring_bytes: 1 << 16,
             arena_bytes: 0,
             settings: Vec::new(),
+            reconnect: None,
         };
         for rank in [0, 3] {
             let e = connect(setup(rank)).err().unwrap().to_string();
