@@ -6,10 +6,12 @@
 //! Every child process runs under a wall-clock deadline: a hang fails the
 //! test instead of stalling CI.
 
+mod common;
+use common::free_port;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -57,34 +59,6 @@ fn clean(cmd: &mut Command) -> &mut Command {
         cmd.env_remove(var);
     }
     cmd
-}
-
-/// A port for one test's store: free now, handed to no other test of this
-/// binary, and below the kernel's ephemeral range (`ip_local_port_range`),
-/// which `bind(0)`, outgoing connections and `oxccl-run`'s own pick draw
-/// from (where that range starts above 21000; otherwise below 32768, and
-/// only the bind check keeps kernel-chosen ports away). Asking the kernel for port 0 instead let two tests running at once
-/// get the same port: the rank-0-never-starts drill's rank 1 then joined
-/// another test's job and failed mapping that job's arena.
-fn free_port() -> u16 {
-    static HANDED_OUT: AtomicUsize = AtomicUsize::new(0);
-    const LOWEST: usize = 20_000;
-    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-        .ok()
-        .and_then(|r| r.split_whitespace().next()?.parse::<usize>().ok())
-        .filter(|&low| low > LOWEST + 1000)
-        .unwrap_or(32_768);
-    let span = ephemeral_low - LOWEST;
-    // Binaries that run at once (other checkouts) start apart.
-    let start = std::process::id() as usize % span;
-    for _ in 0..span {
-        let n = HANDED_OUT.fetch_add(1, Ordering::Relaxed);
-        let port = (LOWEST + (start + n) % span) as u16;
-        if TcpListener::bind(("0.0.0.0", port)).is_ok() {
-            return port;
-        }
-    }
-    panic!("no free port in {LOWEST}..{ephemeral_low}");
 }
 
 /// Held by the tests whose ranks spin for many seconds (the kill drills)

@@ -857,10 +857,9 @@ fn a_job_of_one_rank_needs_no_free_port() {
 /// with its own launch variables; rank 0 drops 400 ms after rank 1.
 #[test]
 fn a_communicator_made_again_waits_out_the_previous_store() {
-    let port = {
-        let probe = std::net::TcpListener::bind(("127.0.0.1", 0)).unwrap();
-        probe.local_addr().unwrap().port().to_string()
-    };
+    // Below the ephemeral range: a port the kernel handed out and took
+    // back could go to another test's peer listener on 127.0.0.1.
+    let port = common::free_port().to_string();
     let ranks: Vec<_> = (0..2)
         .map(|rank| {
             let port = port.clone();

@@ -1924,18 +1924,34 @@ fn connect_rank(setup: Setup) -> Result<(NetEndpoint, Option<Segment>)> {
     // A process that dropped a communicator and makes the next one from the
     // same rendezvous may reach the previous job's store while its rank 0
     // is still dropping: connect again until that store is gone.
+    let mut previous_store_seen = false;
     let claim = loop {
-        match claim_rank(&*store, rank) {
+        let mut error = match claim_rank(&*store, rank) {
             Ok(claim) => break claim,
-            Err(Refused::StaleStore(e)) => match &reconnect {
-                Some(reconnect) if Instant::now() + STALE_STORE_RETRY < deadline => {
-                    std::thread::sleep(STALE_STORE_RETRY);
-                    store = reconnect(deadline)?;
-                }
-                _ => return Err(e),
-            },
+            Err(Refused::StaleStore(e)) => {
+                previous_store_seen = true;
+                e
+            }
+            // Once the previous store was seen, a failure is likelier its
+            // going down (a reset connection) than anything else.
+            Err(Refused::Other(e)) if previous_store_seen => e,
             Err(Refused::Other(e)) => return Err(e),
-        }
+        };
+        let Some(reconnect) = &reconnect else {
+            return Err(error);
+        };
+        // Reaching the store may fail too while the previous one closes
+        // (a connection accepted into its backlog, then reset).
+        store = loop {
+            if Instant::now() + STALE_STORE_RETRY >= deadline {
+                return Err(error);
+            }
+            std::thread::sleep(STALE_STORE_RETRY);
+            match reconnect(deadline) {
+                Ok(store) => break store,
+                Err(e) => error = e,
+            }
+        };
     };
     let mut entry = format!(
         "host={host}\npid={}\naddr={my_addr}\nworld={world}\n",
