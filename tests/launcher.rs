@@ -362,17 +362,14 @@ fn sigterm_to_the_launcher_is_forwarded() {
     assert!(r.elapsed < Duration::from_secs(5), "{:?}", r.elapsed);
 }
 
-/// Ctrl-C at a terminal reaches every process of its foreground group, the
-/// ranks included: the launcher does not send them a second copy, which
-/// would cut short their handling of the first.
-#[test]
-fn ctrl_c_at_the_terminal_reaches_each_rank_once() {
-    let dir = scratch_dir("ctrl-c");
-    let script = format!(
-        "trap 'echo got >> {0}/int.$RANK' INT; touch {0}/ready.$RANK; \
-         for i in 1 2 3 4 5 6 7 8 9 10; do sleep 0.2 & wait; done",
-        dir.display()
-    );
+/// Starts `oxccl-run -np 2` with `script` as each rank, on a new
+/// pseudo-terminal that the launcher leads as its session's controlling
+/// terminal, as a login shell's job (or `ssh -t host oxccl-run …`) would.
+/// Returns the launcher and the terminal's master end, which neither the
+/// launcher nor its ranks inherit: closing it hangs the terminal up.
+fn launch_on_a_terminal(port: &str, script: &str) -> (Child, i32) {
+    use std::os::fd::FromRawFd;
+    use std::os::unix::process::CommandExt;
     let (mut master, mut slave) = (0, 0);
     // SAFETY: openpty writes two descriptors; the null arguments are allowed.
     let opened = unsafe {
@@ -385,6 +382,11 @@ fn ctrl_c_at_the_terminal_reaches_each_rank_once() {
         )
     };
     assert_eq!(opened, 0, "openpty: {}", std::io::Error::last_os_error());
+    // SAFETY: fcntl on a descriptor this test owns.
+    assert_eq!(
+        unsafe { libc::fcntl(master, libc::F_SETFD, libc::FD_CLOEXEC) },
+        0
+    );
     let tty = |fd: i32| {
         // SAFETY: dup of a descriptor this test owns; Stdio takes the copy.
         Stdio::from(unsafe { std::os::fd::OwnedFd::from_raw_fd(libc::dup(fd)) })
@@ -393,20 +395,18 @@ fn ctrl_c_at_the_terminal_reaches_each_rank_once() {
         "-np",
         "2",
         "--master-port",
-        "29614",
+        port,
         "--kill-grace",
         "5",
         "--",
         "/bin/sh",
         "-c",
-        &script,
+        script,
     ]);
     // The terminal in place of the pipes.
     cmd.stdin(tty(slave)).stdout(tty(slave)).stderr(tty(slave));
-    use std::os::fd::FromRawFd;
-    use std::os::unix::process::CommandExt;
     // SAFETY: setsid and ioctl are async-signal-safe; the child makes the
-    // terminal its controlling one, as a login shell's job would have.
+    // terminal its controlling one.
     unsafe {
         cmd.pre_exec(|| {
             if libc::setsid() < 0 || libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
@@ -415,11 +415,48 @@ fn ctrl_c_at_the_terminal_reaches_each_rank_once() {
             Ok(())
         });
     }
-    let mut child = cmd.spawn().unwrap();
+    let child = cmd.spawn().unwrap();
     // SAFETY: closing the test's copy of the slave end.
     unsafe { libc::close(slave) };
+    (child, master)
+}
+
+/// Waits for the launcher, then counts the lines each rank's trap wrote
+/// to `dir/{name}.RANK`, and removes `dir`.
+fn trap_counts(mut child: Child, dir: &Path, name: &str) -> (Vec<usize>, std::process::ExitStatus) {
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(started.elapsed() < DEADLINE, "the launcher did not finish");
+        thread::sleep(Duration::from_millis(20));
+    };
+    let counts = (0..2)
+        .map(|rank| {
+            std::fs::read_to_string(dir.join(format!("{name}.{rank}")))
+                .map_or(0, |t| t.lines().count())
+        })
+        .collect();
+    let _ = std::fs::remove_dir_all(dir);
+    (counts, status)
+}
+
+/// Ctrl-C at a terminal reaches every process of its foreground group, the
+/// ranks included: the launcher does not send them a second copy, which
+/// would cut short their handling of the first.
+#[test]
+fn ctrl_c_at_the_terminal_reaches_each_rank_once() {
+    let dir = scratch_dir("ctrl-c");
+    let script = format!(
+        "trap 'echo got >> {0}/int.$RANK' INT; touch {0}/ready.$RANK; \
+         for i in 1 2 3 4 5 6 7 8 9 10; do sleep 0.2 & wait; done",
+        dir.display()
+    );
+    let (child, master) = launch_on_a_terminal("29614", &script);
     // Drain the terminal so the ranks never block writing to it.
     let reader = thread::spawn(move || {
+        use std::os::fd::FromRawFd;
         // SAFETY: the master descriptor stays open until this thread ends.
         let mut file = unsafe { std::fs::File::from_raw_fd(master) };
         let mut out = Vec::new();
@@ -432,21 +469,7 @@ fn ctrl_c_at_the_terminal_reaches_each_rank_once() {
         unsafe { libc::write(master, b"\x03".as_ptr().cast(), 1) },
         1
     );
-    let started = Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        assert!(started.elapsed() < DEADLINE, "the launcher did not finish");
-        thread::sleep(Duration::from_millis(20));
-    };
-    let counts: Vec<usize> = (0..2)
-        .map(|rank| {
-            std::fs::read_to_string(dir.join(format!("int.{rank}")))
-                .map_or(0, |t| t.lines().count())
-        })
-        .collect();
-    let _ = std::fs::remove_dir_all(&dir);
+    let (counts, status) = trap_counts(child, &dir, "int");
     drop(reader);
     assert_eq!(counts, vec![1, 1], "SIGINTs per rank ({status:?})");
 }
@@ -463,76 +486,12 @@ fn a_hang_up_reaches_each_rank_once_when_the_launcher_leads_its_session() {
          for i in 1 2 3 4 5 6 7 8 9 10; do sleep 0.2 & wait; done",
         dir.display()
     );
-    let (mut master, mut slave) = (0, 0);
-    // SAFETY: openpty writes two descriptors; the null arguments are allowed.
-    let opened = unsafe {
-        libc::openpty(
-            &mut master,
-            &mut slave,
-            std::ptr::null_mut(),
-            std::ptr::null(),
-            std::ptr::null(),
-        )
-    };
-    assert_eq!(opened, 0, "openpty: {}", std::io::Error::last_os_error());
-    // The launcher and its ranks must not inherit the master end: the
-    // terminal hangs up only when its last copy closes.
-    // SAFETY: fcntl on a descriptor this test owns.
-    assert_eq!(
-        unsafe { libc::fcntl(master, libc::F_SETFD, libc::FD_CLOEXEC) },
-        0
-    );
-    let tty = |fd: i32| {
-        // SAFETY: dup of a descriptor this test owns; Stdio takes the copy.
-        Stdio::from(unsafe { std::os::fd::OwnedFd::from_raw_fd(libc::dup(fd)) })
-    };
-    let mut cmd = launcher(&[
-        "-np",
-        "2",
-        "--master-port",
-        "29672",
-        "--kill-grace",
-        "5",
-        "--",
-        "/bin/sh",
-        "-c",
-        &script,
-    ]);
-    cmd.stdin(tty(slave)).stdout(tty(slave)).stderr(tty(slave));
-    use std::os::fd::FromRawFd;
-    use std::os::unix::process::CommandExt;
-    // SAFETY: setsid and ioctl are async-signal-safe; the child leads a
-    // session whose controlling terminal is the pty, as `ssh -t` sets up.
-    unsafe {
-        cmd.pre_exec(|| {
-            if libc::setsid() < 0 || libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
-    let mut child = cmd.spawn().unwrap();
-    // SAFETY: closing the test's copy of the slave end.
-    unsafe { libc::close(slave) };
+    let (child, master) = launch_on_a_terminal("29672", &script);
     wait_for_files(&dir, &["ready.0", "ready.1"]);
     // The last close of the master end hangs the terminal up.
     // SAFETY: the test's only copy of the master descriptor.
     unsafe { libc::close(master) };
-    let started = Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        assert!(started.elapsed() < DEADLINE, "the launcher did not finish");
-        thread::sleep(Duration::from_millis(20));
-    };
-    let counts: Vec<usize> = (0..2)
-        .map(|rank| {
-            std::fs::read_to_string(dir.join(format!("hup.{rank}")))
-                .map_or(0, |t| t.lines().count())
-        })
-        .collect();
-    let _ = std::fs::remove_dir_all(&dir);
+    let (counts, status) = trap_counts(child, &dir, "hup");
     assert_eq!(counts, vec![1, 1], "SIGHUPs per rank ({status:?})");
 }
 
