@@ -142,8 +142,10 @@ SHARED_MEDIUM_ITERS=(-n 2000 --samples "$(samples 10)" -w 200)
 # alloc_shared runs from 64 KiB, where the targets against (a) start.
 SHARED=$(echo "$SIZES" | tr , '\n' | awk '$1 >= 65536' | paste -sd,)
 
-# One core per rank, as oxccl's ranks run; with more ranks than cores
-# mpirun refuses to bind unless told it may overload them.
+# One core per rank, as oxccl-perf -np's ranks run where there are as many
+# CPUs as ranks (its --bind-to auto gives each rank its share of the CPUs:
+# one each on the 2-CPU VM of docs/performance.md); with more ranks than
+# cores mpirun refuses to bind unless told it may overload them.
 BIND=core
 if [ "$RANKS" -gt "$(nproc)" ]; then BIND=core:overload-allowed; fi
 MPIRUN=(mpirun --allow-run-as-root --oversubscribe --bind-to "$BIND" -np "$RANKS")

@@ -119,11 +119,13 @@ pub struct LaunchSpec {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Bind {
     /// When the launcher may use at least `nproc_per_node` CPUs, each
-    /// local rank gets its own contiguous share of them (`n / nproc`, the
-    /// first `n % nproc` ranks one more), so no two ranks share a core and
-    /// each rank's own threads (a framework's intra-op pool, data loaders)
-    /// have its whole share, not one core; else `None`. With as many CPUs
-    /// as ranks, as `Core`.
+    /// local rank gets its own share of them (`n / nproc`, the last
+    /// `n % nproc` ranks one more), whole cores where there are at least as
+    /// many cores as ranks (a core's hardware threads, numbered apart by
+    /// Linux, stay together), so no two ranks share a core and each rank's
+    /// own threads (a framework's intra-op pool, data loaders) have its
+    /// whole share, not one core; else `None`. With as many CPUs as ranks,
+    /// as `Core`.
     #[default]
     Auto,
     /// Local rank `i` runs on the `i`-th CPU the launcher may use (modulo
@@ -163,19 +165,59 @@ pub fn bind_thread_like_a_rank(local_rank: usize, local_world: usize) -> bool {
 }
 
 /// The CPUs `bind` gives local rank `local_rank` of `local_world` out of
-/// the launcher's `cpus`; empty for no binding.
-pub fn rank_cpus(bind: Bind, cpus: &[usize], local_rank: usize, local_world: usize) -> &[usize] {
+/// the launcher's `cpus`; empty for no binding. `core_of(cpu)` names the
+/// physical core a CPU is a hardware thread of (see [`cpu_core`]).
+pub fn rank_cpus(
+    bind: Bind,
+    cpus: &[usize],
+    core_of: impl Fn(usize) -> Option<(u32, u32)>,
+    local_rank: usize,
+    local_world: usize,
+) -> Vec<usize> {
     match bind {
-        _ if cpus.is_empty() || local_world == 0 => &[],
-        Bind::None => &[],
-        Bind::Core => std::slice::from_ref(&cpus[local_rank % cpus.len()]),
-        Bind::Auto if local_world > cpus.len() => &[],
+        _ if cpus.is_empty() || local_world == 0 => Vec::new(),
+        Bind::None => Vec::new(),
+        Bind::Core => vec![cpus[local_rank % cpus.len()]],
+        Bind::Auto if local_world > cpus.len() => Vec::new(),
         Bind::Auto => {
-            // Rank i: cpus[i·n/w .. (i+1)·n/w], every CPU used once.
-            let n = cpus.len();
-            &cpus[local_rank * n / local_world..(local_rank + 1) * n / local_world]
+            // Slice i of w: [i·n/w, (i+1)·n/w), every item used once.
+            let slice = |n: usize| local_rank * n / local_world..(local_rank + 1) * n / local_world;
+            // Whole cores when every CPU's core is known and there are
+            // enough: Linux numbers a core's second thread far from its
+            // first (cpu0 and cpu8 on 8 cores), so slicing by number would
+            // give two ranks the two threads of every core.
+            let mut cores: Vec<((u32, u32), Vec<usize>)> = Vec::new();
+            for &cpu in cpus {
+                let Some(core) = core_of(cpu) else {
+                    return cpus[slice(cpus.len())].to_vec();
+                };
+                match cores.iter_mut().find(|(c, _)| *c == core) {
+                    Some((_, threads)) => threads.push(cpu),
+                    None => cores.push((core, vec![cpu])),
+                }
+            }
+            if cores.len() < local_world {
+                return cpus[slice(cpus.len())].to_vec();
+            }
+            cores[slice(cores.len())]
+                .iter()
+                .flat_map(|(_, threads)| threads.iter().copied())
+                .collect()
         }
     }
+}
+
+/// The (package, core) `cpu` is a hardware thread of, from sysfs; `None`
+/// where the system does not say.
+pub fn cpu_core(cpu: usize) -> Option<(u32, u32)> {
+    let read = |name: &str| {
+        std::fs::read_to_string(format!("/sys/devices/system/cpu/cpu{cpu}/topology/{name}"))
+            .ok()?
+            .trim()
+            .parse::<u32>()
+            .ok()
+    };
+    Some((read("physical_package_id")?, read("core_id")?))
 }
 
 /// The CPUs this process may run on (its affinity), in order; empty if
@@ -496,7 +538,9 @@ impl LaunchReport {
 /// A rank that fails is not an error: it is in the [`LaunchReport`].
 pub fn launch(spec: &LaunchSpec) -> Result<LaunchReport> {
     spec.validate()?;
-    if spec.node_rank == 0 {
+    // A job of one rank hosts no store (unless told to use a file store,
+    // which takes no port either): two such jobs may share the port.
+    if spec.node_rank == 0 && spec.world_size() > 1 {
         check_port_free(spec.master_port)?;
     }
     let job_id = spec.job_id();
@@ -615,14 +659,14 @@ impl Job {
         let cpus = allowed_cpus();
         for local_rank in 0..spec.nproc_per_node {
             let rank = spec.global_rank(local_rank);
-            let share = rank_cpus(spec.bind, &cpus, local_rank, spec.nproc_per_node);
+            let share = rank_cpus(spec.bind, &cpus, cpu_core, local_rank, spec.nproc_per_node);
             // Built here: the child may only make system calls before exec.
             let affinity = (!share.is_empty()).then(|| {
                 // SAFETY: a zeroed cpu_set_t is valid; CPU_SET stays within
                 // it for the CPUs sched_getaffinity reported.
                 unsafe {
                     let mut set: libc::cpu_set_t = std::mem::zeroed();
-                    for &cpu in share {
+                    for &cpu in &share {
                         libc::CPU_SET(cpu, &mut set);
                     }
                     set
@@ -1386,15 +1430,35 @@ mod tests {
     /// `none`: no binding.
     #[test]
     fn each_rank_gets_its_share_of_the_cpus() {
+        let unknown = |_| None;
         let cpus: Vec<usize> = (10..20).collect();
-        let shares: Vec<&[usize]> = (0..3).map(|r| rank_cpus(Bind::Auto, &cpus, r, 3)).collect();
+        let shares: Vec<Vec<usize>> = (0..3)
+            .map(|r| rank_cpus(Bind::Auto, &cpus, unknown, r, 3))
+            .collect();
         assert_eq!(shares, [&cpus[0..3], &cpus[3..6], &cpus[6..10]]);
-        assert_eq!(rank_cpus(Bind::Auto, &cpus, 0, 1), &cpus[..]);
-        assert_eq!(rank_cpus(Bind::Auto, &[4, 5], 1, 2), &[5]);
-        assert!(rank_cpus(Bind::Auto, &[4, 5], 2, 3).is_empty());
-        assert_eq!(rank_cpus(Bind::Core, &cpus, 12, 13), &[12]);
-        assert!(rank_cpus(Bind::None, &cpus, 0, 2).is_empty());
-        assert!(rank_cpus(Bind::Core, &[], 0, 2).is_empty());
+        assert_eq!(rank_cpus(Bind::Auto, &cpus, unknown, 0, 1), cpus);
+        assert_eq!(rank_cpus(Bind::Auto, &[4, 5], unknown, 1, 2), [5]);
+        assert!(rank_cpus(Bind::Auto, &[4, 5], unknown, 2, 3).is_empty());
+        assert_eq!(rank_cpus(Bind::Core, &cpus, unknown, 12, 13), [12]);
+        assert!(rank_cpus(Bind::None, &cpus, unknown, 0, 2).is_empty());
+        assert!(rank_cpus(Bind::Core, &[], unknown, 0, 2).is_empty());
+    }
+
+    /// 8 cores of two hardware threads, numbered as Linux numbers them
+    /// (cpu c and cpu c + 8 share core c): two ranks get four whole cores
+    /// each, not the first and second threads of all eight; with more ranks
+    /// than cores, threads are shared out by number.
+    #[test]
+    fn ranks_get_whole_cores_when_there_are_enough() {
+        let cpus: Vec<usize> = (0..16).collect();
+        let core_of = |cpu: usize| Some((0, (cpu % 8) as u32));
+        let mut first = rank_cpus(Bind::Auto, &cpus, core_of, 0, 2);
+        first.sort_unstable();
+        assert_eq!(first, [0, 1, 2, 3, 8, 9, 10, 11]);
+        let mut second = rank_cpus(Bind::Auto, &cpus, core_of, 1, 2);
+        second.sort_unstable();
+        assert_eq!(second, [4, 5, 6, 7, 12, 13, 14, 15]);
+        assert_eq!(rank_cpus(Bind::Auto, &cpus, core_of, 9, 16), [9]);
     }
 
     #[test]

@@ -26,6 +26,8 @@ fn launcher(args: &[&str]) -> Command {
     let mut cmd = Command::new(LAUNCHER);
     cmd.args(args)
         .env_remove("OXCCL_JOB_ID")
+        .env_remove("OMP_NUM_THREADS")
+        .env_remove("OMP_THREAD_LIMIT")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
@@ -370,26 +372,39 @@ fn sigterm_to_the_launcher_is_forwarded() {
 fn launch_on_a_terminal(port: &str, script: &str) -> (Child, i32) {
     use std::os::fd::FromRawFd;
     use std::os::unix::process::CommandExt;
-    let (mut master, mut slave) = (0, 0);
-    // SAFETY: openpty writes two descriptors; the null arguments are allowed.
-    let opened = unsafe {
-        libc::openpty(
-            &mut master,
-            &mut slave,
-            std::ptr::null_mut(),
-            std::ptr::null(),
-            std::ptr::null(),
-        )
+    // Every descriptor close-on-exec from its creation: a launcher another
+    // test starts meanwhile must not inherit the master end, or closing
+    // ours would never hang the terminal up.
+    // SAFETY: plain system calls on descriptors this test owns; `name` is
+    // a live buffer of the length given.
+    let (master, slave) = unsafe {
+        let master = libc::posix_openpt(libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC);
+        assert!(
+            master >= 0,
+            "posix_openpt: {}",
+            std::io::Error::last_os_error()
+        );
+        assert_eq!(libc::grantpt(master), 0);
+        assert_eq!(libc::unlockpt(master), 0);
+        let mut name = [0 as libc::c_char; 128];
+        assert_eq!(libc::ptsname_r(master, name.as_mut_ptr(), name.len()), 0);
+        let slave = libc::open(
+            name.as_ptr(),
+            libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC,
+        );
+        assert!(
+            slave >= 0,
+            "opening the pty: {}",
+            std::io::Error::last_os_error()
+        );
+        (master, slave)
     };
-    assert_eq!(opened, 0, "openpty: {}", std::io::Error::last_os_error());
-    // SAFETY: fcntl on a descriptor this test owns.
-    assert_eq!(
-        unsafe { libc::fcntl(master, libc::F_SETFD, libc::FD_CLOEXEC) },
-        0
-    );
     let tty = |fd: i32| {
-        // SAFETY: dup of a descriptor this test owns; Stdio takes the copy.
-        Stdio::from(unsafe { std::os::fd::OwnedFd::from_raw_fd(libc::dup(fd)) })
+        // SAFETY: a close-on-exec copy of a descriptor this test owns;
+        // Stdio takes it (the child's stdio gets it without the flag).
+        Stdio::from(unsafe {
+            std::os::fd::OwnedFd::from_raw_fd(libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0))
+        })
     };
     let mut cmd = launcher(&[
         "-np",
@@ -572,9 +587,23 @@ fn a_hang_up_under_nohup_ends_neither_the_launcher_nor_the_ranks() {
 fn port_in_use_on_node_0_is_a_clear_error_and_starts_nothing() {
     let dir = scratch_dir("port");
     let _holder = TcpListener::bind(("0.0.0.0", 29610)).unwrap();
-    let script = format!("touch {}/ran", dir.display());
-    let r = run(&["--master-port", "29610", "--", "/bin/sh", "-c", &script]);
-    let ran = dir.join("ran").exists();
+    let script = format!("touch {}/ran.$RANK", dir.display());
+    // A job of one rank hosts no store: the port may be anyone's.
+    let alone = run(&["--master-port", "29610", "--", "/bin/sh", "-c", &script]);
+    assert_eq!(alone.code, Some(0), "{}", alone.stderr);
+    assert!(dir.join("ran.0").exists());
+    let _ = std::fs::remove_file(dir.join("ran.0"));
+    let r = run(&[
+        "-np",
+        "2",
+        "--master-port",
+        "29610",
+        "--",
+        "/bin/sh",
+        "-c",
+        &script,
+    ]);
+    let ran = dir.join("ran.0").exists() || dir.join("ran.1").exists();
     let _ = std::fs::remove_dir_all(&dir);
     assert_eq!(r.code, Some(1));
     assert!(
@@ -783,7 +812,10 @@ fn orphans_the_ranks_leave_are_reaped_while_the_job_runs() {
 /// launcher has. It got one.
 #[test]
 fn a_lone_rank_may_use_every_cpu_the_launcher_has() {
-    let allowed = std::thread::available_parallelism().map_or(1, |n| n.get());
+    // The CPUs this process may run on, as the launcher reads them (not
+    // available_parallelism, which follows cgroup quotas; `nproc` below
+    // runs without the OpenMP variables it would follow).
+    let allowed = oxccl::launch::allowed_cpus().len();
     let out = run(&[
         "--nproc-per-node",
         "1",

@@ -61,8 +61,9 @@ usage: oxccl-perf [options]
                           CUDA events and print the device's copy bandwidth; need the
                           cuda (cuda-ring) or nccl feature
   -T, --timeout <secs>    fail a call that waits on a peer longer than this (the
-                          communicators' timeout, OXCCL_TIMEOUT; default 300 s): a hung
-                          run ends with an error naming the call and the rank
+                          communicators' timeout, OXCCL_TIMEOUT; default 60 s): a hung
+                          run ends with an error naming the call and the rank; 0, as
+                          in nccl-tests, waits as long as allowed (a year)
   -h, --help              this text
 
 NCCL_TESTS_MIN_BW=<GB/s>, as for nccl-tests: the footer's average bus bandwidth
@@ -350,10 +351,15 @@ fn parse_args() -> Result<Args, String> {
                 let seconds = value
                     .parse::<f64>()
                     .ok()
-                    .filter(|s| s.is_finite() && *s > 0.0)
-                    .and_then(|s| std::time::Duration::try_from_secs_f64(s).ok())
-                    .ok_or_else(|| format!("{flag}: seconds above 0, not {value:?}"))?;
-                a.timeout = Some(seconds);
+                    .filter(|s| s.is_finite() && *s >= 0.0)
+                    .ok_or_else(|| format!("{flag}: seconds, 0 or more, not {value:?}"))?;
+                // 0: no limit in nccl-tests; the communicators bound any
+                // wait to their longest (MAX_TIMEOUT).
+                a.timeout = Some(if seconds == 0.0 {
+                    oxccl::MAX_TIMEOUT
+                } else {
+                    std::time::Duration::try_from_secs_f64(seconds).unwrap_or(oxccl::MAX_TIMEOUT)
+                });
             }
             "-n" | "--iters" => a.iters = num()?,
             "-w" | "--warmup_iters" => a.warmup = num()?,
@@ -418,7 +424,8 @@ fn parse_args() -> Result<Args, String> {
     if a.ranks == 0 || a.min_bytes > a.max_bytes || a.iters == 0 {
         return Err("need -t >= 1, -b <= -e and -n >= 1".into());
     }
-    if let Some(text) = std::env::var_os("NCCL_TESTS_MIN_BW") {
+    // Only a run has a bandwidth to check (not --plot-only).
+    if let Some(text) = std::env::var_os("NCCL_TESTS_MIN_BW").filter(|_| !a.plot_only) {
         let text = text.to_string_lossy();
         a.min_busbw = Some(
             text.trim()
@@ -1053,7 +1060,8 @@ fn run_typed<T: Element>(a: &Args) -> Result<RunResult, String> {
         .map(|mut comm| {
             let a = a.clone();
             std::thread::spawn(move || {
-                // Like launched ranks: one core each when there are enough.
+                // One core each when there are enough (`--bind-to core`): a rank
+                // is one thread here.
                 oxccl::launch::bind_thread_like_a_rank(comm.rank(), comm.world_size());
                 bench::<T>(&mut comm, &a).map_err(|e| e.to_string())
             })
