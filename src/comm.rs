@@ -498,12 +498,15 @@ impl CommBuilder {
         // A rank that reaches the previous job's store (this process's
         // earlier communicator, whose rank 0 is still dropping its own)
         // connects again, as it first did.
+        // A file store never goes away: no point connecting again.
         let again = env.clone();
-        let reconnect: net::Reconnect = Box::new(move |deadline| {
-            let left = deadline.saturating_duration_since(std::time::Instant::now());
-            launch_store(&again, left).map(|(store, _)| store)
+        let reconnect = env.file_store.is_none().then(|| -> net::Reconnect {
+            Box::new(move |deadline| {
+                let left = deadline.saturating_duration_since(std::time::Instant::now());
+                launch_store(&again, left).map(|(store, _)| store)
+            })
         });
-        builder.init_toward(env.rank, env.world_size, store, toward, Some(reconnect))
+        builder.init_toward(env.rank, env.world_size, store, toward, reconnect)
     }
 
     /// [`init`](Self::init), picking the network interface that reaches

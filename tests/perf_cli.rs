@@ -6,15 +6,22 @@ use std::time::{Duration, Instant};
 
 const PERF: &str = env!("CARGO_BIN_EXE_oxccl-perf");
 
-/// Runs oxccl-perf with `args`, killed after 60 s (a hang fails the test).
-fn perf(args: &[&str]) -> Output {
-    let mut child = Command::new(PERF)
-        .args(args)
+/// oxccl-perf with `args`, outside any launcher this test runs under (it
+/// would act as one rank of that job) and without NCCL_TESTS_MIN_BW.
+fn perf_command(args: &[&str]) -> Command {
+    let mut cmd = Command::new(PERF);
+    cmd.args(args)
         .env_remove("RANK")
         .env_remove("OMPI_COMM_WORLD_RANK")
         .env_remove("PMI_RANK")
         .env_remove("SLURM_PROCID")
-        .env_remove("NCCL_TESTS_MIN_BW")
+        .env_remove("NCCL_TESTS_MIN_BW");
+    cmd
+}
+
+/// Runs oxccl-perf with `args`, killed after 60 s (a hang fails the test).
+fn perf(args: &[&str]) -> Output {
+    let mut child = perf_command(args)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -54,8 +61,8 @@ fn sizes_that_never_end_or_overflow_are_usage_errors() {
         (&["-n", "10", "--samples", "0"][..], "divide -n"),
         (&["-i", "0"][..], "-i >= 1"),
         (&["-f", "0"][..], "-f >= 1"),
-        (&["-T", "0"][..], "-T: seconds above 0"),
-        (&["-T", "soon"][..], "-T: seconds above 0"),
+        (&["-T", "-1"][..], "-T: seconds, 0 or more"),
+        (&["-T", "soon"][..], "-T: seconds, 0 or more"),
     ] {
         let out = perf(args);
         let stderr = String::from_utf8_lossy(&out.stderr);
@@ -187,14 +194,12 @@ fn sizes_step_by_bytes_or_by_a_factor_as_in_nccl_tests() {
 #[test]
 fn a_minimum_bus_bandwidth_fails_a_slower_run() {
     let run = |min: &str| {
-        Command::new(PERF)
-            .args([
-                "-t", "2", "-b", "1K", "-e", "4K", "-n", "2", "-w", "1", "-T", "60",
-            ])
-            .env("NCCL_TESTS_MIN_BW", min)
-            .env_remove("RANK")
-            .output()
-            .expect("oxccl-perf runs")
+        perf_command(&[
+            "-t", "2", "-b", "1K", "-e", "4K", "-n", "2", "-w", "1", "-T", "60",
+        ])
+        .env("NCCL_TESTS_MIN_BW", min)
+        .output()
+        .expect("oxccl-perf runs")
     };
     let slow = run("100000");
     let stdout = String::from_utf8_lossy(&slow.stdout);

@@ -408,13 +408,12 @@ impl LaunchEnv {
 /// path was taken for a name that never resolves, and every rank waited
 /// out its whole timeout.
 fn host_only(addr: String) -> Result<String> {
-    let bare = addr.split('%').next().unwrap_or_default();
-    let inner = bare
-        .strip_prefix('[')
-        .and_then(|b| b.strip_suffix(']'))
-        .unwrap_or(bare);
+    // Brackets off first, then the zone (`[fe80::1%eth0]`).
+    let unbracketed = addr.strip_prefix('[').and_then(|b| b.strip_suffix(']'));
+    let bracketed = unbracketed.is_some();
+    let inner = unbracketed.unwrap_or(&addr);
+    let inner = inner.split('%').next().unwrap_or_default();
     let ipv6 = inner.parse::<std::net::Ipv6Addr>().is_ok();
-    let bracketed = inner.len() != bare.len();
     let reason = if addr.contains("://") || addr.contains('/') {
         Some("expected a host name or address, without a scheme or path")
     } else if addr.chars().any(char::is_whitespace) {
@@ -656,6 +655,7 @@ mod tests {
         assert_eq!(at("fd00::1"), "[fd00::1]:29500");
         assert_eq!(at("fe80::1%eth0"), "[fe80::1%eth0]:29500");
         assert_eq!(at("[fd00::1]"), "[fd00::1]:29500");
+        assert_eq!(at("[fe80::1%eth0]"), "[fe80::1%eth0]:29500");
         assert_eq!(at("10.0.0.1"), "10.0.0.1:29500");
         assert_eq!(at("node7"), "node7:29500");
         let addr: std::net::SocketAddr = at("fd00::1").parse().unwrap();

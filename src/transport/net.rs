@@ -262,10 +262,11 @@ struct Posted {
 }
 
 impl Posted {
-    fn new(ptr: *mut u8, expect: &FrameHeader) -> Posted {
+    /// `len` bytes at `ptr`, for the frame `expect`.
+    fn new(ptr: *mut u8, len: usize, expect: &FrameHeader) -> Posted {
         Posted {
             ptr,
-            len: expect.bytes,
+            len,
             op: expect.op,
             call: expect.call,
         }
@@ -1337,8 +1338,9 @@ impl NetEndpoint {
         timeout: Duration,
         dst: &mut [u8],
     ) -> std::result::Result<(), TransportError> {
-        debug_assert_eq!(dst.len(), expect.bytes);
-        let to = Posted::new(dst.as_mut_ptr(), expect);
+        // The destination's own length bounds what is read into it; a frame
+        // of another length is refused (`Posted::takes`).
+        let to = Posted::new(dst.as_mut_ptr(), dst.len(), expect);
         if let Some(payload) = self.receive(peer, expect, timeout, Some(to))? {
             dst.copy_from_slice(payload.as_bytes());
         }
@@ -1356,9 +1358,10 @@ impl NetEndpoint {
         let mut fabric = self.shared.lock();
         for (peer, expect, ptr) in recvs {
             if expect.bytes > 0 {
-                fabric
-                    .posted
-                    .insert(self.key(*peer, expect), Posted::new(*ptr, expect));
+                fabric.posted.insert(
+                    self.key(*peer, expect),
+                    Posted::new(*ptr, expect.bytes, expect),
+                );
             }
         }
     }
@@ -1675,12 +1678,16 @@ enum Refused {
     /// This process claimed the rank before, through a communicator that
     /// has been dropped: the store is the previous job's.
     StaleStore(Error),
-    Other(Error),
+    /// Another holder has it (another process, or a live communicator of
+    /// this one): never retried.
+    Taken(Error),
+    /// The store failed to answer.
+    Store(Error),
 }
 
 impl From<Error> for Refused {
     fn from(e: Error) -> Refused {
-        Refused::Other(e)
+        Refused::Store(e)
     }
 }
 
@@ -1779,7 +1786,7 @@ fn claim_rank(store: &dyn Store, rank: usize) -> std::result::Result<LiveClaim, 
             // Not another job: this process made a communicator from the
             // same rendezvous before and it is still alive (its store, on
             // rank 0, still answers).
-            return Err(Refused::Other(bootstrap_error(
+            return Err(Refused::Taken(bootstrap_error(
                 rank,
                 "rendezvous",
                 format!(
@@ -1795,7 +1802,7 @@ fn claim_rank(store: &dyn Store, rank: usize) -> std::result::Result<LiveClaim, 
     let holder = holder
         .map(|(pid, host)| format!("by pid {pid} on host {host}"))
         .unwrap_or_else(|| "by a process that has not announced itself yet".into());
-    Err(Refused::Other(bootstrap_error(
+    Err(Refused::Taken(bootstrap_error(
         rank,
         "rendezvous",
         format!(
@@ -1932,10 +1939,11 @@ fn connect_rank(setup: Setup) -> Result<(NetEndpoint, Option<Segment>)> {
                 previous_store_seen = true;
                 e
             }
-            // Once the previous store was seen, a failure is likelier its
-            // going down (a reset connection) than anything else.
-            Err(Refused::Other(e)) if previous_store_seen => e,
-            Err(Refused::Other(e)) => return Err(e),
+            // Once the previous store was seen, a store that fails to
+            // answer is likelier that one going down (a reset connection)
+            // than anything else; a rank another holder has is not.
+            Err(Refused::Store(e)) if previous_store_seen => e,
+            Err(Refused::Store(e) | Refused::Taken(e)) => return Err(e),
         };
         let Some(reconnect) = &reconnect else {
             return Err(error);
