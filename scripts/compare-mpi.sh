@@ -266,11 +266,15 @@ for rep in $(seq 1 "$REPS"); do
     fi
     echo "# repetition $rep done; core-to-core latency after: $(placement)"
     # Which slot stores oxccl's arena chose at each run's set-up (they
-    # follow the placement; oxccl-perf's header has the measurement).
-    stores=$(cat "$OUT"/raw/oxccl-"$rep"-*.txt 2>/dev/null |
+    # follow the placement; oxccl-perf's header has the measurement), and
+    # in how many runs it measured again because the cores moved (the
+    # footer's "Transport at the end", printed when the arena changed).
+    stores=$(grep -h '^# oxccl-perf:' "$OUT"/raw/oxccl-"$rep"-*.txt 2>/dev/null |
         sed -n 's/.*arena: \([a-z]*\) slot stores.*/\1/p' | sort | uniq -c |
         awk '{printf "%s%s ×%s", sep, $2, $1; sep=", "}')
-    [ -z "$stores" ] || echo "# repetition $rep: oxccl's slot stores: $stores"
+    moved=$(grep -l '^# Transport at the end.*after the round trip changed' \
+        "$OUT"/raw/oxccl-"$rep"-*.txt 2>/dev/null | wc -l)
+    [ -z "$stores" ] || echo "# repetition $rep: oxccl's slot stores: $stores; runs that measured again after a move: $moved"
 done
 
 python3 - "$OUT" "$COLLS" "$TRANSPORT" "$STAT" <<'PY' | tee "$OUT/table.md"

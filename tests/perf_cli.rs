@@ -224,3 +224,54 @@ fn a_minimum_bus_bandwidth_fails_a_slower_run() {
     assert_eq!(bad.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("NCCL_TESTS_MIN_BW"));
 }
+
+/// The header shows the arena's slot stores as set up; when they were
+/// measured again during the run (here on a 1 ms interval; in practice
+/// after the ranks' cores moved) the footer says what they ended as, so
+/// a table that ran partly in another mode says so. A run in which
+/// nothing changed has no such line.
+#[test]
+fn the_footer_shows_the_arena_when_it_was_measured_again() {
+    // 16 KiB broadcasts: one staged round each, so 2000 calls pass the
+    // check interval (512 rounds) several times.
+    let run = |stores: &str| {
+        let mut cmd = perf_command(&[
+            "-np",
+            "2",
+            "-b",
+            "16K",
+            "-e",
+            "16K",
+            "-n",
+            "2000",
+            "-w",
+            "1",
+            "-c",
+            "0",
+            "-T",
+            "60",
+            "--collective",
+            "broadcast",
+        ]);
+        cmd.env("OXCCL_SHM_STORES", stores)
+            .env("OXCCL_TRANSPORT", "shm")
+            .env_remove("OXCCL_ALGO");
+        let out = cmd.output().expect("oxccl-perf runs");
+        let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+        assert!(out.status.success(), "{stdout}");
+        stdout
+    };
+    let stdout = run("auto:1ms");
+    let header = stdout
+        .lines()
+        .find(|l| l.starts_with("# oxccl-perf:"))
+        .unwrap_or_else(|| panic!("no header\n{stdout}"));
+    assert!(header.contains("(measured 1 time,"), "{stdout}");
+    let footer = stdout
+        .lines()
+        .find(|l| l.starts_with("# Transport at the end : shm; arena: "))
+        .unwrap_or_else(|| panic!("no footer line for the arena\n{stdout}"));
+    assert!(footer.contains(" times, "), "{footer}");
+    let stdout = run("cached");
+    assert!(!stdout.contains("Transport at the end"), "{stdout}");
+}

@@ -858,7 +858,11 @@ struct RunResult {
     busbw_sum: f64,
     busbw_count: usize,
     rows: Vec<Row>,
+    /// What carried the traffic, at the start (the header's) and after the
+    /// last size: the arena's slot stores may have been measured again
+    /// meanwhile (the ranks' cores moved), which the footer then reports.
     transport: String,
+    transport_at_end: String,
 }
 
 fn op_kind(coll: Coll) -> oxccl::OpKind {
@@ -940,6 +944,7 @@ fn bench<T: Element>(comm: &mut Communicator, a: &Args) -> oxccl::Result<RunResu
         busbw_count: 0,
         rows: Vec::new(),
         transport: comm.transport_description(),
+        transport_at_end: String::new(),
     };
     let mut last_count = usize::MAX;
     for size in sizes {
@@ -977,6 +982,7 @@ fn bench<T: Element>(comm: &mut Communicator, a: &Args) -> oxccl::Result<RunResu
         }
         result.rows.push(row);
     }
+    result.transport_at_end = comm.transport_description();
     Ok(result)
 }
 
@@ -1179,6 +1185,9 @@ fn main() -> ExitCode {
                     Some(_) => " OK",
                 }
             );
+            if run.transport_at_end != run.transport {
+                println!("# Transport at the end : {}", run.transport_at_end);
+            }
             println!("#");
             if let Err(e) = write_outputs(&a, &run) {
                 eprintln!("oxccl-perf: {e}");

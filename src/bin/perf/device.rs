@@ -155,6 +155,7 @@ fn bench<T: Element + DeviceRepr>(
         busbw_count: 0,
         rows: Vec::new(),
         transport: comm.backend_description(),
+        transport_at_end: String::new(),
     };
     let mut last_count = usize::MAX;
     for size in size_list(a) {
@@ -186,6 +187,7 @@ fn bench<T: Element + DeviceRepr>(
         }
         result.rows.push(row);
     }
+    result.transport_at_end = result.transport.clone();
     Ok(result)
 }
 
