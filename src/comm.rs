@@ -85,9 +85,9 @@ pub enum ShmStores {
     /// ranks' cores move (`None`: only at set-up): the ranks push a slot's
     /// worth through the slot ring with each kind of store, and
     /// `Streaming` runs when that took at least a fifth less time. Every
-    /// 4096 rounds the ranks time a few empty rounds; a round trip 1.6×
-    /// longer or shorter than at the last measurement (at most once a
-    /// second) means the cores moved. A re-measurement takes a few
+    /// 512 rounds the ranks time a few empty rounds; a round trip 1.6×
+    /// longer or shorter than at the last measurement, at two checks in a
+    /// row (at most every 200 ms), means the cores moved. A re-measurement takes a few
     /// milliseconds inside one call; rank 0's interval rules.
     /// Communicators made by `split` keep their parent's mode at the split
     /// and do not measure again.

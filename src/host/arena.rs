@@ -168,23 +168,31 @@ const STREAMED_STAGE_MIN_BYTES: usize = 4096;
 /// samples of each kind of store (the fastest counts).
 const STORES_PROBE_BYTES: usize = 128 * 1024;
 const STORES_PROBE_SAMPLES: usize = 5;
-/// With [`ShmStores::Auto`], every this many rounds a call starts with one
-/// round in which rank 0 says whether its re-measurement interval has
-/// passed (a round costs about 0.1–0.3 µs: negligible at this spacing,
-/// and rounds, unlike calls, grow with the data, so large calls are
-/// checked every few calls).
-const STORES_CHECK_EVERY_ROUNDS: u64 = 4096;
+/// With [`ShmStores::Auto`], every this many rounds a call starts with a
+/// check: [`ROUND_TRIP_ROUNDS`] empty rounds and one round in which each
+/// rank says whether its re-measurement is due (1.7–5 µs in all: below
+/// 1 % of the shortest 512 rounds, one-round staged calls of 0.5–1 µs,
+/// and rounds, unlike calls, grow with the data). It was 4096: a check
+/// every few calls of 64 MiB, so a placement that moved inside a 1–2 s
+/// benchmark process (cached stores set up near, then run far, 3–6×
+/// slower) was seldom caught before the process ended.
+const STORES_CHECK_EVERY_ROUNDS: u64 = 512;
 /// Empty rounds each check times (and each measurement, for the baseline):
 /// the quickest after the first (which absorbs the ranks' arrival skew)
 /// is this rank's round trip, one cache line each way plus the round's
 /// own work: 80–150 ns with the VM's two vCPUs sharing a cache, 170–400
-/// on two dies, microseconds on one CPU.
-const ROUND_TRIP_ROUNDS: usize = 5;
+/// on two dies, microseconds on one CPU. Sixteen timed rounds, not four:
+/// the quickest of four read 70–140 ns near, within one placement, so a
+/// lucky 70 ns baseline took a later 120 for a move; the quickest of
+/// sixteen read 60–100.
+const ROUND_TRIP_ROUNDS: usize = 17;
 /// A round trip this many times longer or shorter than at the last
-/// measurement says the ranks' cores moved: the slot stores are measured
-/// again at once (at most every [`ROUND_TRIP_MIN_SPACING`]).
+/// measurement, at [`ROUND_TRIP_MOVED_CHECKS`] checks in a row, says the
+/// ranks' cores moved: the slot stores are measured again at once (at
+/// most every [`ROUND_TRIP_MIN_SPACING`]; a measurement costs 2–3 ms).
 const ROUND_TRIP_CHANGE: f64 = 1.6;
-const ROUND_TRIP_MIN_SPACING: Duration = Duration::from_secs(1);
+const ROUND_TRIP_MOVED_CHECKS: u32 = 2;
+const ROUND_TRIP_MIN_SPACING: Duration = Duration::from_millis(200);
 const _: () = assert!(STORES_PROBE_BYTES <= DEFAULT_SLOT_BYTES - SLOT_HEADER);
 /// An in-place broadcast root pushes part of the others' outputs itself
 /// from this many bytes: below it a second system call, on the root, costs
@@ -555,11 +563,9 @@ pub(crate) struct Arena {
     /// When the slot stores were last measured, and how many times.
     stores_measured_at: Instant,
     stores_measurements: u32,
-    /// This rank's round trip (ns, see [`ROUND_TRIP_ROUNDS`]) timed right
-    /// after the last measurement; `None` where round trips say nothing
-    /// about placement (more ranks than CPUs: rounds wait for the
-    /// scheduler) or the mode was forced.
-    stores_round_trip: Option<u64>,
+    /// This rank's round trip (see [`ROUND_TRIP_ROUNDS`]) timed right
+    /// after the last measurement, against which each check's is compared.
+    round_trip_watch: RoundTripWatch,
     /// How many of the measurements a changed round trip caused.
     stores_moves: u32,
     /// This rank's shared allocations (`alloc_shared`), while they live.
@@ -844,7 +850,8 @@ impl Arena {
         let round_trip = self.time_round_trip(&call, &sig)?;
         // SAFETY: sysconf has no preconditions.
         let cpus = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
-        self.stores_round_trip = (world as libc::c_long <= cpus).then_some(round_trip);
+        self.round_trip_watch =
+            RoundTripWatch::from((world as libc::c_long <= cpus).then_some(round_trip));
         self.next_stores_check = self.round + STORES_CHECK_EVERY_ROUNDS;
         self.stores_measured_at = Instant::now();
         self.stores_measurements += 1;
@@ -929,7 +936,8 @@ impl Arena {
     /// ([`ROUND_TRIP_ROUNDS`] empty rounds), and one round shares whether
     /// rank 0's re-measurement interval has passed and whether any rank's
     /// round trip changed by [`ROUND_TRIP_CHANGE`] since the last
-    /// measurement (its cores moved: which mode wins may have changed, and
+    /// measurement, at [`ROUND_TRIP_MOVED_CHECKS`] checks in a row (its
+    /// cores moved: which mode wins may have changed, and
     /// a 30 s interval would run whole benchmarks in the wrong one); if
     /// either, every rank measures again ([`probe_stores`](Self::probe_stores)).
     /// Every rank reaches the same rounds between calls, so all check at
@@ -948,10 +956,8 @@ impl Arena {
         let since = self.stores_measured_at.elapsed();
         let interval = self.rank == 0 && self.stores_remeasure.is_some_and(|every| since >= every);
         let moved = self.stores_remeasure.is_some()
-            && since >= ROUND_TRIP_MIN_SPACING
-            && self
-                .stores_round_trip
-                .is_some_and(|base| round_trip_moved(base, round_trip));
+            && self.round_trip_watch.moved(round_trip)
+            && since >= ROUND_TRIP_MIN_SPACING;
         let mine = if interval { INTERVAL } else { 0 } | if moved { MOVED } else { 0 };
         let words = self.share_words(&call, &sig, [mine])?;
         let asked = words.iter().fold(0, |all, [w]| all | w);
@@ -1094,7 +1100,7 @@ impl Arena {
             stores_remeasure: None,
             stores_measured_at: Instant::now(),
             stores_measurements: 0,
-            stores_round_trip: None,
+            round_trip_watch: RoundTripWatch::default(),
             stores_moves: 0,
             shared: Vec::new(),
             allocation_bytes: Vec::new(),
@@ -1549,6 +1555,38 @@ impl Drop for Arena {
 fn round_trip_moved(base: u64, now: u64) -> bool {
     let (base, now) = (base.max(1) as f64, now.max(1) as f64);
     now >= base * ROUND_TRIP_CHANGE || base >= now * ROUND_TRIP_CHANGE
+}
+
+/// A rank's round trip at the last slot-store measurement (its baseline)
+/// and how many checks in a row since then timed one that differs from it
+/// by [`ROUND_TRIP_CHANGE`].
+#[derive(Debug, Default)]
+struct RoundTripWatch {
+    /// `None` where round trips say nothing about placement (more ranks
+    /// than CPUs: rounds wait for the scheduler) or the mode was forced.
+    base: Option<u64>,
+    differing: u32,
+}
+
+impl From<Option<u64>> for RoundTripWatch {
+    fn from(base: Option<u64>) -> RoundTripWatch {
+        RoundTripWatch { base, differing: 0 }
+    }
+}
+
+impl RoundTripWatch {
+    /// Takes one check's round trip (ns); whether the cores moved: the
+    /// last [`ROUND_TRIP_MOVED_CHECKS`] checks all differed from the
+    /// baseline (one reading may be noise, a move persists).
+    fn moved(&mut self, now: u64) -> bool {
+        let differs = self.base.is_some_and(|base| round_trip_moved(base, now));
+        self.differing = if differs {
+            self.differing.saturating_add(1)
+        } else {
+            0
+        };
+        self.differing >= ROUND_TRIP_MOVED_CHECKS
+    }
 }
 
 /// The error for a peer found running another call than this one
@@ -4437,5 +4475,28 @@ mod tests {
         // One CPU for two ranks: microseconds.
         assert!(round_trip_moved(140, 12_000));
         assert!(!round_trip_moved(0, 1));
+    }
+
+    #[test]
+    fn a_move_is_a_changed_round_trip_at_checks_in_a_row() {
+        let mut watch = RoundTripWatch::from(Some(70));
+        // Near, one placement: quickest-of-sixteen readings of 60–100 ns,
+        // one of them 1.6× a lucky baseline.
+        assert!(!watch.moved(120));
+        assert!(!watch.moved(80));
+        assert!(!watch.moved(120));
+        assert!(!watch.moved(90));
+        // Far: every reading differs.
+        assert!(!watch.moved(220));
+        assert!(watch.moved(240));
+        assert!(watch.moved(230), "a move stays a move until re-measured");
+        // Back near, or a new baseline: nothing pending.
+        assert!(!watch.moved(70));
+        let mut fresh = RoundTripWatch::from(Some(230));
+        assert!(!fresh.moved(70));
+        assert!(fresh.moved(75));
+        // No baseline (more ranks than CPUs, or a forced mode): never.
+        let mut none = RoundTripWatch::from(None);
+        assert!((0..5).all(|_| !none.moved(10_000)));
     }
 }
