@@ -85,10 +85,12 @@ pub enum ShmStores {
     /// ranks' cores move (`None`: only at set-up): the ranks push a slot's
     /// worth through the slot ring with each kind of store, and
     /// `Streaming` runs when that took at least a fifth less time. Every
-    /// 512 rounds the ranks time a few empty rounds; a round trip 1.6×
-    /// longer or shorter than at the last measurement, at two checks in a
-    /// row (at most every 200 ms), means the cores moved. A re-measurement takes a few
-    /// milliseconds inside one call; rank 0's interval rules.
+    /// 4096 rounds or 128 MiB of calls the ranks time a few empty rounds;
+    /// a round trip 1.6× longer or shorter than at the last measurement,
+    /// at two checks in a row, means the cores moved (at most every
+    /// 200 ms to 6.4 s, backing off while measurements keep the mode). A
+    /// re-measurement takes a few milliseconds inside one call; rank 0's
+    /// interval rules.
     /// Communicators made by `split` keep their parent's mode at the split
     /// and do not measure again.
     Auto {
@@ -665,8 +667,8 @@ fn run_in_arena<T: Element>(
     info: &CallInfo,
     bufs: Bufs<'_, T>,
 ) -> Result<()> {
-    arena.maybe_remeasure_stores(info)?;
     let count = desc.count();
+    arena.maybe_remeasure_stores(info, count * std::mem::size_of::<T>())?;
     let root = desc.root.unwrap_or(0);
     let sig = CallSig {
         seq: info.seq,
@@ -1030,7 +1032,7 @@ impl Communicator {
             arena.lane_all_reduce(&info, &sig, bufs, count, op)
         } else {
             arena
-                .maybe_remeasure_stores(&info)
+                .maybe_remeasure_stores(&info, count * std::mem::size_of::<T>())
                 .and_then(|()| arena.all_reduce(&info, &sig, bufs, count, op))
         };
         if let Err(e) = &result {

@@ -383,7 +383,7 @@ fn slot_stores_are_measured_again_when_the_cores_move() {
         .collect();
     // Set up (the baseline is timed there) and looping, then past
     // ROUND_TRIP_MIN_SPACING (200 ms) before the move; the loop then has
-    // about 4.5 s left for two checks in a row (every 512 rounds).
+    // about 4.5 s left for two checks in a row (every 4096 rounds).
     let deadline = Instant::now() + Duration::from_secs(30);
     for rank in &mut ranks {
         rank.wait_for("looping", deadline);

@@ -229,21 +229,21 @@ fn a_minimum_bus_bandwidth_fails_a_slower_run() {
 /// measured again during the run (here on a 1 ms interval; in practice
 /// after the ranks' cores moved) the footer says what they ended as, so
 /// a table that ran partly in another mode says so. A run in which
-/// nothing changed has no such line.
+/// nothing changed has no such line. The checks come by rounds (many
+/// small calls) and by bytes (a few large calls, fewer rounds than a
+/// check waits for).
 #[test]
 fn the_footer_shows_the_arena_when_it_was_measured_again() {
-    // 16 KiB broadcasts: one staged round each, so 2000 calls pass the
-    // check interval (512 rounds) several times.
-    let run = |stores: &str| {
+    let run = |stores: &str, size: &str, iters: &str| {
         let mut cmd = perf_command(&[
             "-np",
             "2",
             "-b",
-            "16K",
+            size,
             "-e",
-            "16K",
+            size,
             "-n",
-            "2000",
+            iters,
             "-w",
             "1",
             "-c",
@@ -261,17 +261,23 @@ fn the_footer_shows_the_arena_when_it_was_measured_again() {
         assert!(out.status.success(), "{stdout}");
         stdout
     };
-    let stdout = run("auto:1ms");
-    let header = stdout
-        .lines()
-        .find(|l| l.starts_with("# oxccl-perf:"))
-        .unwrap_or_else(|| panic!("no header\n{stdout}"));
-    assert!(header.contains("(measured 1 time,"), "{stdout}");
-    let footer = stdout
-        .lines()
-        .find(|l| l.starts_with("# Transport at the end : shm; arena: "))
-        .unwrap_or_else(|| panic!("no footer line for the arena\n{stdout}"));
-    assert!(footer.contains(" times, "), "{footer}");
-    let stdout = run("cached");
+    // 8 KiB broadcasts run one staged round each (from 16 KiB they may
+    // read by CMA, which runs no rounds): 2 × 5000 calls pass the check
+    // interval (4096 rounds) twice. 16 MiB ones, 2 × 11 calls of at most
+    // 64 rounds (256 KiB pieces), pass it only by bytes (128 MiB).
+    for (size, iters) in [("8K", "5000"), ("16M", "10")] {
+        let stdout = run("auto:1ms", size, iters);
+        let header = stdout
+            .lines()
+            .find(|l| l.starts_with("# oxccl-perf:"))
+            .unwrap_or_else(|| panic!("no header\n{stdout}"));
+        assert!(header.contains("(measured 1 time,"), "{stdout}");
+        let footer = stdout
+            .lines()
+            .find(|l| l.starts_with("# Transport at the end : shm; arena: "))
+            .unwrap_or_else(|| panic!("{size}: no footer line for the arena\n{stdout}"));
+        assert!(footer.contains(" times, "), "{footer}");
+    }
+    let stdout = run("cached", "8K", "5000");
     assert!(!stdout.contains("Transport at the end"), "{stdout}");
 }

@@ -168,15 +168,23 @@ const STREAMED_STAGE_MIN_BYTES: usize = 4096;
 /// samples of each kind of store (the fastest counts).
 const STORES_PROBE_BYTES: usize = 128 * 1024;
 const STORES_PROBE_SAMPLES: usize = 5;
-/// With [`ShmStores::Auto`], every this many rounds a call starts with a
-/// check: [`ROUND_TRIP_ROUNDS`] empty rounds and one round in which each
-/// rank says whether its re-measurement is due (1.7–5 µs in all: below
-/// 1 % of the shortest 512 rounds, one-round staged calls of 0.5–1 µs,
-/// and rounds, unlike calls, grow with the data). It was 4096: a check
-/// every few calls of 64 MiB, so a placement that moved inside a 1–2 s
-/// benchmark process (cached stores set up near, then run far, 3–6×
-/// slower) was seldom caught before the process ended.
-const STORES_CHECK_EVERY_ROUNDS: u64 = 512;
+/// With [`ShmStores::Auto`], a call starts with a check once this many
+/// rounds, or [`STORES_CHECK_EVERY_BYTES`] of calls, passed since the last
+/// one: [`ROUND_TRIP_ROUNDS`] empty rounds (when the ranks watch their
+/// round trips) and one round in which each rank says whether its
+/// re-measurement is due. A check costs about as much as 18 of the
+/// cheapest one-round calls (staged broadcasts of 65 B–2 KiB, 0.12–0.2
+/// µs), under 0.5 % of 4096 of them.
+const STORES_CHECK_EVERY_ROUNDS: u64 = 4096;
+/// Bytes of calls (each call's count times its element size, equal on
+/// every rank) after which a call checks even before
+/// [`STORES_CHECK_EVERY_ROUNDS`]: rounds alone came every few calls of
+/// 64 MiB (16 calls, 0.5 s with cached stores run far), so a placement
+/// that moved inside a 1–2 s benchmark process (cached stores set up
+/// near, then run far, 3–6× slower) was seldom caught before the process
+/// ended. Checks by bytes come every two 64 MiB calls, and at most every
+/// few ms for calls of 1 MiB and up; below that rounds come first.
+const STORES_CHECK_EVERY_BYTES: u64 = 128 << 20;
 /// Empty rounds each check times (and each measurement, for the baseline):
 /// the quickest after the first (which absorbs the ranks' arrival skew)
 /// is this rank's round trip, one cache line each way plus the round's
@@ -188,11 +196,17 @@ const STORES_CHECK_EVERY_ROUNDS: u64 = 512;
 const ROUND_TRIP_ROUNDS: usize = 17;
 /// A round trip this many times longer or shorter than at the last
 /// measurement, at [`ROUND_TRIP_MOVED_CHECKS`] checks in a row, says the
-/// ranks' cores moved: the slot stores are measured again at once (at
-/// most every [`ROUND_TRIP_MIN_SPACING`]; a measurement costs 2–3 ms).
+/// ranks' cores moved: the slot stores are measured again at once (a
+/// measurement costs 2–3 ms), at most every [`ROUND_TRIP_MIN_SPACING`]
+/// after the last one; each move-triggered measurement that kept the mode
+/// doubles that spacing, up to [`ROUND_TRIP_MAX_SPACING`] (round trips
+/// that keep crossing the line without a move, such as unpinned ranks the
+/// scheduler shuffles, cost at most one measurement per that much), and
+/// one that changed it starts again from the minimum.
 const ROUND_TRIP_CHANGE: f64 = 1.6;
 const ROUND_TRIP_MOVED_CHECKS: u32 = 2;
 const ROUND_TRIP_MIN_SPACING: Duration = Duration::from_millis(200);
+const ROUND_TRIP_MAX_SPACING: Duration = Duration::from_millis(6400);
 const _: () = assert!(STORES_PROBE_BYTES <= DEFAULT_SLOT_BYTES - SLOT_HEADER);
 /// An in-place broadcast root pushes part of the others' outputs itself
 /// from this many bytes: below it a second system call, on the root, costs
@@ -552,12 +566,20 @@ pub(crate) struct Arena {
     /// ring with cached and with streaming stores (`None` when a mode was
     /// forced, or threads).
     stores_probe: Option<(u64, u64)>,
-    /// Whether calls check, every [`STORES_CHECK_EVERY_ROUNDS`], if the
-    /// slot stores are due to be measured again (equal on every rank: no
-    /// rank forced a mode).
+    /// Whether calls check, every [`STORES_CHECK_EVERY_ROUNDS`] or
+    /// [`STORES_CHECK_EVERY_BYTES`], if the slot stores are due to be
+    /// measured again (equal on every rank: no rank forced a mode).
     stores_checks: bool,
-    /// The round from which the next call checks.
+    /// The round from which the next call checks, and the bytes of calls
+    /// since the last check (both equal on every rank).
     next_stores_check: u64,
+    stores_unchecked_bytes: u64,
+    /// Whether every rank keeps a round-trip baseline (agreed at each
+    /// measurement): only then do checks time round trips.
+    round_trips_watched: bool,
+    /// How long after a measurement a changed round trip may ask for the
+    /// next one (see [`ROUND_TRIP_MIN_SPACING`]).
+    move_spacing: Duration,
     /// This rank's re-measurement interval; rank 0's rules.
     stores_remeasure: Option<Duration>,
     /// When the slot stores were last measured, and how many times.
@@ -838,21 +860,28 @@ impl Arena {
             }
         }
         std::hint::black_box(&landing);
-        let times = self.share_words(&call, &sig, best)?;
+        // With more local ranks than the host has CPUs online (not this
+        // process's affinity: a launcher may pin each rank to one) round
+        // trips wait for the scheduler and say nothing about placement.
+        // Each rank says whether it could watch; all watch only if all can,
+        // so every rank runs the same rounds in a check.
+        // SAFETY: sysconf has no preconditions.
+        let cpus = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+        let can_watch = u64::from(world as libc::c_long <= cpus);
+        let times = self.share_words(&call, &sig, [best[0], best[1], can_watch])?;
         let summed = |i: usize| times.iter().fold(0u64, |sum, t| sum.saturating_add(t[i]));
         let (cached, streaming) = (summed(0), summed(1));
         self.streaming_slots = streaming.saturating_mul(5) < cached.saturating_mul(4);
         self.stores_probe = Some((cached, streaming));
         self.stores_checks = true;
-        // Every rank times (same rounds everywhere); with more local ranks
-        // than the host has CPUs online (not this process's affinity: a
-        // launcher may pin each rank to one) none keeps a baseline or asks.
-        let round_trip = self.time_round_trip(&call, &sig)?;
-        // SAFETY: sysconf has no preconditions.
-        let cpus = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
-        self.round_trip_watch =
-            RoundTripWatch::from((world as libc::c_long <= cpus).then_some(round_trip));
+        self.round_trips_watched = times.iter().all(|t| t[2] == 1);
+        self.round_trip_watch = if self.round_trips_watched {
+            RoundTripWatch::from(Some(self.time_round_trip(&call, &sig)?))
+        } else {
+            RoundTripWatch::from(None)
+        };
         self.next_stores_check = self.round + STORES_CHECK_EVERY_ROUNDS;
+        self.stores_unchecked_bytes = 0;
         self.stores_measured_at = Instant::now();
         self.stores_measurements += 1;
         Ok(())
@@ -930,34 +959,46 @@ impl Arena {
         }
     }
 
-    /// Called before every call in the arena: every
-    /// [`STORES_CHECK_EVERY_ROUNDS`] rounds (when the slot stores are
-    /// measured, not forced), every rank times its round trip
-    /// ([`ROUND_TRIP_ROUNDS`] empty rounds), and one round shares whether
-    /// rank 0's re-measurement interval has passed and whether any rank's
-    /// round trip changed by [`ROUND_TRIP_CHANGE`] since the last
-    /// measurement, at [`ROUND_TRIP_MOVED_CHECKS`] checks in a row (its
-    /// cores moved: which mode wins may have changed, and
-    /// a 30 s interval would run whole benchmarks in the wrong one); if
-    /// either, every rank measures again ([`probe_stores`](Self::probe_stores)).
-    /// Every rank reaches the same rounds between calls, so all check at
-    /// the same call and decide alike from the shared words. A rank with
-    /// `auto:0` never asks.
-    pub fn maybe_remeasure_stores(&mut self, during: &CallInfo) -> Result<()> {
-        if !self.stores_checks || self.round < self.next_stores_check {
+    /// Called before every call in the arena, with the call's `bytes`
+    /// (its count times its element size): once
+    /// [`STORES_CHECK_EVERY_ROUNDS`] rounds or [`STORES_CHECK_EVERY_BYTES`]
+    /// of calls passed (when the slot stores are measured, not forced),
+    /// every rank times its round trip ([`ROUND_TRIP_ROUNDS`] empty rounds,
+    /// when all watch them), and one round shares whether rank 0's
+    /// re-measurement interval has passed and whether any rank's round
+    /// trip changed by [`ROUND_TRIP_CHANGE`] since the last measurement,
+    /// at [`ROUND_TRIP_MOVED_CHECKS`] checks in a row (its cores moved:
+    /// which mode wins may have changed, and a 30 s interval would run
+    /// whole benchmarks in the wrong one); if either, every rank measures
+    /// again ([`probe_stores`](Self::probe_stores)). Every rank reaches the
+    /// same rounds and the same calls, so all check at the same call and
+    /// decide alike from the shared words. A rank with `auto:0` never asks.
+    pub fn maybe_remeasure_stores(&mut self, during: &CallInfo, bytes: usize) -> Result<()> {
+        if !self.stores_checks {
+            return Ok(());
+        }
+        self.stores_unchecked_bytes = self.stores_unchecked_bytes.saturating_add(bytes as u64);
+        if self.round < self.next_stores_check
+            && self.stores_unchecked_bytes < STORES_CHECK_EVERY_BYTES
+        {
             return Ok(());
         }
         const MAGIC: u64 = 0x0cca_5707_c4ec_0000;
         const INTERVAL: u64 = 1;
         const MOVED: u64 = 2;
         self.next_stores_check = self.round + STORES_CHECK_EVERY_ROUNDS;
+        self.stores_unchecked_bytes = 0;
         let (call, sig) = self.stores_call(Some(during), MAGIC);
-        let round_trip = self.time_round_trip(&call, &sig)?;
         let since = self.stores_measured_at.elapsed();
+        let moved = if self.round_trips_watched {
+            let round_trip = self.time_round_trip(&call, &sig)?;
+            self.stores_remeasure.is_some()
+                && self.round_trip_watch.moved(round_trip)
+                && since >= self.move_spacing
+        } else {
+            false
+        };
         let interval = self.rank == 0 && self.stores_remeasure.is_some_and(|every| since >= every);
-        let moved = self.stores_remeasure.is_some()
-            && self.round_trip_watch.moved(round_trip)
-            && since >= ROUND_TRIP_MIN_SPACING;
         let mine = if interval { INTERVAL } else { 0 } | if moved { MOVED } else { 0 };
         let words = self.share_words(&call, &sig, [mine])?;
         let asked = words.iter().fold(0, |all, [w]| all | w);
@@ -965,9 +1006,12 @@ impl Arena {
             let preference = ShmStores::Auto {
                 remeasure: self.stores_remeasure,
             };
+            let before = self.streaming_slots;
             self.probe_stores(preference, Some(during))?;
             if asked & MOVED != 0 {
                 self.stores_moves += 1;
+                self.move_spacing =
+                    next_move_spacing(self.move_spacing, self.streaming_slots == before);
             }
         }
         Ok(())
@@ -1097,6 +1141,9 @@ impl Arena {
             stores_probe: None,
             stores_checks: false,
             next_stores_check: 0,
+            stores_unchecked_bytes: 0,
+            round_trips_watched: false,
+            move_spacing: ROUND_TRIP_MIN_SPACING,
             stores_remeasure: None,
             stores_measured_at: Instant::now(),
             stores_measurements: 0,
@@ -1555,6 +1602,17 @@ impl Drop for Arena {
 fn round_trip_moved(base: u64, now: u64) -> bool {
     let (base, now) = (base.max(1) as f64, now.max(1) as f64);
     now >= base * ROUND_TRIP_CHANGE || base >= now * ROUND_TRIP_CHANGE
+}
+
+/// The spacing after a move-triggered measurement (see
+/// [`ROUND_TRIP_MIN_SPACING`]): doubled when it kept the mode (the move
+/// changed nothing, or was noise), back to the minimum when it did not.
+fn next_move_spacing(spacing: Duration, kept_mode: bool) -> Duration {
+    if kept_mode {
+        (spacing * 2).min(ROUND_TRIP_MAX_SPACING)
+    } else {
+        ROUND_TRIP_MIN_SPACING
+    }
 }
 
 /// A rank's round trip at the last slot-store measurement (its baseline)
@@ -4498,5 +4556,19 @@ mod tests {
         // No baseline (more ranks than CPUs, or a forced mode): never.
         let mut none = RoundTripWatch::from(None);
         assert!((0..5).all(|_| !none.moved(10_000)));
+    }
+
+    #[test]
+    fn moves_that_keep_the_mode_space_the_next_measurement_out() {
+        let mut spacing = ROUND_TRIP_MIN_SPACING;
+        for _ in 0..3 {
+            spacing = next_move_spacing(spacing, true);
+        }
+        assert_eq!(spacing, ROUND_TRIP_MIN_SPACING * 8);
+        for _ in 0..10 {
+            spacing = next_move_spacing(spacing, true);
+        }
+        assert_eq!(spacing, ROUND_TRIP_MAX_SPACING);
+        assert_eq!(next_move_spacing(spacing, false), ROUND_TRIP_MIN_SPACING);
     }
 }
