@@ -1296,8 +1296,10 @@ impl DeviceCommunicator {
     ///
     /// # Errors
     ///
-    /// [`Error::LibraryUnsupported`] with NCCL older than 2.18;
-    /// [`Error::DeviceTimeout`]; [`Error::Nccl`]; [`Error::Cuda`].
+    /// [`Error::LibraryUnsupported`] with NCCL older than 2.18, and with
+    /// NCCL [`Error::InvalidArgument`] for a color above `i32::MAX` or a
+    /// key outside `i32` (NCCL's `int`s); both leave this communicator
+    /// usable. [`Error::DeviceTimeout`]; [`Error::Nccl`]; [`Error::Cuda`].
     pub fn split(&mut self, color: u32, key: i64) -> Result<DeviceCommunicator> {
         let rank = self.rank;
         self.split_or_none(Some(color), key)?
@@ -1318,6 +1320,14 @@ impl DeviceCommunicator {
         let desc = self.desc::<u8>(OpKind::Split);
         self.admit(&desc, &[])?;
         self.refuse_inside_open_group(OpKind::Split)?;
+        // A split NCCL refuses before it starts (no ncclCommSplit before
+        // NCCL 2.18, a color or key outside its int) leaves this
+        // communicator usable, like any rejected argument; only a split
+        // that started and failed marks it failed below.
+        #[cfg(feature = "nccl")]
+        if let Engine::Nccl { comm, .. } = &self.engine {
+            comm.check_split(color, key)?;
+        }
         self.ctx
             .bind_to_thread()
             .map_err(cuda_error(self.rank, "binding the GPU to this thread"))?;

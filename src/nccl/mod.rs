@@ -547,23 +547,35 @@ impl NcclComm {
     /// by `key` (then by parent rank); `None` as color leaves this rank out
     /// (`NCCL_SPLIT_NOCOLOR`) and returns `None`. Collective over this
     /// communicator, with the deadline.
+    /// Why this library cannot split (no `ncclCommSplit`).
+    fn split_unsupported(&self) -> Error {
+        Error::LibraryUnsupported {
+            library: "NCCL",
+            detail: format!(
+                "split needs ncclCommSplit (NCCL {}), {} is NCCL {}",
+                sys::SPLIT_VERSION,
+                self.library.path,
+                self.library.version
+            ),
+        }
+    }
+
+    /// Whether a split with these arguments can start: the library has
+    /// `ncclCommSplit`, and the color and key fit NCCL's `int`. A refusal
+    /// here starts nothing and leaves this communicator usable.
+    pub(crate) fn check_split(&self, color: Option<u32>, key: i64) -> Result<()> {
+        if self.library.comm_split.is_none() {
+            return Err(self.split_unsupported());
+        }
+        split_args(self.rank, color, key).map(|_| ())
+    }
+
     pub(crate) fn split(&mut self, color: Option<u32>, key: i64) -> Result<Option<NcclComm>> {
-        let Some(split) = self.library.comm_split else {
-            return Err(Error::LibraryUnsupported {
-                library: "NCCL",
-                detail: format!(
-                    "split needs ncclCommSplit (NCCL {}), {} is NCCL {}",
-                    sys::SPLIT_VERSION,
-                    self.library.path,
-                    self.library.version
-                ),
-            });
-        };
-        let color = match color {
-            Some(c) => c_int::try_from(c).map_err(|_| self.invalid_split("color", c as i64))?,
-            None => -1, // NCCL_SPLIT_NOCOLOR
-        };
-        let key = c_int::try_from(key).map_err(|_| self.invalid_split("key", key))?;
+        let split = self
+            .library
+            .comm_split
+            .ok_or_else(|| self.split_unsupported())?;
+        let (color, key) = split_args(self.rank, color, key)?;
         // With a non-blocking parent NCCL returns at once (ncclSuccess, not
         // ncclInProgress) and a background job writes the new communicator
         // into `newcomm` later; the parent stays busy until it has. So the
@@ -593,10 +605,12 @@ impl NcclComm {
         if raw.is_null() {
             return Ok(None);
         }
+        // Until ncclCommUserRank answers, the child's errors (a set-up
+        // timeout, the abort's stderr line) name this rank's parent rank.
         let mut child = NcclComm {
             raw,
             library: self.library,
-            rank: 0,
+            rank: self.rank,
             world: 0,
             timeout: self.timeout,
             broken: false,
@@ -613,15 +627,23 @@ impl NcclComm {
         child.world = count.max(0) as usize;
         Ok(Some(child))
     }
+}
 
-    fn invalid_split(&self, arg: &'static str, value: i64) -> Error {
-        Error::InvalidArgument {
-            op: OpKind::Split,
-            rank: self.rank,
-            arg,
-            reason: format!("{value} does not fit NCCL's int (0..=2147483647 for a color)"),
-        }
-    }
+/// A split's color and key as NCCL's `int`s (`None`: `NCCL_SPLIT_NOCOLOR`),
+/// or the argument that does not fit.
+pub(crate) fn split_args(rank: Rank, color: Option<u32>, key: i64) -> Result<(c_int, c_int)> {
+    let invalid = |arg: &'static str, value: i64| Error::InvalidArgument {
+        op: OpKind::Split,
+        rank,
+        arg,
+        reason: format!("{value} does not fit NCCL's int (0..=2147483647 for a color)"),
+    };
+    let color = match color {
+        Some(c) => c_int::try_from(c).map_err(|_| invalid("color", i64::from(c)))?,
+        None => -1, // NCCL_SPLIT_NOCOLOR
+    };
+    let key = c_int::try_from(key).map_err(|_| invalid("key", key))?;
+    Ok((color, key))
 }
 
 impl Drop for NcclComm {
@@ -719,6 +741,32 @@ impl Drop for GroupGuard {
 mod tests {
     use super::*;
     use crate::desc::{BufDesc, MemoryKind};
+
+    #[test]
+    fn split_arguments_outside_nccls_int_are_refused_before_anything_starts() {
+        assert_eq!(split_args(3, Some(7), -5).unwrap(), (7, -5));
+        assert_eq!(split_args(3, None, 0).unwrap(), (-1, 0));
+        assert_eq!(
+            split_args(3, Some(i32::MAX as u32), i64::from(i32::MIN)).unwrap(),
+            (i32::MAX, i32::MIN)
+        );
+        for (color, key, bad) in [
+            (Some(1u32 << 31), 0, "color"),
+            (Some(u32::MAX), 0, "color"),
+            (Some(0), i64::from(i32::MAX) + 1, "key"),
+            (None, i64::MIN, "key"),
+        ] {
+            match split_args(3, color, key) {
+                Err(Error::InvalidArgument {
+                    op: OpKind::Split,
+                    rank: 3,
+                    arg,
+                    ..
+                }) => assert_eq!(arg, bad),
+                other => panic!("{color:?} {key}: {other:?}"),
+            }
+        }
+    }
 
     fn desc(op: OpKind, rank: Rank, world: usize) -> CollectiveDesc {
         CollectiveDesc::new(op, DType::F32, rank, world, MemoryKind::Device)
