@@ -73,6 +73,9 @@ pub(crate) enum Frame {
         /// bytes in a different number of messages would desynchronise
         /// the pair).
         messages: u32,
+        /// The sizes of those messages, in order
+        /// ([`super::lower::layout_digest`]).
+        layout: u32,
         inbox: InboxDesc,
         /// Its ready event.
         event: Handle,
@@ -94,12 +97,14 @@ impl Frame {
             Frame::Ready {
                 bytes,
                 messages,
+                layout,
                 inbox,
                 event,
             } => {
                 out[4] = KIND_READY;
                 out[8..16].copy_from_slice(&bytes.to_le_bytes());
                 out[152..156].copy_from_slice(&messages.to_le_bytes());
+                out[156..160].copy_from_slice(&layout.to_le_bytes());
                 out[24..88].copy_from_slice(event);
                 match inbox {
                     InboxDesc::None => {}
@@ -170,6 +175,7 @@ impl Frame {
                 Ok(Frame::Ready {
                     bytes,
                     messages: u32::from_le_bytes(raw[152..156].try_into().unwrap_or([0; 4])),
+                    layout: u32::from_le_bytes(raw[156..160].try_into().unwrap_or([0; 4])),
                     inbox,
                     event: handle_at(24),
                 })
@@ -458,6 +464,7 @@ pub(crate) struct PeerReady {
     pub inbox: CUdeviceptr,
     pub bytes: usize,
     pub messages: usize,
+    pub layout: u32,
     pub event: CUevent,
 }
 
@@ -465,6 +472,7 @@ pub(crate) struct PeerReady {
 struct ReadyMsg {
     bytes: usize,
     messages: usize,
+    layout: u32,
     inbox: InboxDesc,
     event: Handle,
 }
@@ -714,12 +722,13 @@ impl RemoteLinks {
         &mut self,
         from: Rank,
         bytes: usize,
-        messages: usize,
+        (messages, layout): (usize, u32),
         inbox: InboxDesc,
     ) -> Result<()> {
         let frame = Frame::Ready {
             bytes: bytes as u64,
             messages: u32::try_from(messages).unwrap_or(u32::MAX),
+            layout,
             inbox,
             event: self.ready_event.handle,
         };
@@ -760,11 +769,13 @@ impl RemoteLinks {
                 Frame::Ready {
                     bytes,
                     messages,
+                    layout,
                     inbox,
                     event,
                 } => self.peers[peer].readies.push_back(ReadyMsg {
                     bytes: usize::try_from(bytes).unwrap_or(usize::MAX),
                     messages: messages as usize,
+                    layout,
                     inbox,
                     event,
                 }),
@@ -793,6 +804,7 @@ impl RemoteLinks {
         let ReadyMsg {
             bytes,
             messages,
+            layout,
             inbox,
             event,
         } = self.pull_until(to, |p| p.readies.pop_front())?;
@@ -831,6 +843,7 @@ impl RemoteLinks {
             },
             bytes,
             messages,
+            layout,
             event: peer
                 .ready_event
                 .as_ref()
@@ -952,6 +965,7 @@ mod tests {
             Frame::Ready {
                 bytes: 1 << 40,
                 messages: 3,
+                layout: 0x9e37_79b9,
                 inbox: InboxDesc::Device {
                     generation: 7,
                     handle: handle(3),
@@ -961,12 +975,14 @@ mod tests {
             Frame::Ready {
                 bytes: 0,
                 messages: 1,
+                layout: 0x9e37_79b9,
                 inbox: InboxDesc::None,
                 event: handle(1),
             },
             Frame::Ready {
                 bytes: 4096,
                 messages: 70000,
+                layout: 0x9e37_79b9,
                 inbox: InboxDesc::Host {
                     generation: 2,
                     name: "/oxccl-cr-1234-5".into(),
@@ -1000,6 +1016,7 @@ mod tests {
         let no_inbox = Frame::Ready {
             bytes: 8,
             messages: 1,
+            layout: 0x9e37_79b9,
             inbox: InboxDesc::None,
             event: handle(0),
         }
@@ -1008,6 +1025,7 @@ mod tests {
         let mut bad = Frame::Ready {
             bytes: 1,
             messages: 1,
+            layout: 0x9e37_79b9,
             inbox: InboxDesc::Host {
                 generation: 1,
                 name: "/x".into(),

@@ -126,6 +126,13 @@ pub(crate) struct Lowered {
     pub receives_from: Vec<bool>,
     /// Elements this rank sends to each peer (the peers' inbox sizes for it).
     pub outgoing: Vec<usize>,
+    /// Each message's length (elements) to each peer, and from each peer,
+    /// in order: a matching call on the other side must cut its messages
+    /// alike, not just agree on the totals (10 then 20 elements sent
+    /// against 20 then 10 received would split one message across two),
+    /// see [`layout_digest`].
+    pub outgoing_lens: Vec<Vec<usize>>,
+    pub incoming_lens: Vec<Vec<usize>>,
     /// Elements of scratch the plan uses.
     pub scratch_len: usize,
     /// For a peer-direct call, what every rank's matching call must agree
@@ -143,6 +150,24 @@ pub(crate) struct PeerDirectCall {
     pub dtype: DType,
     pub count: usize,
     pub root: Option<Rank>,
+    /// Each rank folds its own chunk with its own operator: ranks that
+    /// disagree would leave chunks reduced differently.
+    pub reduce_op: Option<ReduceOp>,
+}
+
+/// A digest of a sequence of message sizes (`lens` elements of `elem`
+/// bytes each): what a sender and a receiver compare, through the ready,
+/// before any message of the call moves (see [`Lowered::outgoing_lens`]).
+/// FNV-1a over each message's byte count.
+pub(crate) fn layout_digest(lens: &[usize], elem: usize) -> u32 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for &len in lens {
+        for byte in ((len as u64).wrapping_mul(elem as u64)).to_le_bytes() {
+            hash ^= u64::from(byte);
+            hash = hash.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    (hash ^ (hash >> 32)) as u32
 }
 
 fn at(span: Span) -> At {
@@ -159,6 +184,8 @@ pub(crate) fn lower(plan: &Plan, world: usize) -> Lowered {
         incoming: vec![0; world],
         receives_from: vec![false; world],
         outgoing: vec![0; world],
+        outgoing_lens: vec![Vec::new(); world],
+        incoming_lens: vec![Vec::new(); world],
         scratch_len: plan.scratch_len,
         peer_direct: None,
     };
@@ -176,6 +203,7 @@ pub(crate) fn lower(plan: &Plan, world: usize) -> Lowered {
             offset: out.outgoing[to],
         };
         out.outgoing[to] += len;
+        out.outgoing_lens[to].push(len);
         dst
     };
     let recv_from = |out: &mut Lowered, from: Rank, len: usize| -> At {
@@ -186,6 +214,7 @@ pub(crate) fn lower(plan: &Plan, world: usize) -> Lowered {
             offset: out.incoming[from],
         };
         out.incoming[from] += len;
+        out.incoming_lens[from].push(len);
         src
     };
     for step in &plan.steps {
@@ -339,14 +368,32 @@ pub(crate) fn lower_peer_direct(desc: &CollectiveDesc) -> Option<Lowered> {
     ops.push(main);
     ops.extend(peers().map(|to| DevOp::Post { to }));
     ops.extend(peers().map(|from| DevOp::Await { from }));
-    Some(Lowered {
+    Some(with_empty_messages(Lowered {
         ops,
         incoming: vec![0; world],
         receives_from: (0..world).map(|p| p != rank).collect(),
         outgoing: vec![0; world],
+        outgoing_lens: Vec::new(),
+        incoming_lens: Vec::new(),
         scratch_len: 0,
         peer_direct: Some(peer_direct_call(desc)),
-    })
+    }))
+}
+
+/// A peer-direct lowering's message lengths: every message it posts or
+/// awaits is an empty "done" or "ready to go".
+fn with_empty_messages(mut out: Lowered) -> Lowered {
+    let world = out.incoming.len();
+    out.outgoing_lens = vec![Vec::new(); world];
+    out.incoming_lens = vec![Vec::new(); world];
+    for op in &out.ops {
+        match *op {
+            DevOp::Post { to } => out.outgoing_lens[to].push(0),
+            DevOp::Await { from } => out.incoming_lens[from].push(0),
+            _ => {}
+        }
+    }
+    out
 }
 
 fn peer_direct_call(desc: &CollectiveDesc) -> PeerDirectCall {
@@ -355,6 +402,7 @@ fn peer_direct_call(desc: &CollectiveDesc) -> PeerDirectCall {
         dtype: desc.dtype,
         count: desc.count(),
         root: desc.root,
+        reduce_op: desc.reduce_op,
     }
 }
 
@@ -369,13 +417,15 @@ fn peer_direct_broadcast(desc: &CollectiveDesc) -> Lowered {
         incoming: vec![0; world],
         receives_from: vec![false; world],
         outgoing: vec![0; world],
+        outgoing_lens: Vec::new(),
+        incoming_lens: Vec::new(),
         scratch_len: 0,
         peer_direct: Some(peer_direct_call(desc)),
     };
     if rank != root {
         out.receives_from[root] = true;
         out.ops.push(DevOp::Await { from: root });
-        return out;
+        return with_empty_messages(out);
     }
     let peers = || (0..world).filter(move |&p| p != rank);
     out.ops.extend(peers().map(|to| DevOp::AwaitReady { to }));
@@ -394,7 +444,7 @@ fn peer_direct_broadcast(desc: &CollectiveDesc) -> Lowered {
         include_self: !desc.in_place,
     });
     out.ops.extend(peers().map(|to| DevOp::Post { to }));
-    out
+    with_empty_messages(out)
 }
 
 /// One call made of several lowered parts (a group of point-to-point
@@ -408,6 +458,8 @@ pub(crate) fn concat(parts: &[Lowered]) -> Lowered {
         incoming: vec![0; world],
         receives_from: vec![false; world],
         outgoing: vec![0; world],
+        outgoing_lens: vec![Vec::new(); world],
+        incoming_lens: vec![Vec::new(); world],
         scratch_len: parts.iter().map(|p| p.scratch_len).max().unwrap_or(0),
         peer_direct: None,
     };
@@ -465,6 +517,8 @@ pub(crate) fn concat(parts: &[Lowered]) -> Lowered {
             out.incoming[p] += part.incoming[p];
             out.receives_from[p] |= part.receives_from[p];
             out.outgoing[p] += part.outgoing[p];
+            out.outgoing_lens[p].extend_from_slice(&part.outgoing_lens[p]);
+            out.incoming_lens[p].extend_from_slice(&part.incoming_lens[p]);
         }
     }
     // Every ready an op awaits must come before the first write: a part
@@ -966,6 +1020,9 @@ mod tests {
         );
         assert_eq!(low.receives_from, vec![true, false, true]);
         assert_eq!((low.incoming, low.outgoing), (vec![0; 3], vec![0; 3]));
+        // One empty "done" each way with each peer.
+        assert_eq!(low.outgoing_lens, vec![vec![0], vec![], vec![0]]);
+        assert_eq!(low.incoming_lens, vec![vec![0], vec![], vec![0]]);
         // What the peers' readies must match before any buffer is touched.
         assert_eq!(
             low.peer_direct,
@@ -974,8 +1031,78 @@ mod tests {
                 dtype: crate::DType::F32,
                 count: 10,
                 root: None,
+                reduce_op: Some(ReduceOp::Avg),
             })
         );
+    }
+
+    /// Grouped point-to-point calls: a sender's parts against a receiver's
+    /// must agree message by message, not only in their totals.
+    #[test]
+    fn grouped_messages_of_other_sizes_have_another_layout() {
+        let part = |step: Step| {
+            lower(
+                &Plan {
+                    steps: vec![step],
+                    scratch_len: 0,
+                },
+                2,
+            )
+        };
+        let send = |len| {
+            part(Step::Send {
+                peer: 1,
+                src: Span {
+                    buf: BufId::Send,
+                    offset: 0,
+                    len,
+                },
+            })
+        };
+        let recv = |len| {
+            part(Step::Recv {
+                peer: 0,
+                dst: Span {
+                    buf: BufId::Recv,
+                    offset: 0,
+                    len,
+                },
+            })
+        };
+        let sent = concat(&[send(10), send(20)]);
+        assert_eq!(sent.outgoing_lens[1], [10, 20]);
+        let in_order = concat(&[recv(10), recv(20)]);
+        let swapped = concat(&[recv(20), recv(10)]);
+        assert_eq!(in_order.incoming_lens[0], [10, 20]);
+        // Equal totals and counts: what the ready compared before.
+        assert_eq!(sent.outgoing[1], swapped.incoming[0]);
+        let digest = |lens: &[usize]| layout_digest(lens, 4);
+        assert_eq!(
+            digest(&sent.outgoing_lens[1]),
+            digest(&in_order.incoming_lens[0])
+        );
+        assert_ne!(
+            digest(&sent.outgoing_lens[1]),
+            digest(&swapped.incoming_lens[0])
+        );
+        // Sizes count in bytes: 10 f32 pair with 20 f16.
+        assert_eq!(layout_digest(&[10], 4), layout_digest(&[20], 2));
+        assert_ne!(layout_digest(&[10], 4), layout_digest(&[10], 2));
+        // Empty messages count (a barrier's, peer-direct "done"s).
+        assert_ne!(layout_digest(&[0], 4), layout_digest(&[0, 0], 4));
+    }
+
+    /// Peer-direct calls carry their reduction operator: each rank folds
+    /// its own chunk with its own.
+    #[test]
+    fn peer_direct_calls_differ_by_reduction_operator() {
+        let call = |op| {
+            let desc = CollectiveDesc::new(OpKind::AllReduce, DType::F32, 0, 2, MemoryKind::Device)
+                .with_reduce_op(op);
+            peer_direct_call(&desc)
+        };
+        assert_ne!(call(ReduceOp::Sum), call(ReduceOp::Max));
+        assert_eq!(call(ReduceOp::Sum), call(ReduceOp::Sum));
     }
 
     #[test]

@@ -39,7 +39,7 @@ use cudarc::driver::{
 };
 
 use super::ipc::{Handle, InboxDesc, RemoteLinks, SharedInbox};
-use super::lower::{At, DevOp, Lowered, Mem, PeerDirectCall};
+use super::lower::{layout_digest, At, DevOp, Lowered, Mem, PeerDirectCall};
 use crate::error::{Error, Result};
 use crate::schedule::BufId;
 use crate::types::{DType, OpKind, Rank, ReduceOp};
@@ -102,8 +102,10 @@ struct Ready {
     /// Bytes the receiver expects from this sender in the call.
     bytes: usize,
     /// Messages it expects (equal bytes in another number of messages
-    /// would desynchronise the pair).
+    /// would desynchronise the pair), and their sizes in order
+    /// ([`super::lower::layout_digest`]).
     messages: usize,
+    layout: u32,
     event: Arc<CudaEvent>,
     /// The receiver's buffers of the call, which a peer-direct call
     /// ([`super::lower::lower_peer_direct`]) reads and writes.
@@ -437,9 +439,11 @@ pub(crate) fn check(rank: Rank, what: &str, rc: sys::CUresult) -> Result<()> {
 struct PeerReady {
     /// Its inbox for this rank, as this rank addresses it.
     inbox: CUdeviceptr,
-    /// Bytes and messages it expects from this rank.
+    /// Bytes and messages it expects from this rank, and the messages'
+    /// sizes in order.
     bytes: usize,
     messages: usize,
+    layout: u32,
     /// Its call buffers and peer-direct call (threads only).
     bufs: CallBufs,
     peer_direct: Option<PeerDirectCall>,
@@ -955,6 +959,7 @@ impl RingComm {
                     inbox: ready.inbox,
                     bytes: ready.bytes,
                     messages: ready.messages,
+                    layout: ready.layout,
                     bufs: ready.bufs,
                     peer_direct: ready.peer_direct,
                 })
@@ -979,6 +984,7 @@ impl RingComm {
                     inbox: ready.inbox,
                     bytes: ready.bytes,
                     messages: ready.messages,
+                    layout: ready.layout,
                     bufs: CallBufs::default(),
                     peer_direct: None,
                 })
@@ -1116,6 +1122,7 @@ impl RingComm {
                             inbox: self.inboxes[from].ptr,
                             bytes: lowered.incoming[from] * elem,
                             messages: expected[from],
+                            layout: layout_digest(&lowered.incoming_lens[from], elem),
                             event: ready.clone(),
                             bufs: bufs.first().copied().unwrap_or_default(),
                             peer_direct: lowered.peer_direct,
@@ -1129,8 +1136,9 @@ impl RingComm {
                 for from in senders {
                     let inbox = self.inboxes[from].describe();
                     let bytes = lowered.incoming[from] * elem;
+                    let layout = layout_digest(&lowered.incoming_lens[from], elem);
                     links
-                        .send_ready(from, bytes, expected[from], inbox)
+                        .send_ready(from, bytes, (expected[from], layout), inbox)
                         .map_err(remote_error(
                             rank,
                             self.seq,
@@ -1180,6 +1188,7 @@ impl RingComm {
                         inbox,
                         bytes,
                         messages,
+                        layout,
                         bufs: their_bufs,
                         peer_direct,
                     } = self.await_ready(op, to)?;
@@ -1190,10 +1199,11 @@ impl RingComm {
                     if peer_direct != lowered.peer_direct {
                         let show = |c: Option<PeerDirectCall>| match c {
                             Some(c) => format!(
-                                "{} of {} {} element(s){}",
+                                "{} of {} {} element(s){}{}",
                                 c.op,
                                 c.count,
                                 c.dtype.name(),
+                                c.reduce_op.map(|o| format!(", {o:?}")).unwrap_or_default(),
                                 c.root.map(|r| format!(", root {r}")).unwrap_or_default()
                             ),
                             None => "a ring call".to_owned(),
@@ -1227,6 +1237,23 @@ impl RingComm {
                                  cuda-ring, point-to-point calls that are grouped on one side \
                                  must be grouped alike on the other)",
                                 sending_msgs[to]
+                            ),
+                        });
+                    }
+                    // Equal totals cut into other pieces (grouped sends of
+                    // 10 then 20 elements against receives of 20 then 10)
+                    // would land each message across the receiver's two.
+                    if layout_digest(&lowered.outgoing_lens[to], elem) != layout {
+                        return Err(Error::Mismatch {
+                            op,
+                            seq: self.seq,
+                            rank,
+                            peer: to,
+                            detail: format!(
+                                "this call's {messages} message(s) to rank {to} differ in size, \
+                                 one by one, from those its matching call expects (on the \
+                                 cuda-ring, grouped sends and receives must pair in order, \
+                                 with equal counts)"
                             ),
                         });
                     }
