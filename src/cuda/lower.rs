@@ -869,6 +869,18 @@ mod tests {
             });
             lowered.push(low);
         }
+        // What the ring checks through each ready before a message moves:
+        // every pair cuts its messages alike (else a false `Mismatch`),
+        // and peer-direct ranks agree on their call.
+        for (from, sender) in lowered.iter().enumerate() {
+            for (to, receiver) in lowered.iter().enumerate() {
+                assert_eq!(
+                    sender.outgoing_lens[to], receiver.incoming_lens[from],
+                    "{case:?}: messages {from} -> {to}"
+                );
+                assert_eq!(sender.peer_direct, receiver.peer_direct, "{case:?}");
+            }
+        }
         interpret(
             &lowered,
             ranks,
