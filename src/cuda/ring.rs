@@ -775,7 +775,7 @@ impl RingComm {
             let mut old = old;
             old.free();
         }
-        let bytes = bytes.next_power_of_two().max(4096);
+        let bytes = inbox_capacity(bytes);
         let generation = INBOX_GENERATION.fetch_add(1, Ordering::Relaxed);
         let fresh = if host && remote {
             let shared = SharedInbox::create(rank, bytes)?;
@@ -1577,6 +1577,39 @@ impl Drop for RingComm {
                 inbox.free();
             }
             self.scratch.free();
+        }
+    }
+}
+
+/// The bytes to allocate for an inbox that must hold `bytes`: rounded up
+/// to an eighth of the next power of two (at least 4 KiB), so an inbox is
+/// at most a quarter larger than it must be, and a size that creeps up
+/// call by call reallocates at most eight times per doubling. (It was the
+/// next power of two: a 20 GiB call's inbox took 32 GiB of the GPU.)
+fn inbox_capacity(bytes: usize) -> usize {
+    let step = (bytes.checked_next_power_of_two().unwrap_or(bytes) / 8).max(4096);
+    bytes.div_ceil(step).saturating_mul(step).max(4096)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::inbox_capacity;
+
+    #[test]
+    fn an_inbox_is_at_most_a_quarter_larger_than_it_must_be() {
+        assert_eq!(inbox_capacity(0), 4096);
+        assert_eq!(inbox_capacity(1), 4096);
+        assert_eq!(inbox_capacity(4096), 4096);
+        assert_eq!(inbox_capacity(20 << 30), 20 << 30);
+        assert_eq!(inbox_capacity((16 << 20) + 1), 20 << 20);
+        assert_eq!(inbox_capacity(31 << 20), 32 << 20);
+        for bytes in (1..200_000)
+            .step_by(977)
+            .chain([usize::MAX / 2, usize::MAX - 7])
+        {
+            let got = inbox_capacity(bytes);
+            assert!(got >= bytes, "{bytes}: {got}");
+            assert!(got - bytes <= (bytes / 4).max(4096), "{bytes}: {got}");
         }
     }
 }
