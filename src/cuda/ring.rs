@@ -1193,6 +1193,14 @@ impl RingComm {
                         peer_direct,
                     } = self.await_ready(op, to)?;
                     peer_bufs[to] = their_bufs;
+                    let seq = self.seq;
+                    let mismatch = |detail: String| Error::Mismatch {
+                        op,
+                        seq,
+                        rank,
+                        peer: to,
+                        detail,
+                    };
                     // Peer-direct ranks read and write each other's buffers
                     // by their own counts: unequal calls would reach past a
                     // peer's buffers.
@@ -1208,17 +1216,11 @@ impl RingComm {
                             ),
                             None => "a ring call".to_owned(),
                         };
-                        return Err(Error::Mismatch {
-                            op,
-                            seq: self.seq,
-                            rank,
-                            peer: to,
-                            detail: format!(
-                                "this call is {}, rank {to}'s matching call is {}",
-                                show(lowered.peer_direct),
-                                show(peer_direct)
-                            ),
-                        });
+                        return Err(mismatch(format!(
+                            "this call is {}, rank {to}'s matching call is {}",
+                            show(lowered.peer_direct),
+                            show(peer_direct)
+                        )));
                     }
                     // The pairing is per call: a call that sends more than
                     // the receiver's matching call expects (one side groups
@@ -1226,36 +1228,24 @@ impl RingComm {
                     // past its inbox.
                     let sending = lowered.outgoing[to] * elem;
                     if sending != bytes || sending_msgs[to] != messages {
-                        return Err(Error::Mismatch {
-                            op,
-                            seq: self.seq,
-                            rank,
-                            peer: to,
-                            detail: format!(
-                                "this call sends {sending} bytes in {} message(s) to rank {to}, \
+                        return Err(mismatch(format!(
+                            "this call sends {sending} bytes in {} message(s) to rank {to}, \
                                  whose matching call expects {bytes} in {messages} (on the \
                                  cuda-ring, point-to-point calls that are grouped on one side \
                                  must be grouped alike on the other)",
-                                sending_msgs[to]
-                            ),
-                        });
+                            sending_msgs[to]
+                        )));
                     }
                     // Equal totals cut into other pieces (grouped sends of
                     // 10 then 20 elements against receives of 20 then 10)
                     // would land each message across the receiver's two.
                     if layout_digest(&lowered.outgoing_lens[to], elem) != layout {
-                        return Err(Error::Mismatch {
-                            op,
-                            seq: self.seq,
-                            rank,
-                            peer: to,
-                            detail: format!(
-                                "this call's {messages} message(s) to rank {to} differ in size, \
+                        return Err(mismatch(format!(
+                            "this call's {messages} message(s) to rank {to} differ in size, \
                                  one by one, from those its matching call expects (on the \
                                  cuda-ring, grouped sends and receives must pair in order, \
                                  with equal counts)"
-                            ),
-                        });
+                        )));
                     }
                     outboxes[to] = inbox;
                 }
