@@ -300,6 +300,7 @@ impl DeviceCommBuilder {
         prefix: &str,
         timeout: Duration,
     ) -> Result<DeviceCommunicator> {
+        crate::nccl::refuse_setup_inside_open_group(rank)?;
         let library = sys::library()?;
         let ctx = open_device(rank, device)?;
         ctx.bind_to_thread()
@@ -425,6 +426,7 @@ impl DeviceCommBuilder {
 
     #[cfg(feature = "nccl")]
     fn nccl_local_group(&self, n: usize, timeout: Duration) -> Result<Vec<DeviceCommunicator>> {
+        crate::nccl::refuse_setup_inside_open_group(0)?;
         log_choice(&format!("nccl, {n} ranks, one GPU each"));
         let library = sys::library()?;
         let count = visible_devices(0)?;
@@ -1255,9 +1257,11 @@ impl DeviceCommunicator {
     /// communicator (its peers expected the whole group).
     ///
     /// While an NCCL group is open, this thread's calls on other NCCL
-    /// communicators (collectives, barriers, splits, another group) are
-    /// refused: NCCL would hold them until this group's end, after they
-    /// had returned.
+    /// communicators (collectives, barriers, splits, another group) and
+    /// the set-up of new ones (`init`, `local_group`) are refused: NCCL
+    /// would hold them until this group's end, after they had returned (a
+    /// set-up would wait out its timeout). Dropping another NCCL
+    /// communicator inside the group is not guarded: end the group first.
     ///
     /// # Errors
     ///

@@ -694,6 +694,26 @@ pub(crate) fn group_open_on_this_thread() -> bool {
     OPEN_GROUPS.with(|open| open.get() > 0)
 }
 
+/// Refuses to set up an NCCL communicator while a `P2pGroup` is open on
+/// this thread: NCCL would defer the set-up (`ncclCommInitRankConfig`, or
+/// a `local_group`'s, whose own group would only nest) to the open
+/// group's end, so the set-up would wait out its whole timeout and then
+/// abort.
+pub(crate) fn refuse_setup_inside_open_group(rank: Rank) -> Result<()> {
+    if group_open_on_this_thread() {
+        return Err(Error::InvalidArgument {
+            op: OpKind::Init,
+            rank,
+            arg: "self",
+            reason: "a P2pGroup is open on this thread, and NCCL would defer this \
+                     communicator's set-up to the group's end (it would wait out its \
+                     timeout); end the group first"
+                .into(),
+        });
+    }
+    Ok(())
+}
+
 fn count_group(opened: bool) {
     OPEN_GROUPS.with(|open| {
         open.set(if opened {
@@ -741,6 +761,26 @@ impl Drop for GroupGuard {
 mod tests {
     use super::*;
     use crate::desc::{BufDesc, MemoryKind};
+
+    #[test]
+    fn no_communicator_is_set_up_inside_an_open_group() {
+        assert!(refuse_setup_inside_open_group(2).is_ok());
+        count_group(true);
+        let refused = refuse_setup_inside_open_group(2);
+        count_group(false);
+        assert!(
+            matches!(
+                refused,
+                Err(Error::InvalidArgument {
+                    op: OpKind::Init,
+                    rank: 2,
+                    ..
+                })
+            ),
+            "{refused:?}"
+        );
+        assert!(refuse_setup_inside_open_group(2).is_ok());
+    }
 
     #[test]
     fn split_arguments_outside_nccls_int_are_refused_before_anything_starts() {
