@@ -84,10 +84,13 @@ pub fn exactly_checkable(dtype: crate::types::DType, op: ReduceOp, world: usize)
 
 /// How far, relatively, a float Avg over `world` ranks may be from
 /// [`reduced_value`] when the backend computes it as a sum of inputs each
-/// multiplied by 1/world rounded to the type (NCCL's `ncclAvg`,
-/// `premultiplied_avg`): with a world that is not a power of two each
-/// product and each addition rounds once, at most one unit in the last
-/// place. 0 (exact) otherwise.
+/// multiplied by 1/world rounded to the type (`premultiplied_avg`: NCCL's
+/// `ncclAvg`, and the host's for the types whose
+/// [`Kernels::AVG_PREMULTIPLIES`](crate::host::reduce::Kernels::AVG_PREMULTIPLIES)):
+/// with a world that is not a power of two the scalar, each product and
+/// each addition round once, at most half a unit in the last place each
+/// on these positive inputs, and the expected value once more. 0 (exact)
+/// otherwise.
 pub fn tolerance<T: Element>(op: ReduceOp, world: usize, premultiplied_avg: bool) -> f64 {
     let epsilon = match T::DTYPE {
         crate::types::DType::BF16 => f64::from(bf16::EPSILON),
@@ -121,9 +124,16 @@ pub fn count_wrong_reduced<T: Element>(
     first_index: usize,
     op: ReduceOp,
 ) -> usize {
+    let tolerance = tolerance::<T>(op, world, T::AVG_PREMULTIPLIES);
     got.iter()
         .enumerate()
-        .filter(|(i, v)| **v != reduced_value::<T>(world, first_index + i, op))
+        .filter(|(i, v)| {
+            !matches(
+                **v,
+                reduced_value::<T>(world, first_index + i, op),
+                tolerance,
+            )
+        })
         .count()
 }
 

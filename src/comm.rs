@@ -379,6 +379,10 @@ pub struct Communicator {
     /// The shared arena of an all-local world (`None` across hosts, and
     /// with `OXCCL_ALGO=ring`; split groups get one through the parent's).
     arena: Option<Arena>,
+    /// Where an `Avg` of a premultiplying type scales its input before the
+    /// call ([`Communicator::premultiplied`]); kept between calls, as large
+    /// as the largest such input so far. `u64`s, for any element's alignment.
+    avg_scratch: Vec<u64>,
     _not_sync: PhantomData<Cell<()>>,
 }
 
@@ -824,6 +828,7 @@ impl Communicator {
             failed: None,
             backend: Backend::Host(transport),
             arena: None,
+            avg_scratch: Vec::new(),
             _not_sync: PhantomData,
         }
     }
@@ -1084,6 +1089,55 @@ impl Communicator {
         }
     }
 
+    /// Whether a reduction by `op` over `T` scales each rank's input by
+    /// `1/world` before the call and then sums (`Avg` of `f16`, as NCCL's
+    /// `ncclAvg`: see [`Kernels::AVG_PREMULTIPLIES`]). Every rank decides
+    /// alike from the call's type and operator; the call keeps `Avg` in its
+    /// signature, so a peer calling `Sum` is still a mismatch.
+    ///
+    /// [`Kernels::AVG_PREMULTIPLIES`]: crate::host::reduce::Kernels::AVG_PREMULTIPLIES
+    fn premultiplies<T: Element>(&self, op: ReduceOp) -> bool {
+        op == ReduceOp::Avg && T::AVG_PREMULTIPLIES && self.world > 1
+    }
+
+    /// `input` scaled by `1/world` into `scratch` (grown as needed, never
+    /// shrunk: no allocation once the largest input has been seen), for
+    /// the premultiplied `Avg` ([`premultiplies`](Self::premultiplies)).
+    /// The caller takes `scratch` out of the communicator for the call and
+    /// puts it back after.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] when the system will not allocate the
+    /// copy (nothing has been sent: the call has not started).
+    fn premultiplied<'s, T: Element>(
+        &self,
+        call: OpKind,
+        scratch: &'s mut Vec<u64>,
+        input: &[T],
+    ) -> Result<&'s [T]> {
+        let words = std::mem::size_of_val(input).div_ceil(8);
+        if scratch.len() < words {
+            scratch
+                .try_reserve_exact(words - scratch.len())
+                .map_err(|e| Error::InvalidArgument {
+                    op: call,
+                    rank: self.rank,
+                    arg: "len",
+                    reason: format!(
+                        "an Avg of {} elements of {} scales a copy of its input, \
+                         which could not be allocated: {e}",
+                        input.len(),
+                        T::DTYPE
+                    ),
+                })?;
+            scratch.resize(words, 0);
+        }
+        let scaled: &mut [T] = &mut bytemuck::cast_slice_mut(&mut scratch[..words])[..input.len()];
+        T::premultiply_avg(scaled, input, self.world);
+        Ok(scaled)
+    }
+
     /// All-reduce: `recv[i]` = `op` over every rank's `send[i]`.
     ///
     /// # Errors
@@ -1091,6 +1145,26 @@ impl Communicator {
     /// [`Error::InvalidArgument`] if `send.len() != recv.len()`; otherwise the
     /// communication errors ([`Error::Timeout`], [`Error::PeerLost`], ...).
     pub fn all_reduce<T: Element>(
+        &mut self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        if self.premultiplies::<T>(op) && send.len() == recv.len() {
+            let mut scratch = std::mem::take(&mut self.avg_scratch);
+            let result = match self.premultiplied(OpKind::AllReduce, &mut scratch, send) {
+                Ok(scaled) => self.all_reduce_as_given(scaled, recv, op),
+                Err(e) => Err(e),
+            };
+            self.avg_scratch = scratch;
+            return result;
+        }
+        self.all_reduce_as_given(send, recv, op)
+    }
+
+    /// [`all_reduce`](Self::all_reduce) of `send` as it is (premultiplied
+    /// already where the type's `Avg` premultiplies).
+    fn all_reduce_as_given<T: Element>(
         &mut self,
         send: &[T],
         recv: &mut [T],
@@ -1120,6 +1194,17 @@ impl Communicator {
     ///
     /// The communication errors, as [`all_reduce`](Self::all_reduce).
     pub fn all_reduce_in_place<T: Element>(&mut self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        if self.premultiplies::<T>(op) {
+            // Out of place from the scaled copy: `buf` keeps its values
+            // until the call writes the result (a refused call leaves it).
+            let mut scratch = std::mem::take(&mut self.avg_scratch);
+            let result = match self.premultiplied(OpKind::AllReduce, &mut scratch, buf) {
+                Ok(scaled) => self.all_reduce_as_given(scaled, buf, op),
+                Err(e) => Err(e),
+            };
+            self.avg_scratch = scratch;
+            return result;
+        }
         // Both pointers come from one `as_mut_ptr`: a second reborrow of
         // `buf` would invalidate the first pointer, and the staged two-shot
         // reads the input after writing parts of the output.
@@ -1152,6 +1237,25 @@ impl Communicator {
         recv: &mut [T],
         op: ReduceOp,
     ) -> Result<()> {
+        if self.premultiplies::<T>(op) && send.len() == recv.len() * self.world {
+            let mut scratch = std::mem::take(&mut self.avg_scratch);
+            let result = match self.premultiplied(OpKind::ReduceScatter, &mut scratch, send) {
+                Ok(scaled) => self.reduce_scatter_as_given(scaled, recv, op),
+                Err(e) => Err(e),
+            };
+            self.avg_scratch = scratch;
+            return result;
+        }
+        self.reduce_scatter_as_given(send, recv, op)
+    }
+
+    /// [`reduce_scatter`](Self::reduce_scatter) of `send` as it is.
+    fn reduce_scatter_as_given<T: Element>(
+        &mut self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
         let desc = self
             .desc::<T>(OpKind::ReduceScatter)
             .with_send(BufDesc::of(send))
@@ -1173,6 +1277,17 @@ impl Communicator {
         buf: &mut [T],
         op: ReduceOp,
     ) -> Result<()> {
+        if self.premultiplies::<T>(op) && buf.len().is_multiple_of(self.world) {
+            let part = buf.len() / self.world;
+            let mine = self.rank * part..(self.rank + 1) * part;
+            let mut scratch = std::mem::take(&mut self.avg_scratch);
+            let result = match self.premultiplied(OpKind::ReduceScatter, &mut scratch, buf) {
+                Ok(scaled) => self.reduce_scatter_as_given(scaled, &mut buf[mine], op),
+                Err(e) => Err(e),
+            };
+            self.avg_scratch = scratch;
+            return result;
+        }
         let desc = self
             .desc::<T>(OpKind::ReduceScatter)
             .with_in_place(BufDesc::of(buf))
@@ -1252,6 +1367,26 @@ impl Communicator {
         op: ReduceOp,
         root: Rank,
     ) -> Result<()> {
+        if self.premultiplies::<T>(op) {
+            let mut scratch = std::mem::take(&mut self.avg_scratch);
+            let result = match self.premultiplied(OpKind::Reduce, &mut scratch, send) {
+                Ok(scaled) => self.reduce_as_given(scaled, recv, op, root),
+                Err(e) => Err(e),
+            };
+            self.avg_scratch = scratch;
+            return result;
+        }
+        self.reduce_as_given(send, recv, op, root)
+    }
+
+    /// [`reduce`](Self::reduce) of `send` as it is.
+    fn reduce_as_given<T: Element>(
+        &mut self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+        root: Rank,
+    ) -> Result<()> {
         let desc = self
             .desc::<T>(OpKind::Reduce)
             .with_send(BufDesc::of(send))
@@ -1274,6 +1409,17 @@ impl Communicator {
         op: ReduceOp,
         root: Rank,
     ) -> Result<()> {
+        if self.premultiplies::<T>(op) {
+            // Off the root `buf` stays as it is: an out-of-place reduce
+            // leaves a non-root's output alone.
+            let mut scratch = std::mem::take(&mut self.avg_scratch);
+            let result = match self.premultiplied(OpKind::Reduce, &mut scratch, buf) {
+                Ok(scaled) => self.reduce_as_given(scaled, buf, op, root),
+                Err(e) => Err(e),
+            };
+            self.avg_scratch = scratch;
+            return result;
+        }
         let desc = self
             .desc::<T>(OpKind::Reduce)
             .with_in_place(BufDesc::of(buf))

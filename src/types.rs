@@ -18,16 +18,20 @@
 //! | [`ReduceOp::Sum`] | wrapping (two's complement), as NCCL | IEEE addition | accumulate in `f32`, round to the type once per reduction step |
 //! | [`ReduceOp::Prod`] | wrapping multiplication | IEEE multiplication | as `Sum`, with `*` |
 //! | [`ReduceOp::Min`] / [`ReduceOp::Max`] | exact | exact; **NaN propagates**: if either operand is NaN the result is NaN | as floats (conversion to `f32` is exact) |
-//! | [`ReduceOp::Avg`] | wrapping sum, then truncating division (toward zero) by the world size | sum, then one division by the world size | sum as above, then `f32` division, rounded once |
+//! | [`ReduceOp::Avg`] | wrapping sum, then truncating division (toward zero) by the world size | sum, then one division by the world size | `f16`: each rank's input × `f16(1/N)`, rounded (NCCL's premultiplied sum), then summed as `Sum`; `bf16`: sum as above, then `f32` division, rounded once |
 //!
-//! Avg of floats adds in the element type, then divides once (NCCL instead
-//! scales each term by `1/N` before adding): a sum that overflows the type
-//! is `inf` although the mean is not — eight `f16` ranks each holding
-//! `10000` average to `inf` here (the sum passes 65504), and to `10000` on
-//! NCCL. Scale `f16` inputs down first, or reduce in `f32`, when the sum of
-//! all ranks may pass the type's largest value. The rounding of the two
-//! methods differs slightly in general (`oxccl-check` allows for it on
-//! NCCL).
+//! Avg of `f16` scales every term by `1/N` before adding, as NCCL does, so
+//! ranks whose mean fits the type never average to `inf`: eight ranks each
+//! holding `10000` average to `10000`, though their sum passes 65504. On
+//! the host this costs one pass over the input into a scratch copy that the
+//! communicator keeps (calls in place run out of place from it, so an
+//! `f16` Avg on [`alloc_shared`](crate::Communicator::alloc_shared) buffers
+//! is staged, not zero-copy). `bf16`, `f32` and `f64`, whose range is at
+//! least `f32`'s, add in the element type and divide once, in one pass:
+//! with a power-of-two world this gives NCCL's bits (scaling by 2⁻ᵏ
+//! commutes with rounding, short of underflow); with another world the
+//! two methods round differently (`oxccl-check` allows for it on NCCL).
+//! The cuda-ring backend sums and then divides for every type.
 //!
 //! NaN propagation in Min/Max follows PyTorch's `torch.min`/`torch.max`
 //! rather than C's `fmin`, so a diverged rank is visible in every rank's result

@@ -200,3 +200,97 @@ fn every_rank_gets_the_same_nan_bits_whatever_its_alignment() {
         }
     }
 }
+
+/// An f16 `Avg` scales every rank's input by 1/world (rounded to f16)
+/// before it sums, as NCCL's `ncclAvg` does: ranks holding about 40000
+/// average to about 40000, where summing first (81024 and more) passes
+/// f16's largest value, 65504, and gave `inf`. Every reducing call, in and
+/// out of place, in the lanes (3 elements) and beyond (10 007), through the
+/// arena, the schedules between threads and over TCP; the result is the
+/// rank-order fold of the scaled terms, which an implementation that
+/// sums first cannot produce even without overflow (world 3).
+#[test]
+fn f16_avg_scales_each_term_first_so_the_sum_cannot_overflow() {
+    use oxccl::f16;
+    fn value(rank: usize) -> oxccl::f16 {
+        oxccl::f16::from_f32(40000.0 + 1024.0 * rank as f32)
+    }
+    // What NCCL computes: each term times f16(1/world), rounded to f16,
+    // then summed in f32 and rounded to f16 at each step, in rank order.
+    let expected = |world: usize| {
+        let scalar = f16::from_f32((1.0 / world as f64) as f32).to_f32();
+        let term = |r: usize| f16::from_f32(value(r).to_f32() * scalar);
+        (1..world).fold(term(0), |acc, r| {
+            f16::from_f32(acc.to_f32() + term(r).to_f32())
+        })
+    };
+    let body = move |comm: &mut Communicator| -> oxccl::Result<Vec<(String, Vec<f16>)>> {
+        let (rank, world) = (comm.rank(), comm.world_size());
+        let mut results = Vec::new();
+        for count in [3usize, 10_007] {
+            let input = vec![value(rank); count];
+            let mut out = vec![f16::ZERO; count];
+            comm.all_reduce(&input, &mut out, ReduceOp::Avg)?;
+            results.push((format!("all_reduce {count}"), out));
+            let mut buf = input.clone();
+            comm.all_reduce_in_place(&mut buf, ReduceOp::Avg)?;
+            results.push((format!("all_reduce_in_place {count}"), buf));
+            let whole = vec![value(rank); count * world];
+            let mut part = vec![f16::ZERO; count];
+            comm.reduce_scatter(&whole, &mut part, ReduceOp::Avg)?;
+            results.push((format!("reduce_scatter {count}"), part));
+            let mut buf = whole.clone();
+            comm.reduce_scatter_in_place(&mut buf, ReduceOp::Avg)?;
+            results.push((
+                format!("reduce_scatter_in_place {count}"),
+                buf[rank * count..(rank + 1) * count].to_vec(),
+            ));
+            let mut out = vec![f16::ZERO; count];
+            comm.reduce(&input, &mut out, ReduceOp::Avg, world - 1)?;
+            if rank == world - 1 {
+                results.push((format!("reduce {count}"), out));
+            }
+            let mut buf = input.clone();
+            comm.reduce_in_place(&mut buf, ReduceOp::Avg, 0)?;
+            if rank == 0 {
+                results.push((format!("reduce_in_place {count}"), buf));
+            } else {
+                // Off the root an in-place reduce leaves the buffer alone.
+                results.push((format!("reduce_in_place {count}, off the root"), buf));
+            }
+        }
+        Ok(results)
+    };
+    let builder = || Communicator::builder().timeout(Duration::from_secs(30));
+    for world in [2usize, 3] {
+        let runs = [
+            ("arena", run_ranks_with(world, builder(), body)),
+            (
+                "ring between threads",
+                run_ranks_with(world, builder().algo(Algo::Ring), body),
+            ),
+            (
+                "tcp",
+                common::run_ranks_net(world, builder(), oxccl::TransportKind::Tcp, body),
+            ),
+        ];
+        for (how, run) in runs {
+            let ranks = run.unwrap_or_else(|e| panic!("world {world}, {how}: {e}"));
+            for (rank, results) in ranks.iter().enumerate() {
+                for (what, got) in results {
+                    let want = if what.ends_with("off the root") {
+                        value(rank)
+                    } else {
+                        expected(world)
+                    };
+                    assert!(want.is_finite(), "{want}");
+                    assert!(
+                        got.iter().all(|g| g.to_bits() == want.to_bits()),
+                        "world {world}, {how}, rank {rank}, {what}: got {:?}, want {want}",
+                        &got[..3]
+                    );
+                }
+            }
+        }
+    }
+}

@@ -802,10 +802,16 @@ fn measure<T: Element>(
         } else {
             &b.recv[..]
         };
+        // An f16 Avg scales each term by 1/n first (`check::tolerance`).
+        let tolerance = if a.coll.reduces() {
+            oxccl::check::tolerance::<T>(a.op, n, T::AVG_PREMULTIPLIES)
+        } else {
+            0.0
+        };
         wrong = got
             .iter()
             .zip(&expected)
-            .filter(|(g, e)| e.is_some_and(|e| **g != e))
+            .filter(|(g, e)| e.is_some_and(|e| !oxccl::check::matches(**g, e, tolerance)))
             .count() as u64;
     }
     drop(b);

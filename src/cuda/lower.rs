@@ -782,7 +782,16 @@ mod tests {
                     } else {
                         vec![T::zeroed(); recv_len]
                     };
-                    let op = case.reduce.unwrap_or(ReduceOp::Sum);
+                    // The cuda-ring sums and then divides an Avg for every
+                    // type; the host premultiplies an f16 Avg (as NCCL), so
+                    // its reference here is its Sum, divided once below.
+                    let requested = case.reduce.unwrap_or(ReduceOp::Sum);
+                    let divide_after = requested == ReduceOp::Avg && T::AVG_PREMULTIPLIES;
+                    let op = if divide_after {
+                        ReduceOp::Sum
+                    } else {
+                        requested
+                    };
                     let root = case.root.unwrap_or(0);
                     match (case.op, placed(&case, r)) {
                         (OpKind::AllReduce, false) => comm.all_reduce(&send, &mut recv, op),
@@ -804,6 +813,9 @@ mod tests {
                         _ => unreachable!(),
                     }
                     .unwrap();
+                    if divide_after {
+                        T::divide_by(&mut recv, world);
+                    }
                     recv
                 })
             })

@@ -44,7 +44,7 @@ use crate::transport::{FailureCause, TransportError};
 use crate::types::{Element, OpKind, Rank, ReduceOp};
 
 use super::executor::CallInfo;
-use super::reduce::Walk;
+use super::reduce::{finish_avg, Walk};
 use super::shared::SharedRegion;
 use super::stream;
 
@@ -1892,9 +1892,7 @@ impl Arena {
                 fold_with_own(op, out, (me, world), own, |p| unsafe {
                     view(self.payload::<T>(p, g), 0, count)
                 });
-                if op == ReduceOp::Avg {
-                    T::divide_by(out, world);
-                }
+                finish_avg(op, out, world);
             }
             self.finish(g);
             return Ok(());
@@ -2048,9 +2046,7 @@ impl Arena {
                         view(self.payload::<T>(p, a), mine_o + at, n)
                     }
                 });
-                if op == ReduceOp::Avg {
-                    T::divide_by(block, world);
-                }
+                finish_avg(op, block, world);
             },
             |block, at| unsafe {
                 // SAFETY: as above.
@@ -2169,9 +2165,7 @@ impl Arena {
         } else {
             fold_with_own(op, out, (me, world), own, staged);
         }
-        if op == ReduceOp::Avg {
-            T::divide_by(out, world);
-        }
+        finish_avg(op, out, world);
     }
 
     /// One lane call of a collective: posts `count` elements from `input`
@@ -2543,9 +2537,7 @@ impl Arena {
                     fold_with_own(op, block, (me, world), own, |p| unsafe {
                         view(arena.payload::<T>(p, g), me * per + at, n)
                     });
-                    if op == ReduceOp::Avg {
-                        T::divide_by(block, world);
-                    }
+                    finish_avg(op, block, world);
                 });
             }
             Ok(())
@@ -2698,9 +2690,7 @@ impl Arena {
                     fold_with_own(op, block, (me, world), own, |p| unsafe {
                         view(arena.payload::<T>(p, g), at, n)
                     });
-                    if op == ReduceOp::Avg {
-                        T::divide_by(block, world);
-                    }
+                    finish_avg(op, block, world);
                 });
             }
             Ok(())
@@ -3864,9 +3854,7 @@ impl Arena {
                         view_mut(outputs[self.rank], at, n)
                     };
                     self.fold_inputs(op, inputs, at, out, bufs.in_place, scratch);
-                    if op == ReduceOp::Avg {
-                        T::divide_by(out, world);
-                    }
+                    finish_avg(op, out, world);
                     for (p, &output) in outputs.iter().enumerate() {
                         if stream {
                             stream::copy_streaming_unfenced(out.as_ptr(), output.add(at), n);
@@ -3911,9 +3899,7 @@ impl Arena {
                 let stream = !bufs.in_place && streams::<T>(world * count);
                 write_out(stream, out, |block, at| {
                     self.fold_inputs(op, shifted, at, block, bufs.in_place, scratch);
-                    if op == ReduceOp::Avg {
-                        T::divide_by(block, world);
-                    }
+                    finish_avg(op, block, world);
                 });
             }
             self.peer_buffers = lists;
@@ -4064,9 +4050,7 @@ impl Arena {
                 let stream = !bufs.in_place && streams::<T>(count);
                 write_out(stream, out, |block, at| {
                     self.fold_inputs(op, inputs, at, block, bufs.in_place, scratch);
-                    if op == ReduceOp::Avg {
-                        T::divide_by(block, world);
-                    }
+                    finish_avg(op, block, world);
                 });
             }
             self.peer_buffers = lists;

@@ -5,6 +5,7 @@
 
 use std::time::Duration;
 
+use super::reduce::finish_avg;
 use crate::error::{Error, Result};
 use crate::schedule::{BufId, Plan, Span, Step};
 use crate::transport::{FrameHeader, Payload, Space, Transport, TransportError};
@@ -559,7 +560,9 @@ pub(crate) fn execute<T: Element>(
                     T::combine_assign(op, bufs.write(dst), &data);
                 }
             },
-            Step::DivideByWorld { span } => T::divide_by(bufs.write(span), info.world),
+            // The plans' last step of `Avg`; a type whose inputs were
+            // premultiplied skips it, as the arena's folds do.
+            Step::DivideByWorld { span } => finish_avg(ReduceOp::Avg, bufs.write(span), info.world),
         }
     }
     let flushed = transport

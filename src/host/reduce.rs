@@ -41,8 +41,32 @@ pub trait Kernels: Sized + Copy {
     fn combine_assign(op: ReduceOp, acc: &mut [Self], x: &[Self]);
     /// `acc[i] = x[i] ⊕ acc[i]`. `Avg` combines as `Sum`.
     fn combine_assign_rev(op: ReduceOp, acc: &mut [Self], x: &[Self]);
-    /// `acc[i] = acc[i] / n`: the final step of `Avg`.
+    /// `acc[i] = acc[i] / n`: the final step of `Avg` (for the types
+    /// whose `Avg` does not premultiply: see [`finish_avg`]).
     fn divide_by(acc: &mut [Self], n: usize);
+
+    /// Whether this type's `Avg` scales every rank's input by `1/world`
+    /// *before* the collective and then sums ([`premultiply_avg`]), as
+    /// NCCL's `ncclAvg` does for floats, rather than summing and dividing
+    /// once. True for `f16` alone: its sum passes 65504 (eight ranks of
+    /// 10000) where its mean does not, and an `inf` mean is useless. The
+    /// types with `f32`'s range (`bf16`, `f32`, `f64`) keep the one pass of
+    /// sum-then-divide; with a power-of-two world both methods give the
+    /// same bits (scaling by 2⁻ᵏ commutes with rounding, short of
+    /// underflow), and with another world they differ by rounding only.
+    ///
+    /// [`premultiply_avg`]: Kernels::premultiply_avg
+    const AVG_PREMULTIPLIES: bool = false;
+
+    /// `dst[i] = src[i] × s` with `s = 1/world` rounded to the type, the
+    /// product rounded once: NCCL's `PreMulSum` scaling (its scalar is
+    /// `__float2half(float(1.0/nRanks))`). Called only for the types whose
+    /// [`AVG_PREMULTIPLIES`](Kernels::AVG_PREMULTIPLIES) is true; the
+    /// others copy.
+    fn premultiply_avg(dst: &mut [Self], src: &[Self], world: usize) {
+        let _ = world;
+        dst.copy_from_slice(src);
+    }
 
     /// `d0[i] = d1[i] = x0[i] ⊕ x1[i]` for `i < n`: a two-rank all-reduce
     /// writing its share into both outputs. `Avg` combines as `Sum`.
@@ -105,6 +129,17 @@ pub trait Kernels: Sized + Copy {
 // but a reduction that runs from L1/L2 is about twice as fast 256 bits
 // wide, and the collectives spend their time in these loops and in memcpy
 // (which glibc already dispatches the same way).
+
+/// The end of an `Avg` fold, whose terms were combined as `Sum`: the
+/// division by the world size, unless the type's inputs were scaled by
+/// `1/world` before the collective ([`Kernels::AVG_PREMULTIPLIES`]). Every
+/// host path ends its `Avg` folds here, so they agree bit for bit.
+#[inline]
+pub fn finish_avg<T: Kernels>(op: ReduceOp, acc: &mut [T], world: usize) {
+    if op == ReduceOp::Avg && !T::AVG_PREMULTIPLIES {
+        T::divide_by(acc, world);
+    }
+}
 
 /// Whether the AVX2 versions may run (detected once, then a cached load).
 #[cfg(target_arch = "x86_64")]
@@ -706,7 +741,7 @@ mod convert {
 const HALF_BLOCK: usize = 1024;
 
 macro_rules! half_kernels {
-    ($($t:ty),*) => {$(
+    ($($t:ty => premultiplied Avg: $premultiplies:expr),*) => {$(
         impl Kernels for $t {
             fn combine_into(op: ReduceOp, out: &mut [Self], a: &[Self], b: &[Self]) {
                 debug_assert!(out.len() == a.len() && a.len() == b.len());
@@ -757,10 +792,29 @@ macro_rules! half_kernels {
                     Self::from_f32s(&fa[..len], a);
                 }
             }
+            const AVG_PREMULTIPLIES: bool = $premultiplies;
+            fn premultiply_avg(dst: &mut [Self], src: &[Self], world: usize) {
+                debug_assert_eq!(dst.len(), src.len());
+                if !Self::AVG_PREMULTIPLIES {
+                    return dst.copy_from_slice(src);
+                }
+                // The scalar as NCCL rounds it: 1/world in f64, then f32,
+                // then the type. A product of two 11-bit significands is
+                // exact in f32, so rounding it to the type once is the
+                // type's own multiplication.
+                let scalar = <$t>::from_f32((1.0 / world as f64) as f32).to_f32();
+                let mut fa = [0f32; HALF_BLOCK];
+                for (d, s) in dst.chunks_mut(HALF_BLOCK).zip(src.chunks(HALF_BLOCK)) {
+                    let len = d.len();
+                    Self::to_f32s(s, &mut fa[..len]);
+                    fa[..len].iter_mut().for_each(|v| *v *= scalar);
+                    Self::from_f32s(&fa[..len], d);
+                }
+            }
         }
     )*};
 }
-half_kernels!(half::f16, half::bf16);
+half_kernels!(half::f16 => premultiplied Avg: true, half::bf16 => premultiplied Avg: false);
 
 #[cfg(test)]
 mod tests {
@@ -1052,6 +1106,45 @@ mod tests {
             [-1, 0],
             "a divisor beyond the type's range still divides exactly"
         );
+    }
+
+    /// f16's Avg premultiplies as NCCL's `PreMulSum` (scalar
+    /// `__float2half(float(1.0/n))`, each product rounded once to f16),
+    /// over more than one conversion block; the other types copy, and
+    /// `finish_avg` divides only for them.
+    #[test]
+    fn f16_avg_premultiplies_and_the_others_divide_at_the_end() {
+        let n = HALF_BLOCK + 3;
+        let src: Vec<f16> = (0..n)
+            .map(|i| f16::from_f32(60000.0 - i as f32 * 7.0))
+            .collect();
+        for world in [2usize, 3, 7] {
+            let scalar = f16::from_f32((1.0 / world as f64) as f32);
+            let mut dst = vec![f16::ZERO; n];
+            f16::premultiply_avg(&mut dst, &src, world);
+            for (d, s) in dst.iter().zip(&src) {
+                let want = f16::from_f64(s.to_f64() * scalar.to_f64());
+                assert_eq!(d.to_bits(), want.to_bits(), "world {world}: {s} × {scalar}");
+            }
+        }
+        // 1/3 rounds to f16 first: 0.33325195, not 0.33333334.
+        let mut one = [f16::ZERO];
+        f16::premultiply_avg(&mut one, &[f16::from_f32(3.0)], 3);
+        assert_eq!(one[0], f16::from_f32(3.0 * 0.333_251_95));
+        let b: Vec<bf16> = (0..5).map(|i| bf16::from_f32(i as f32 + 0.5)).collect();
+        let mut copy = vec![bf16::ZERO; 5];
+        bf16::premultiply_avg(&mut copy, &b, 4);
+        assert_eq!(copy, b);
+
+        let mut h = [f16::from_f32(3.0)];
+        finish_avg(ReduceOp::Avg, &mut h, 2);
+        assert_eq!(h[0], f16::from_f32(3.0), "premultiplied: no division");
+        let mut g = [bf16::from_f32(3.0)];
+        finish_avg(ReduceOp::Avg, &mut g, 2);
+        assert_eq!(g[0], bf16::from_f32(1.5));
+        let mut x = [3.0f32];
+        finish_avg(ReduceOp::Sum, &mut x, 2);
+        assert_eq!(x[0], 3.0, "only Avg divides");
     }
 
     #[test]
