@@ -1,0 +1,173 @@
+//! One-pass reductions of `f16` and `bf16` on x86-64: eight elements per
+//! step are widened to `f32` in registers, combined, and rounded back,
+//! where the blocked kernels (`half_kernels!`) convert whole blocks into
+//! `f32` arrays in L1 and back, four passes over them. Same arithmetic,
+//! same bits: each `f32` operation here is the one `nan_sum`, `nan_prod`,
+//! `nan_min` and `nan_max` perform (the same compares and picks), and the
+//! conversions are the exact widening and the round-to-nearest-even
+//! narrowing of `convert` (F16C's `vcvtps2ph` with rounding 0; for `bf16`
+//! the integer rounding of `bf16_bits`, NaNs quieted). The test
+//! `fused_half_kernels_give_the_blocked_bits` holds them to it bit for bit.
+//!
+//! Each function runs whole steps of eight and returns how many elements
+//! it did; the caller finishes the rest (fewer than eight) the blocked way.
+
+use std::arch::x86_64::*;
+
+use crate::types::ReduceOp;
+
+/// The operator as a constant, so each one is its own loop.
+pub(super) const SUM: u8 = 0;
+pub(super) const PROD: u8 = 1;
+pub(super) const MIN: u8 = 2;
+pub(super) const MAX: u8 = 3;
+
+/// [`SUM`], [`PROD`], [`MIN`] or [`MAX`] for `op` (`Avg` combines as `Sum`).
+pub(super) fn code(op: ReduceOp) -> u8 {
+    match op.combining() {
+        ReduceOp::Sum | ReduceOp::Avg => SUM,
+        ReduceOp::Prod => PROD,
+        ReduceOp::Min => MIN,
+        ReduceOp::Max => MAX,
+    }
+}
+
+/// Lane-wise `a ⊕ b` with the NaN rules of the scalar folds: a sum or a
+/// product of a picked operand (`a` itself where `a` is NaN), and for
+/// min/max the first NaN quieted (`x + x`), else the scalar compare.
+#[inline(always)]
+unsafe fn apply<const OP: u8>(a: __m256, b: __m256) -> __m256 {
+    // SAFETY (every intrinsic here): the callers enable AVX2.
+    unsafe {
+        let a_nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(a, a);
+        match OP {
+            SUM => _mm256_add_ps(a, _mm256_blendv_ps(b, a, a_nan)),
+            PROD => _mm256_mul_ps(a, _mm256_blendv_ps(b, a, a_nan)),
+            _ => {
+                let any_nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(a, b);
+                let first = _mm256_blendv_ps(b, a, a_nan);
+                let quieted = _mm256_add_ps(first, first);
+                // nan_min: `if b < a { b } else { a }`; nan_max: `b > a`.
+                let take_b = if OP == MIN {
+                    _mm256_cmp_ps::<_CMP_LT_OQ>(b, a)
+                } else {
+                    _mm256_cmp_ps::<_CMP_GT_OQ>(b, a)
+                };
+                let ordered = _mm256_blendv_ps(a, b, take_b);
+                _mm256_blendv_ps(ordered, quieted, any_nan)
+            }
+        }
+    }
+}
+
+/// `out[i] = a[i] ⊕ b[i]` over `f16` bits, whole steps of eight; `out`
+/// may be `a` or `b` (each step loads before it stores).
+///
+/// # Safety
+/// The CPU must support AVX2 and F16C; each pointer is valid for `n`
+/// elements, and `out` is `a`, `b`, or apart from both.
+#[target_feature(enable = "avx2,f16c")]
+pub(super) unsafe fn zip_f16<const OP: u8>(
+    out: *mut u16,
+    a: *const u16,
+    b: *const u16,
+    n: usize,
+) -> usize {
+    let mut i = 0;
+    // SAFETY: i + 8 ≤ n for every access; the caller's contract.
+    unsafe {
+        while i + 8 <= n {
+            let x = _mm256_cvtph_ps(_mm_loadu_si128(a.add(i).cast()));
+            let y = _mm256_cvtph_ps(_mm_loadu_si128(b.add(i).cast()));
+            let r = apply::<OP>(x, y);
+            _mm_storeu_si128(
+                out.add(i).cast(),
+                _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(r),
+            );
+            i += 8;
+        }
+    }
+    i
+}
+
+/// Eight `bf16` (bits) at `p`, widened exactly to `f32`.
+#[inline(always)]
+unsafe fn load_bf16(p: *const u16) -> __m256 {
+    // SAFETY: the callers enable AVX2 and pass eight readable elements.
+    unsafe {
+        let wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast()));
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(wide))
+    }
+}
+
+/// Eight `f32` rounded to `bf16` as `convert::bf16_bits` rounds one
+/// (nearest even; a NaN keeps its top bits, quieted), stored at `p`.
+#[inline(always)]
+unsafe fn store_bf16(p: *mut u16, r: __m256) {
+    // SAFETY: the callers enable AVX2 and pass eight writable elements.
+    unsafe {
+        let x = _mm256_castps_si256(r);
+        let magnitude = _mm256_and_si256(x, _mm256_set1_epi32(0x7fff_ffff));
+        let nan = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7f80_0000));
+        let high = _mm256_srli_epi32::<16>(x);
+        let lowest_kept = _mm256_and_si256(high, _mm256_set1_epi32(1));
+        let bias = _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lowest_kept);
+        let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(x, bias));
+        let quiet_nan = _mm256_or_si256(high, _mm256_set1_epi32(0x0040));
+        let bits = _mm256_blendv_epi8(rounded, quiet_nan, nan);
+        // Every lane holds 0..=0xffff, so the saturating pack is exact;
+        // it packs within each 128-bit half, which the permute joins.
+        let packed = _mm256_packus_epi32(bits, bits);
+        let joined = _mm256_permute4x64_epi64::<0b1000>(packed);
+        _mm_storeu_si128(p.cast(), _mm256_castsi256_si128(joined));
+    }
+}
+
+/// As [`zip_f16`], over `bf16` bits.
+///
+/// # Safety
+/// The CPU must support AVX2; as [`zip_f16`] otherwise.
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn zip_bf16<const OP: u8>(
+    out: *mut u16,
+    a: *const u16,
+    b: *const u16,
+    n: usize,
+) -> usize {
+    let mut i = 0;
+    // SAFETY: i + 8 ≤ n for every access; the caller's contract.
+    unsafe {
+        while i + 8 <= n {
+            let r = apply::<OP>(load_bf16(a.add(i)), load_bf16(b.add(i)));
+            store_bf16(out.add(i), r);
+            i += 8;
+        }
+    }
+    i
+}
+
+/// `out[i] = a[i] × scalar` over `f16` bits, whole steps of eight: the
+/// premultiplied `Avg`'s scaling (`Kernels::premultiply_avg`), one
+/// `f32` product rounded once, as its blocked loop computes it.
+///
+/// # Safety
+/// The CPU must support AVX2 and F16C; each pointer is valid for `n`
+/// elements, and `out` is `a` or apart from it.
+#[target_feature(enable = "avx2,f16c")]
+pub(super) unsafe fn scale_f16(out: *mut u16, a: *const u16, scalar: f32, n: usize) -> usize {
+    let s = _mm256_set1_ps(scalar);
+    let mut i = 0;
+    // SAFETY: i + 8 ≤ n for every access; the caller's contract.
+    unsafe {
+        while i + 8 <= n {
+            let x = _mm256_cvtph_ps(_mm_loadu_si128(a.add(i).cast()));
+            let r = _mm256_mul_ps(x, s);
+            _mm_storeu_si128(
+                out.add(i).cast(),
+                _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(r),
+            );
+            i += 8;
+        }
+    }
+    i
+}
