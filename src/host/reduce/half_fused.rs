@@ -9,8 +9,9 @@
 //! the integer rounding of `bf16_bits`, NaNs quieted). The test
 //! `fused_half_kernels_give_the_blocked_bits` holds them to it bit for bit.
 //!
-//! Each function runs whole steps of eight and returns how many elements
-//! it did; the caller finishes the rest (fewer than eight) the blocked way.
+//! Each function runs whole steps (eight elements, sixteen for `bf16`) and
+//! returns how many elements it did; the caller finishes the rest the
+//! blocked way.
 
 use std::arch::x86_64::*;
 
@@ -90,21 +91,12 @@ pub(super) unsafe fn zip_f16<const OP: u8>(
     i
 }
 
-/// Eight `bf16` (bits) at `p`, widened exactly to `f32`.
-#[inline(always)]
-unsafe fn load_bf16(p: *const u16) -> __m256 {
-    // SAFETY: the callers enable AVX2 and pass eight readable elements.
-    unsafe {
-        let wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast()));
-        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(wide))
-    }
-}
-
 /// Eight `f32` rounded to `bf16` as `convert::bf16_bits` rounds one
-/// (nearest even; a NaN keeps its top bits, quieted), stored at `p`.
+/// (nearest even; a NaN keeps its top bits, quieted), each in the low half
+/// of its 32-bit lane.
 #[inline(always)]
-unsafe fn store_bf16(p: *mut u16, r: __m256) {
-    // SAFETY: the callers enable AVX2 and pass eight writable elements.
+unsafe fn narrow_bf16(r: __m256) -> __m256i {
+    // SAFETY: the callers enable AVX2.
     unsafe {
         let x = _mm256_castps_si256(r);
         let magnitude = _mm256_and_si256(x, _mm256_set1_epi32(0x7fff_ffff));
@@ -114,16 +106,15 @@ unsafe fn store_bf16(p: *mut u16, r: __m256) {
         let bias = _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lowest_kept);
         let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(x, bias));
         let quiet_nan = _mm256_or_si256(high, _mm256_set1_epi32(0x0040));
-        let bits = _mm256_blendv_epi8(rounded, quiet_nan, nan);
-        // Every lane holds 0..=0xffff, so the saturating pack is exact;
-        // it packs within each 128-bit half, which the permute joins.
-        let packed = _mm256_packus_epi32(bits, bits);
-        let joined = _mm256_permute4x64_epi64::<0b1000>(packed);
-        _mm_storeu_si128(p.cast(), _mm256_castsi256_si128(joined));
+        _mm256_blendv_epi8(rounded, quiet_nan, nan)
     }
 }
 
-/// As [`zip_f16`], over `bf16` bits.
+/// As [`zip_f16`], over `bf16` bits, sixteen at a time: interleaving a
+/// 256-bit load with zeros widens elements 0–3 and 8–11 (and 4–7, 12–15)
+/// exactly to `f32`, and the saturating pack of the two narrowed halves
+/// (every lane 0..=0xffff, so exact) puts them back in order, both
+/// working within each 128-bit half.
 ///
 /// # Safety
 /// The CPU must support AVX2; as [`zip_f16`] otherwise.
@@ -135,12 +126,23 @@ pub(super) unsafe fn zip_bf16<const OP: u8>(
     n: usize,
 ) -> usize {
     let mut i = 0;
-    // SAFETY: i + 8 ≤ n for every access; the caller's contract.
+    // SAFETY: i + 16 ≤ n for every access; the caller's contract.
     unsafe {
-        while i + 8 <= n {
-            let r = apply::<OP>(load_bf16(a.add(i)), load_bf16(b.add(i)));
-            store_bf16(out.add(i), r);
-            i += 8;
+        let zero = _mm256_setzero_si256();
+        while i + 16 <= n {
+            let x = _mm256_loadu_si256(a.add(i).cast());
+            let y = _mm256_loadu_si256(b.add(i).cast());
+            let low = apply::<OP>(
+                _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, x)),
+                _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, y)),
+            );
+            let high = apply::<OP>(
+                _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, x)),
+                _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, y)),
+            );
+            let packed = _mm256_packus_epi32(narrow_bf16(low), narrow_bf16(high));
+            _mm256_storeu_si256(out.add(i).cast(), packed);
+            i += 16;
         }
     }
     i
