@@ -1109,16 +1109,18 @@ impl Communicator {
     /// # Errors
     ///
     /// [`Error::InvalidArgument`] when the system will not allocate the
-    /// copy (nothing has been sent: the call has not started).
+    /// copy. Nothing has been sent, but the peers have entered the call
+    /// and this rank cannot follow them, so the communicator fails (they
+    /// learn it at once rather than at their timeout).
     fn premultiplied<'s, T: Element>(
-        &self,
+        &mut self,
         call: OpKind,
         scratch: &'s mut Vec<u64>,
         input: &[T],
     ) -> Result<&'s [T]> {
         let words = std::mem::size_of_val(input).div_ceil(8);
         if scratch.len() < words {
-            scratch
+            let reserved = scratch
                 .try_reserve_exact(words - scratch.len())
                 .map_err(|e| Error::InvalidArgument {
                     op: call,
@@ -1130,7 +1132,11 @@ impl Communicator {
                         input.len(),
                         T::DTYPE
                     ),
-                })?;
+                });
+            if let Err(e) = reserved {
+                self.fail(&e);
+                return Err(e);
+            }
             scratch.resize(words, 0);
         }
         let scaled: &mut [T] = &mut bytemuck::cast_slice_mut(&mut scratch[..words])[..input.len()];
@@ -1504,7 +1510,10 @@ impl Communicator {
     /// `all_reduce_in_place(&mut buf, ..)` on every rank) runs zero-copy:
     /// ranks fold straight out of each other's buffers. Between threads, and
     /// over TCP or with `OXCCL_ALGO=ring`, it is ordinary memory (threads
-    /// already run zero-copy on any buffer). See `docs/performance.md`.
+    /// already run zero-copy on any buffer). One exception across
+    /// processes: an `f16` Avg reduces a scaled copy of its input (see
+    /// [`ReduceOp::Avg`](crate::ReduceOp) in `types`), which no peer maps,
+    /// so it runs staged. See `docs/performance.md`.
     ///
     /// # Errors
     ///

@@ -5,7 +5,9 @@
 //! These hold on every backend oxccl has. Every rank of a call receives the
 //! same bits, and all-reduce equals reduce-scatter followed by all-gather bit
 //! for bit. Floating-point results are bit-equal across backends and
-//! algorithms only where they add the terms in one order: the shared arena
+//! algorithms only where they add the terms in one order and compute Avg
+//! one way (an `f16` Avg premultiplies on the host and NCCL and divides at
+//! the end on the cuda-ring: see the table): the shared arena
 //! and the direct (one-step) schedules fold in rank order, `((x0 ⊕ x1) ⊕ x2)
 //! ⊕ …`; a ring starts each chunk at a different rank (as NCCL's does, and
 //! the CUDA ring shares its plan), so the same call run as a ring (large
@@ -18,19 +20,21 @@
 //! | [`ReduceOp::Sum`] | wrapping (two's complement), as NCCL | IEEE addition | accumulate in `f32`, round to the type once per reduction step |
 //! | [`ReduceOp::Prod`] | wrapping multiplication | IEEE multiplication | as `Sum`, with `*` |
 //! | [`ReduceOp::Min`] / [`ReduceOp::Max`] | exact | exact; **NaN propagates**: if either operand is NaN the result is NaN | as floats (conversion to `f32` is exact) |
-//! | [`ReduceOp::Avg`] | wrapping sum, then truncating division (toward zero) by the world size | sum, then one division by the world size | `f16`: each rank's input × `f16(1/N)`, rounded (NCCL's premultiplied sum), then summed as `Sum`; `bf16`: sum as above, then `f32` division, rounded once |
+//! | [`ReduceOp::Avg`] | wrapping sum, then truncating division (toward zero) by the world size | sum, then one division by the world size | `f16`: each rank's input × `f16(1/N)`, rounded (NCCL's premultiplied sum), then summed as `Sum` (on the cuda-ring: as `bf16`); `bf16`: sum as above, then `f32` division, rounded once |
 //!
 //! Avg of `f16` scales every term by `1/N` before adding, as NCCL does, so
 //! ranks whose mean fits the type never average to `inf`: eight ranks each
 //! holding `10000` average to `10000`, though their sum passes 65504. On
 //! the host this costs one pass over the input into a scratch copy that the
-//! communicator keeps (calls in place run out of place from it, so an
-//! `f16` Avg on [`alloc_shared`](crate::Communicator::alloc_shared) buffers
-//! is staged, not zero-copy). `bf16`, `f32` and `f64`, whose range is at
-//! least `f32`'s, add in the element type and divide once, in one pass:
-//! with a power-of-two world this gives NCCL's bits (scaling by 2⁻ᵏ
-//! commutes with rounding, short of underflow); with another world the
-//! two methods round differently (`oxccl-check` allows for it on NCCL).
+//! communicator keeps, as large as the largest such input so far. Calls in
+//! place run out of place from it, so across processes an `f16` Avg on
+//! [`alloc_shared`](crate::Communicator::alloc_shared) buffers no longer
+//! runs zero-copy (between threads it still does). `bf16`, `f32` and
+//! `f64`, whose range is at least `f32`'s, add in the element type and
+//! divide once, in one pass: with a power-of-two world this gives NCCL's
+//! bits (scaling by 2⁻ᵏ commutes with rounding, short of underflow); with
+//! another world the two methods round differently (`oxccl-check` allows
+//! for it on NCCL).
 //! The cuda-ring backend sums and then divides for every type.
 //!
 //! NaN propagation in Min/Max follows PyTorch's `torch.min`/`torch.max`

@@ -50,8 +50,6 @@ pub fn cases(world: usize) -> Vec<Case> {
     out
 }
 
-/// One case on a paired host and device rank; returns (host, device) bits
-/// of the part of the output the collective defines.
 /// The host operator whose result is `dev`'s for `op`: the cuda-ring sums
 /// and then divides an `Avg` for every type, while the host premultiplies
 /// an `f16` Avg (as NCCL does; `src/types.rs`), so for those types against
@@ -64,6 +62,8 @@ fn host_op<T: Element>(dev: &DeviceCommunicator, op: ReduceOp) -> ReduceOp {
     }
 }
 
+/// One case on a paired host and device rank; returns (host, device) bits
+/// of the part of the output the collective defines.
 pub fn run_case<T: Element + DeviceRepr>(
     host: &mut Communicator,
     dev: &mut DeviceCommunicator,
