@@ -380,10 +380,25 @@ pub struct Communicator {
     /// with `OXCCL_ALGO=ring`; split groups get one through the parent's).
     arena: Option<Arena>,
     /// Where an `Avg` of a premultiplying type scales its input before the
-    /// call ([`Communicator::premultiplied`]); kept between calls, as large
+    /// call ([`Communicator::scaled_input`]); kept between calls, as large
     /// as the largest such input so far. `u64`s, for any element's alignment.
     avg_scratch: Vec<u64>,
     _not_sync: PhantomData<Cell<()>>,
+}
+
+/// A rank's input scaled for a premultiplied `Avg`, in the communicator's
+/// scratch (`u64` words, for any element's alignment), which it holds for
+/// the call ([`Communicator::scaled_input`]).
+struct ScaledInput<T> {
+    words: Vec<u64>,
+    len: usize,
+    _element: PhantomData<T>,
+}
+
+impl<T: Element> ScaledInput<T> {
+    fn elements(&self) -> &[T] {
+        &bytemuck::cast_slice(&self.words)[..self.len]
+    }
 }
 
 /// Builds communicators with explicit settings.
@@ -1100,11 +1115,11 @@ impl Communicator {
         op == ReduceOp::Avg && T::AVG_PREMULTIPLIES && self.world > 1
     }
 
-    /// `input` scaled by `1/world` into `scratch` (grown as needed, never
-    /// shrunk: no allocation once the largest input has been seen), for
-    /// the premultiplied `Avg` ([`premultiplies`](Self::premultiplies)).
-    /// The caller takes `scratch` out of the communicator for the call and
-    /// puts it back after.
+    /// `input` scaled by `1/world` (the premultiplied `Avg`:
+    /// [`premultiplies`](Self::premultiplies)), in the communicator's
+    /// scratch, which the copy holds until [`keep_scratch`](Self::keep_scratch)
+    /// gives it back. The scratch grows as needed and never shrinks: no
+    /// allocation once the largest such input has been seen.
     ///
     /// # Errors
     ///
@@ -1112,17 +1127,13 @@ impl Communicator {
     /// copy. Nothing has been sent, but the peers have entered the call
     /// and this rank cannot follow them, so the communicator fails (they
     /// learn it at once rather than at their timeout).
-    fn premultiplied<'s, T: Element>(
-        &mut self,
-        call: OpKind,
-        scratch: &'s mut Vec<u64>,
-        input: &[T],
-    ) -> Result<&'s [T]> {
-        let words = std::mem::size_of_val(input).div_ceil(8);
-        if scratch.len() < words {
-            let reserved = scratch
-                .try_reserve_exact(words - scratch.len())
-                .map_err(|e| Error::InvalidArgument {
+    fn scaled_input<T: Element>(&mut self, call: OpKind, input: &[T]) -> Result<ScaledInput<T>> {
+        let mut words = std::mem::take(&mut self.avg_scratch);
+        let needed = std::mem::size_of_val(input).div_ceil(8);
+        if words.len() < needed {
+            if let Err(e) = words.try_reserve_exact(needed - words.len()) {
+                self.avg_scratch = words;
+                let error = Error::InvalidArgument {
                     op: call,
                     rank: self.rank,
                     arg: "len",
@@ -1132,16 +1143,24 @@ impl Communicator {
                         input.len(),
                         T::DTYPE
                     ),
-                });
-            if let Err(e) = reserved {
-                self.fail(&e);
-                return Err(e);
+                };
+                self.fail(&error);
+                return Err(error);
             }
-            scratch.resize(words, 0);
+            words.resize(needed, 0);
         }
-        let scaled: &mut [T] = &mut bytemuck::cast_slice_mut(&mut scratch[..words])[..input.len()];
+        let scaled: &mut [T] = &mut bytemuck::cast_slice_mut(&mut words[..needed])[..input.len()];
         T::premultiply_avg(scaled, input, self.world);
-        Ok(scaled)
+        Ok(ScaledInput {
+            words,
+            len: input.len(),
+            _element: PhantomData,
+        })
+    }
+
+    /// Gives the scratch that `scaled` holds back to the communicator.
+    fn keep_scratch<T>(&mut self, scaled: ScaledInput<T>) {
+        self.avg_scratch = scaled.words;
     }
 
     /// All-reduce: `recv[i]` = `op` over every rank's `send[i]`.
@@ -1157,12 +1176,9 @@ impl Communicator {
         op: ReduceOp,
     ) -> Result<()> {
         if self.premultiplies::<T>(op) && send.len() == recv.len() {
-            let mut scratch = std::mem::take(&mut self.avg_scratch);
-            let result = match self.premultiplied(OpKind::AllReduce, &mut scratch, send) {
-                Ok(scaled) => self.all_reduce_as_given(scaled, recv, op),
-                Err(e) => Err(e),
-            };
-            self.avg_scratch = scratch;
+            let scaled = self.scaled_input(OpKind::AllReduce, send)?;
+            let result = self.all_reduce_as_given(scaled.elements(), recv, op);
+            self.keep_scratch(scaled);
             return result;
         }
         self.all_reduce_as_given(send, recv, op)
@@ -1203,12 +1219,9 @@ impl Communicator {
         if self.premultiplies::<T>(op) {
             // Out of place from the scaled copy: `buf` keeps its values
             // until the call writes the result (a refused call leaves it).
-            let mut scratch = std::mem::take(&mut self.avg_scratch);
-            let result = match self.premultiplied(OpKind::AllReduce, &mut scratch, buf) {
-                Ok(scaled) => self.all_reduce_as_given(scaled, buf, op),
-                Err(e) => Err(e),
-            };
-            self.avg_scratch = scratch;
+            let scaled = self.scaled_input(OpKind::AllReduce, buf)?;
+            let result = self.all_reduce_as_given(scaled.elements(), buf, op);
+            self.keep_scratch(scaled);
             return result;
         }
         // Both pointers come from one `as_mut_ptr`: a second reborrow of
@@ -1244,12 +1257,9 @@ impl Communicator {
         op: ReduceOp,
     ) -> Result<()> {
         if self.premultiplies::<T>(op) && send.len() == recv.len() * self.world {
-            let mut scratch = std::mem::take(&mut self.avg_scratch);
-            let result = match self.premultiplied(OpKind::ReduceScatter, &mut scratch, send) {
-                Ok(scaled) => self.reduce_scatter_as_given(scaled, recv, op),
-                Err(e) => Err(e),
-            };
-            self.avg_scratch = scratch;
+            let scaled = self.scaled_input(OpKind::ReduceScatter, send)?;
+            let result = self.reduce_scatter_as_given(scaled.elements(), recv, op);
+            self.keep_scratch(scaled);
             return result;
         }
         self.reduce_scatter_as_given(send, recv, op)
@@ -1286,12 +1296,9 @@ impl Communicator {
         if self.premultiplies::<T>(op) && buf.len().is_multiple_of(self.world) {
             let part = buf.len() / self.world;
             let mine = self.rank * part..(self.rank + 1) * part;
-            let mut scratch = std::mem::take(&mut self.avg_scratch);
-            let result = match self.premultiplied(OpKind::ReduceScatter, &mut scratch, buf) {
-                Ok(scaled) => self.reduce_scatter_as_given(scaled, &mut buf[mine], op),
-                Err(e) => Err(e),
-            };
-            self.avg_scratch = scratch;
+            let scaled = self.scaled_input(OpKind::ReduceScatter, buf)?;
+            let result = self.reduce_scatter_as_given(scaled.elements(), &mut buf[mine], op);
+            self.keep_scratch(scaled);
             return result;
         }
         let desc = self
@@ -1374,12 +1381,9 @@ impl Communicator {
         root: Rank,
     ) -> Result<()> {
         if self.premultiplies::<T>(op) {
-            let mut scratch = std::mem::take(&mut self.avg_scratch);
-            let result = match self.premultiplied(OpKind::Reduce, &mut scratch, send) {
-                Ok(scaled) => self.reduce_as_given(scaled, recv, op, root),
-                Err(e) => Err(e),
-            };
-            self.avg_scratch = scratch;
+            let scaled = self.scaled_input(OpKind::Reduce, send)?;
+            let result = self.reduce_as_given(scaled.elements(), recv, op, root);
+            self.keep_scratch(scaled);
             return result;
         }
         self.reduce_as_given(send, recv, op, root)
@@ -1418,12 +1422,9 @@ impl Communicator {
         if self.premultiplies::<T>(op) {
             // Off the root `buf` stays as it is: an out-of-place reduce
             // leaves a non-root's output alone.
-            let mut scratch = std::mem::take(&mut self.avg_scratch);
-            let result = match self.premultiplied(OpKind::Reduce, &mut scratch, buf) {
-                Ok(scaled) => self.reduce_as_given(scaled, buf, op, root),
-                Err(e) => Err(e),
-            };
-            self.avg_scratch = scratch;
+            let scaled = self.scaled_input(OpKind::Reduce, buf)?;
+            let result = self.reduce_as_given(scaled.elements(), buf, op, root);
+            self.keep_scratch(scaled);
             return result;
         }
         let desc = self
