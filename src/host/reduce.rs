@@ -76,10 +76,12 @@ pub trait Kernels: Sized + Copy {
     /// `f32`, `f64` and the integers do it in one pass (C loops of both
     /// forms on one Zen 4 core, a 128 KiB share from L2, any relative
     /// alignment: 2.3 µs in one pass against 3.3–3.4 folding 8 KiB blocks
-    /// and copying them); the 16-bit floats fold and then copy.
+    /// and copying them); so do the 16-bit floats where AVX2 (and F16C)
+    /// allow, in steps of eight or sixteen (`half_fused`), the rest folded
+    /// and then copied (`fold_then_copy`).
     ///
     /// `walk` is the order in which the one-pass kernels visit the
-    /// elements (the 16-bit floats' two passes always walk up).
+    /// elements (the two-pass folds always walk up).
     ///
     /// # Safety
     /// Each pointer is valid for `n` elements; `d0` is `x0` or lies apart
@@ -87,41 +89,58 @@ pub trait Kernels: Sized + Copy {
     /// others (a rank's output is its input in place, or its own buffer).
     unsafe fn combine_into_both(
         op: ReduceOp,
-        (d0, d1): (*mut Self, *mut Self),
-        (x0, x1): (*const Self, *const Self),
+        d: (*mut Self, *mut Self),
+        x: (*const Self, *const Self),
         n: usize,
         _walk: Walk,
     ) {
-        // SAFETY: the caller's contract; each branch forms one mutable and
-        // one shared slice that do not overlap.
-        unsafe {
-            let folded = if std::ptr::eq(d0, x0) {
-                Self::combine_assign(
-                    op,
-                    std::slice::from_raw_parts_mut(d0, n),
-                    std::slice::from_raw_parts(x1, n),
-                );
-                d0
-            } else if std::ptr::eq(d1, x1) {
-                Self::combine_assign_rev(
-                    op,
-                    std::slice::from_raw_parts_mut(d1, n),
-                    std::slice::from_raw_parts(x0, n),
-                );
-                d1
-            } else {
-                Self::combine_into(
-                    op,
-                    std::slice::from_raw_parts_mut(d0, n),
-                    std::slice::from_raw_parts(x0, n),
-                    std::slice::from_raw_parts(x1, n),
-                );
-                d0
-            };
-            for d in [d0, d1] {
-                if !std::ptr::eq(d, folded) {
-                    std::ptr::copy_nonoverlapping(folded, d, n);
-                }
+        // SAFETY: the caller's contract.
+        unsafe { fold_then_copy(op, d, x, n) }
+    }
+}
+
+/// [`Kernels::combine_into_both`] in two passes: the share folded into one
+/// output (the one that is its own input, in place), then copied into the
+/// other. The types without a one-pass form use it, and the 16-bit floats
+/// for what their one-pass steps leave.
+///
+/// # Safety
+/// As [`Kernels::combine_into_both`].
+unsafe fn fold_then_copy<T: Kernels>(
+    op: ReduceOp,
+    (d0, d1): (*mut T, *mut T),
+    (x0, x1): (*const T, *const T),
+    n: usize,
+) {
+    // SAFETY: the caller's contract; each branch forms one mutable and
+    // one shared slice that do not overlap.
+    unsafe {
+        let folded = if std::ptr::eq(d0, x0) {
+            T::combine_assign(
+                op,
+                std::slice::from_raw_parts_mut(d0, n),
+                std::slice::from_raw_parts(x1, n),
+            );
+            d0
+        } else if std::ptr::eq(d1, x1) {
+            T::combine_assign_rev(
+                op,
+                std::slice::from_raw_parts_mut(d1, n),
+                std::slice::from_raw_parts(x0, n),
+            );
+            d1
+        } else {
+            T::combine_into(
+                op,
+                std::slice::from_raw_parts_mut(d0, n),
+                std::slice::from_raw_parts(x0, n),
+                std::slice::from_raw_parts(x1, n),
+            );
+            d0
+        };
+        for d in [d0, d1] {
+            if !std::ptr::eq(d, folded) {
+                std::ptr::copy_nonoverlapping(folded, d, n);
             }
         }
     }
@@ -736,6 +755,20 @@ mod convert {
             b: *const Self,
             n: usize,
         ) -> usize;
+        /// `d0[i] = d1[i] = x0[i] ⊕ x1[i]` in one pass where the CPU
+        /// allows, whole steps walking up or `down`: returns how many
+        /// elements it did (the first that many walking up, the last
+        /// walking down).
+        ///
+        /// # Safety
+        /// As [`Kernels::combine_into_both`](super::Kernels::combine_into_both).
+        unsafe fn zip_both_fused(
+            op: ReduceOp,
+            d: (*mut Self, *mut Self),
+            x: (*const Self, *const Self),
+            n: usize,
+            down: bool,
+        ) -> usize;
         /// `out[i] = a[i] × scalar` (an `f32` product, rounded once) in one
         /// pass where the CPU allows, as [`zip_fused`](Half::zip_fused):
         /// returns how many elements it did.
@@ -745,18 +778,17 @@ mod convert {
         unsafe fn scale_fused(out: *mut Self, a: *const Self, scalar: f32, n: usize) -> usize;
     }
 
-    /// Runs `$zip::<OP>` for `op`'s code on the 16-bit bits of three
-    /// pointers (see [`Half::zip_fused`]).
+    /// Calls `$f::<OP>(args…)` (a `half_fused` kernel) with `OP` the code
+    /// of the reduction operator `$op`.
     #[cfg(target_arch = "x86_64")]
-    macro_rules! zip_for_op {
-        ($zip:ident, $op:expr, $out:expr, $a:expr, $b:expr, $n:expr) => {{
-            use super::half_fused::{code, $zip, MAX, MIN, PROD, SUM};
-            let (out, a, b) = ($out.cast::<u16>(), $a.cast::<u16>(), $b.cast::<u16>());
+    macro_rules! for_op {
+        ($f:ident, $op:expr, ($($arg:expr),*)) => {{
+            use super::half_fused::{code, $f, MAX, MIN, PROD, SUM};
             match code($op) {
-                SUM => $zip::<SUM>(out, a, b, $n),
-                PROD => $zip::<PROD>(out, a, b, $n),
-                MIN => $zip::<MIN>(out, a, b, $n),
-                _ => $zip::<MAX>(out, a, b, $n),
+                SUM => $f::<SUM>($($arg),*),
+                PROD => $f::<PROD>($($arg),*),
+                MIN => $f::<MIN>($($arg),*),
+                _ => $f::<MAX>($($arg),*),
             }
         }};
     }
@@ -773,7 +805,23 @@ mod convert {
             #[cfg(target_arch = "x86_64")]
             if has_f16c() && super::has_avx2() {
                 // SAFETY: AVX2 and F16C are present; the caller's contract.
-                return unsafe { zip_for_op!(zip_f16, op, out, a, b, n) };
+                return unsafe { for_op!(zip_f16, op, (out.cast(), a.cast(), b.cast(), n)) };
+            }
+            0
+        }
+        #[allow(unused_variables)]
+        unsafe fn zip_both_fused(
+            op: ReduceOp,
+            d: (*mut Self, *mut Self),
+            x: (*const Self, *const Self),
+            n: usize,
+            down: bool,
+        ) -> usize {
+            #[cfg(target_arch = "x86_64")]
+            if has_f16c() && super::has_avx2() {
+                let (d, x) = ((d.0.cast(), d.1.cast()), (x.0.cast(), x.1.cast()));
+                // SAFETY: AVX2 and F16C are present; the caller's contract.
+                return unsafe { for_op!(zip_both_f16, op, (d, x, n, down)) };
             }
             0
         }
@@ -805,7 +853,23 @@ mod convert {
             #[cfg(target_arch = "x86_64")]
             if super::has_avx2() {
                 // SAFETY: AVX2 is present; the caller's contract.
-                return unsafe { zip_for_op!(zip_bf16, op, out, a, b, n) };
+                return unsafe { for_op!(zip_bf16, op, (out.cast(), a.cast(), b.cast(), n)) };
+            }
+            0
+        }
+        #[allow(unused_variables)]
+        unsafe fn zip_both_fused(
+            op: ReduceOp,
+            d: (*mut Self, *mut Self),
+            x: (*const Self, *const Self),
+            n: usize,
+            down: bool,
+        ) -> usize {
+            #[cfg(target_arch = "x86_64")]
+            if super::has_avx2() {
+                let (d, x) = ((d.0.cast(), d.1.cast()), (x.0.cast(), x.1.cast()));
+                // SAFETY: AVX2 is present; the caller's contract.
+                return unsafe { for_op!(zip_both_bf16, op, (d, x, n, down)) };
             }
             0
         }
@@ -874,6 +938,17 @@ macro_rules! half_kernels {
                     Self::to_f32s(x, &mut fb[..n]);
                     f32::combine_assign_rev(op, &mut fa[..n], &fb[..n]);
                     Self::from_f32s(&fa[..n], a);
+                }
+            }
+            unsafe fn combine_into_both(op: ReduceOp, d: (*mut Self, *mut Self), x: (*const Self, *const Self), n: usize, walk: Walk) {
+                let down = walk == Walk::Down;
+                // SAFETY: the caller's contract; the one-pass steps cover
+                // the first `done` elements walking up, the last walking
+                // down, and the two-pass fold takes the others.
+                unsafe {
+                    let done = Self::zip_both_fused(op, d, x, n, down);
+                    let skip = if down { 0 } else { done };
+                    fold_then_copy(op, (d.0.add(skip), d.1.add(skip)), (x.0.add(skip), x.1.add(skip)), n - done);
                 }
             }
             fn divide_by(acc: &mut [Self], n: usize) {
@@ -1351,6 +1426,34 @@ mod tests {
                 let mut acc = a.to_vec();
                 T::combine_assign_rev(op, &mut acc, b);
                 assert_eq!(bits(&acc), bits(&want_rev), "{op} assign_rev, n {n}");
+                // Both outputs, walking either way: apart from the inputs,
+                // and in place on either side.
+                for walk in [Walk::Up, Walk::Down] {
+                    for in_place in [None, Some(0), Some(1)] {
+                        let (mut x0, mut x1) = (a.to_vec(), b.to_vec());
+                        let (mut o0, mut o1) = (vec![from_f32(0.0); n], vec![from_f32(0.0); n]);
+                        let d0 = if in_place == Some(0) {
+                            x0.as_mut_ptr()
+                        } else {
+                            o0.as_mut_ptr()
+                        };
+                        let d1 = if in_place == Some(1) {
+                            x1.as_mut_ptr()
+                        } else {
+                            o1.as_mut_ptr()
+                        };
+                        // SAFETY: every buffer holds n elements; an output
+                        // is its own input or apart from the others.
+                        unsafe {
+                            T::combine_into_both(op, (d0, d1), (x0.as_ptr(), x1.as_ptr()), n, walk)
+                        };
+                        let out0 = if in_place == Some(0) { &x0 } else { &o0 };
+                        let out1 = if in_place == Some(1) { &x1 } else { &o1 };
+                        let what = format!("{op} both, {walk:?}, in place {in_place:?}, n {n}");
+                        assert_eq!(bits(out0), bits(&want), "{what}: first output");
+                        assert_eq!(bits(out1), bits(&want), "{what}: second output");
+                    }
+                }
             }
         }
     }

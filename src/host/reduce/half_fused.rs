@@ -61,6 +61,19 @@ unsafe fn apply<const OP: u8>(a: __m256, b: __m256) -> __m256 {
     }
 }
 
+/// Eight `f16` at `a` and `b` widened, combined and narrowed (nearest
+/// even): the eight results' bits.
+#[inline(always)]
+unsafe fn f16_step<const OP: u8>(a: *const u16, b: *const u16) -> __m128i {
+    // SAFETY: the callers enable AVX2 and F16C and pass eight readable
+    // elements at each pointer.
+    unsafe {
+        let x = _mm256_cvtph_ps(_mm_loadu_si128(a.cast()));
+        let y = _mm256_cvtph_ps(_mm_loadu_si128(b.cast()));
+        _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(apply::<OP>(x, y))
+    }
+}
+
 /// `out[i] = a[i] ⊕ b[i]` over `f16` bits, whole steps of eight; `out`
 /// may be `a` or `b` (each step loads before it stores).
 ///
@@ -78,13 +91,7 @@ pub(super) unsafe fn zip_f16<const OP: u8>(
     // SAFETY: i + 8 ≤ n for every access; the caller's contract.
     unsafe {
         while i + 8 <= n {
-            let x = _mm256_cvtph_ps(_mm_loadu_si128(a.add(i).cast()));
-            let y = _mm256_cvtph_ps(_mm_loadu_si128(b.add(i).cast()));
-            let r = apply::<OP>(x, y);
-            _mm_storeu_si128(
-                out.add(i).cast(),
-                _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(r),
-            );
+            _mm_storeu_si128(out.add(i).cast(), f16_step::<OP>(a.add(i), b.add(i)));
             i += 8;
         }
     }
@@ -110,11 +117,32 @@ unsafe fn narrow_bf16(r: __m256) -> __m256i {
     }
 }
 
-/// As [`zip_f16`], over `bf16` bits, sixteen at a time: interleaving a
-/// 256-bit load with zeros widens elements 0–3 and 8–11 (and 4–7, 12–15)
-/// exactly to `f32`, and the saturating pack of the two narrowed halves
-/// (every lane 0..=0xffff, so exact) puts them back in order, both
-/// working within each 128-bit half.
+/// Sixteen `bf16` at `a` and `b` combined: interleaving a 256-bit load
+/// with zeros widens elements 0–3 and 8–11 (and 4–7, 12–15) exactly to
+/// `f32`, and the saturating pack of the two narrowed halves (every lane
+/// 0..=0xffff, so exact) puts the results back in order, both working
+/// within each 128-bit half.
+#[inline(always)]
+unsafe fn bf16_step<const OP: u8>(a: *const u16, b: *const u16) -> __m256i {
+    // SAFETY: the callers enable AVX2 and pass sixteen readable elements
+    // at each pointer.
+    unsafe {
+        let zero = _mm256_setzero_si256();
+        let x = _mm256_loadu_si256(a.cast());
+        let y = _mm256_loadu_si256(b.cast());
+        let low = apply::<OP>(
+            _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, x)),
+            _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, y)),
+        );
+        let high = apply::<OP>(
+            _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, x)),
+            _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, y)),
+        );
+        _mm256_packus_epi32(narrow_bf16(low), narrow_bf16(high))
+    }
+}
+
+/// As [`zip_f16`], over `bf16` bits, sixteen at a time ([`bf16_step`]).
 ///
 /// # Safety
 /// The CPU must support AVX2; as [`zip_f16`] otherwise.
@@ -128,20 +156,8 @@ pub(super) unsafe fn zip_bf16<const OP: u8>(
     let mut i = 0;
     // SAFETY: i + 16 ≤ n for every access; the caller's contract.
     unsafe {
-        let zero = _mm256_setzero_si256();
         while i + 16 <= n {
-            let x = _mm256_loadu_si256(a.add(i).cast());
-            let y = _mm256_loadu_si256(b.add(i).cast());
-            let low = apply::<OP>(
-                _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, x)),
-                _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, y)),
-            );
-            let high = apply::<OP>(
-                _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, x)),
-                _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, y)),
-            );
-            let packed = _mm256_packus_epi32(narrow_bf16(low), narrow_bf16(high));
-            _mm256_storeu_si256(out.add(i).cast(), packed);
+            _mm256_storeu_si256(out.add(i).cast(), bf16_step::<OP>(a.add(i), b.add(i)));
             i += 16;
         }
     }
@@ -172,4 +188,74 @@ pub(super) unsafe fn scale_f16(out: *mut u16, a: *const u16, scalar: f32, n: usi
         }
     }
     i
+}
+
+/// The steps of a two-output fold (`Kernels::combine_into_both`): walking
+/// up, steps at 0, `step`, … while whole; walking down, steps ending at
+/// `n`, `n - step`, … Returns how many elements the steps cover: the
+/// first that many walking up, the last that many walking down.
+#[inline(always)]
+fn both_steps(n: usize, step: usize, down: bool, mut each: impl FnMut(usize)) -> usize {
+    let whole = n / step * step;
+    if down {
+        let mut i = n;
+        while i >= step && i - step >= n - whole {
+            i -= step;
+            each(i);
+        }
+    } else {
+        let mut i = 0;
+        while i + step <= n {
+            each(i);
+            i += step;
+        }
+    }
+    whole
+}
+
+/// `d0[i] = d1[i] = x0[i] ⊕ x1[i]` over `f16` bits in whole steps of
+/// eight, walking up or `down` (see [`both_steps`]); returns how many
+/// elements it did.
+///
+/// # Safety
+/// The CPU must support AVX2 and F16C; each pointer is valid for `n`
+/// elements; `d0` is `x0` or apart from all three others, `d1` is `x1` or
+/// apart from all three others.
+#[target_feature(enable = "avx2,f16c")]
+pub(super) unsafe fn zip_both_f16<const OP: u8>(
+    (d0, d1): (*mut u16, *mut u16),
+    (x0, x1): (*const u16, *const u16),
+    n: usize,
+    down: bool,
+) -> usize {
+    both_steps(n, 8, down, |i| {
+        // SAFETY: i + 8 ≤ n; both loads precede both stores.
+        unsafe {
+            let r = f16_step::<OP>(x0.add(i), x1.add(i));
+            _mm_storeu_si128(d0.add(i).cast(), r);
+            _mm_storeu_si128(d1.add(i).cast(), r);
+        }
+    })
+}
+
+/// As [`zip_both_f16`], over `bf16` bits in steps of sixteen (widened and
+/// packed as [`bf16_step`] does).
+///
+/// # Safety
+/// The CPU must support AVX2; as [`zip_both_f16`] otherwise.
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn zip_both_bf16<const OP: u8>(
+    (d0, d1): (*mut u16, *mut u16),
+    (x0, x1): (*const u16, *const u16),
+    n: usize,
+    down: bool,
+) -> usize {
+    both_steps(n, 16, down, |i| {
+        // SAFETY: i + 16 ≤ n; both loads precede both stores.
+        unsafe {
+            let r = bf16_step::<OP>(x0.add(i), x1.add(i));
+            _mm256_storeu_si256(d0.add(i).cast(), r);
+            _mm256_storeu_si256(d1.add(i).cast(), r);
+        }
+    })
 }
