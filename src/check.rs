@@ -72,13 +72,20 @@ pub fn reduced_value<T: Element>(world: usize, index: usize, op: ReduceOp) -> T 
 /// reduction over `world` ranks: every partial result an integer the type
 /// holds. Not for bf16 sums of more than 85 ranks (values up to 3 pass
 /// 256, past which bf16 rounds at each step, by the fold order) nor f16
-/// sums of more than 682 (2048). Nor for a float Avg over a world that is
-/// not a power of two once the premultiplied Avg's [`tolerance`] (NCCL's,
-/// and the host's for f16) reaches a quarter of what one missing rank
-/// moves the mean (at least 1/(2·world) of it with these inputs): a wider
-/// check would pass a result that dropped a rank. For f16 that is from 17
-/// ranks, bf16 from 6, f32 from about 1450.
-pub fn exactly_checkable(dtype: crate::types::DType, op: ReduceOp, world: usize) -> bool {
+/// sums of more than 682 (2048). Nor, where the backend premultiplies
+/// its Avg (`premultiplied_avg`: NCCL's floats, the host's f16), for an
+/// Avg that [`tolerance`] checks only to within 1/(4·world): one missing
+/// rank moves the mean by at least 1/(3·world) of it with these inputs
+/// (a term of at least 1 in a sum of at most 3·world), which a wider
+/// tolerance, less the result's own rounding, would let pass. For f16 that
+/// is from 17 ranks (16 is a power of two, checked exactly), bf16 from 6,
+/// f32 from about 1450.
+pub fn exactly_checkable(
+    dtype: crate::types::DType,
+    op: ReduceOp,
+    world: usize,
+    premultiplied_avg: bool,
+) -> bool {
     use crate::types::DType;
     let epsilon = match dtype {
         DType::BF16 => f64::from(bf16::EPSILON),
@@ -87,10 +94,13 @@ pub fn exactly_checkable(dtype: crate::types::DType, op: ReduceOp, world: usize)
         DType::F64 => f64::EPSILON,
         _ => 0.0,
     };
-    if op == ReduceOp::Avg
-        && !world.is_power_of_two()
-        && (world + 1) as f64 * epsilon * 4.0 * world as f64 >= 1.0
-    {
+    // As `tolerance` (which is generic over the element type).
+    let relative = if premultiplied_avg && op == ReduceOp::Avg && !world.is_power_of_two() {
+        (world + 1) as f64 * epsilon
+    } else {
+        0.0
+    };
+    if relative * 4.0 * world as f64 >= 1.0 {
         return false;
     }
     let exact_sum_ranks = match dtype {
@@ -259,11 +269,12 @@ pub fn every_collective<T: Element>(
     let (rank, world) = (comm.rank(), comm.world_size());
     check_counts::<T>(counts, rank, world)?;
     for &count in counts {
-        // Sums with no closed form (half precision over many ranks) are
-        // skipped: they round by the fold order.
+        // Sums with no closed form (half precision over many ranks: they
+        // round by the fold order), and premultiplied Avgs whose tolerance
+        // could hide a missing rank, are skipped (`exactly_checkable`).
         for op in ReduceOp::ALL
             .into_iter()
-            .filter(|&op| exactly_checkable(T::DTYPE, op, world))
+            .filter(|&op| exactly_checkable(T::DTYPE, op, world, T::AVG_PREMULTIPLIES))
         {
             let ctx = || format!("{} {op} count {count} world {world}", T::DTYPE);
             // all_reduce
@@ -417,7 +428,7 @@ pub fn every_collective_shared<T: Element>(
         let bytes = count * std::mem::size_of::<T>();
         for op in ReduceOp::ALL
             .into_iter()
-            .filter(|&op| exactly_checkable(T::DTYPE, op, world))
+            .filter(|&op| exactly_checkable(T::DTYPE, op, world, T::AVG_PREMULTIPLIES))
         {
             let ctx = || {
                 format!(
@@ -782,24 +793,44 @@ mod tests {
     /// Avg needs a tolerance.
     #[test]
     fn closed_forms_and_tolerances() {
-        assert!(exactly_checkable(bf16::DTYPE, ReduceOp::Sum, 85));
-        assert!(!exactly_checkable(bf16::DTYPE, ReduceOp::Avg, 86));
-        assert!(exactly_checkable(bf16::DTYPE, ReduceOp::Max, 300));
-        assert!(exactly_checkable(f16::DTYPE, ReduceOp::Sum, 682));
-        assert!(!exactly_checkable(f16::DTYPE, ReduceOp::Sum, 683));
-        assert!(exactly_checkable(f32::DTYPE, ReduceOp::Sum, 100_000));
-        // A premultiplied Avg's tolerance must stay well below what one
-        // missing rank moves the mean.
-        assert!(exactly_checkable(f16::DTYPE, ReduceOp::Avg, 15));
-        assert!(!exactly_checkable(f16::DTYPE, ReduceOp::Avg, 17));
-        assert!(exactly_checkable(f16::DTYPE, ReduceOp::Avg, 64));
-        assert!(exactly_checkable(bf16::DTYPE, ReduceOp::Avg, 5));
-        assert!(!exactly_checkable(bf16::DTYPE, ReduceOp::Avg, 6));
-        assert!(exactly_checkable(f32::DTYPE, ReduceOp::Avg, 1000));
-        assert!(exactly_checkable(f32::DTYPE, ReduceOp::Sum, 3000));
-        for world in (2..=682).filter(|w| exactly_checkable(f16::DTYPE, ReduceOp::Avg, *w)) {
+        assert!(exactly_checkable(bf16::DTYPE, ReduceOp::Sum, 85, false));
+        assert!(!exactly_checkable(bf16::DTYPE, ReduceOp::Avg, 86, false));
+        assert!(exactly_checkable(bf16::DTYPE, ReduceOp::Max, 300, true));
+        assert!(exactly_checkable(f16::DTYPE, ReduceOp::Sum, 682, true));
+        assert!(!exactly_checkable(f16::DTYPE, ReduceOp::Sum, 683, true));
+        assert!(exactly_checkable(f32::DTYPE, ReduceOp::Sum, 100_000, true));
+        // Where Avg premultiplies, its tolerance must tell a mean that
+        // lost a rank; where it does not, the check is exact at any world.
+        assert!(exactly_checkable(f16::DTYPE, ReduceOp::Avg, 15, true));
+        assert!(!exactly_checkable(f16::DTYPE, ReduceOp::Avg, 17, true));
+        assert!(exactly_checkable(f16::DTYPE, ReduceOp::Avg, 64, true));
+        assert!(exactly_checkable(bf16::DTYPE, ReduceOp::Avg, 5, true));
+        assert!(!exactly_checkable(bf16::DTYPE, ReduceOp::Avg, 6, true));
+        assert!(exactly_checkable(bf16::DTYPE, ReduceOp::Avg, 85, false));
+        assert!(exactly_checkable(f32::DTYPE, ReduceOp::Avg, 1000, true));
+        assert!(exactly_checkable(f32::DTYPE, ReduceOp::Avg, 3001, false));
+        // Every f16 world checked: the premultiplied fold (as the host
+        // computes it, in rank order) passes at every index, and the same
+        // fold without rank 0 fails at some.
+        for world in (3..=682).filter(|&w| exactly_checkable(f16::DTYPE, ReduceOp::Avg, w, true)) {
             let tol = tolerance::<f16>(ReduceOp::Avg, world, true);
-            assert!(tol < 1.0 / (4.0 * world as f64), "world {world}: {tol}");
+            let scalar = f16::from_f32((1.0 / world as f64) as f32).to_f32();
+            let fold = |from: usize, index: usize| {
+                (from..world).fold(f16::ZERO, |acc, r| {
+                    let v = input_value(r, index, ReduceOp::Avg) as f32;
+                    let term = f16::from_f32(v * scalar);
+                    f16::from_f32(acc.to_f32() + term.to_f32())
+                })
+            };
+            let expected = |index| reduced_value::<f16>(world, index, ReduceOp::Avg);
+            assert!(
+                (0..64).all(|i| matches(fold(0, i), expected(i), tol)),
+                "world {world}: a correct premultiplied Avg fails the check"
+            );
+            assert!(
+                (0..64).any(|i| !matches(fold(1, i), expected(i), tol)),
+                "world {world}: an Avg missing rank 0 passes the check"
+            );
         }
         assert_eq!(tolerance::<f32>(ReduceOp::Avg, 4, true), 0.0);
         assert_eq!(tolerance::<f32>(ReduceOp::Avg, 3, false), 0.0);

@@ -397,7 +397,9 @@ struct ScaledInput<T> {
 
 impl<T: Element> ScaledInput<T> {
     fn elements(&self) -> &[T] {
-        &bytemuck::cast_slice(&self.words)[..self.len]
+        // The words this input fills (the scratch may be longer).
+        let words = std::mem::size_of::<T>() * self.len;
+        &bytemuck::cast_slice(&self.words[..words.div_ceil(8)])[..self.len]
     }
 }
 
@@ -1111,8 +1113,10 @@ impl Communicator {
     /// signature, so a peer calling `Sum` is still a mismatch.
     ///
     /// [`Kernels::AVG_PREMULTIPLIES`]: crate::host::reduce::Kernels::AVG_PREMULTIPLIES
+    /// A failed communicator does not scale: the call goes on to fail at
+    /// once, with the first failure's cause.
     fn premultiplies<T: Element>(&self, op: ReduceOp) -> bool {
-        op == ReduceOp::Avg && T::AVG_PREMULTIPLIES && self.world > 1
+        op == ReduceOp::Avg && T::AVG_PREMULTIPLIES && self.world > 1 && self.failed.is_none()
     }
 
     /// `input` scaled by `1/world` (the premultiplied `Avg`:
@@ -1380,7 +1384,8 @@ impl Communicator {
         op: ReduceOp,
         root: Rank,
     ) -> Result<()> {
-        if self.premultiplies::<T>(op) {
+        // A root out of range is refused by `run`, before any scaling.
+        if self.premultiplies::<T>(op) && root < self.world {
             let scaled = self.scaled_input(OpKind::Reduce, send)?;
             let result = self.reduce_as_given(scaled.elements(), recv, op, root);
             self.keep_scratch(scaled);
@@ -1419,7 +1424,7 @@ impl Communicator {
         op: ReduceOp,
         root: Rank,
     ) -> Result<()> {
-        if self.premultiplies::<T>(op) {
+        if self.premultiplies::<T>(op) && root < self.world {
             // Off the root `buf` stays as it is: an out-of-place reduce
             // leaves a non-root's output alone.
             let scaled = self.scaled_input(OpKind::Reduce, buf)?;

@@ -26,15 +26,18 @@
 //! ranks whose mean fits the type never average to `inf`: eight ranks each
 //! holding `10000` average to `10000`, though their sum passes 65504. On
 //! the host this costs one pass over the input into a scratch copy that the
-//! communicator keeps, as large as the largest such input so far. Calls in
-//! place run out of place from it, so across processes an `f16` Avg on
-//! [`alloc_shared`](crate::Communicator::alloc_shared) buffers no longer
-//! runs zero-copy (between threads it still does). `bf16`, `f32` and
-//! `f64`, whose range is at least `f32`'s, add in the element type and
-//! divide once, in one pass: with a power-of-two world this gives NCCL's
-//! bits (scaling by 2⁻ᵏ commutes with rounding, short of underflow); with
-//! another world the two methods round differently (`oxccl-check` allows
-//! for it on NCCL).
+//! communicator keeps, as large as the largest such input so far (a copy
+//! that cannot be allocated fails the call with
+//! [`Error::InvalidArgument`](crate::Error) and the communicator with it,
+//! since its peers are already in the call). Every `f16` Avg reduces from
+//! that copy, in place or not, so across processes one on
+//! [`alloc_shared`](crate::Communicator::alloc_shared) buffers does not run
+//! zero-copy (between threads it still does). `bf16`, `f32` and `f64`,
+//! whose range is at least `f32`'s, add in the element type and divide
+//! once, in one pass: with a power-of-two world this gives NCCL's bits
+//! (scaling by 2⁻ᵏ commutes with rounding, short of underflow); with
+//! another world the two methods round differently (`oxccl-perf --backend
+//! nccl -c` allows for it: `check::tolerance`).
 //! The cuda-ring backend sums and then divides for every type.
 //!
 //! NaN propagation in Min/Max follows PyTorch's `torch.min`/`torch.max`
@@ -238,6 +241,26 @@ pub enum DType {
 }
 
 impl DType {
+    /// Whether the host backend's [`ReduceOp::Avg`] of this type scales each
+    /// rank's input by `1/N` before summing (`f16`: see the module docs),
+    /// the run-time face of the element type's
+    /// [`Kernels::AVG_PREMULTIPLIES`](crate::host::reduce::Kernels::AVG_PREMULTIPLIES).
+    pub fn avg_premultiplies_on_host(self) -> bool {
+        use crate::host::reduce::Kernels;
+        match self {
+            DType::I8 => i8::AVG_PREMULTIPLIES,
+            DType::U8 => u8::AVG_PREMULTIPLIES,
+            DType::I32 => i32::AVG_PREMULTIPLIES,
+            DType::U32 => u32::AVG_PREMULTIPLIES,
+            DType::I64 => i64::AVG_PREMULTIPLIES,
+            DType::U64 => u64::AVG_PREMULTIPLIES,
+            DType::F16 => half::f16::AVG_PREMULTIPLIES,
+            DType::F32 => f32::AVG_PREMULTIPLIES,
+            DType::F64 => f64::AVG_PREMULTIPLIES,
+            DType::BF16 => half::bf16::AVG_PREMULTIPLIES,
+        }
+    }
+
     /// Every dtype, in nccl-tests' order.
     pub const ALL: [DType; 10] = [
         DType::I8,

@@ -667,9 +667,12 @@ fn prepare<T: Element>(
     let op = a.op;
     let input = |r: usize, i: usize| T::from_i64_wrapping(input_value(r, i, op));
     // Reduced values without a closed form (half-precision sums of many
-    // ranks round by the fold order: `check::exactly_checkable`) are not
-    // checked; the header says so.
-    let checkable = oxccl::check::exactly_checkable(T::DTYPE, op, n);
+    // ranks round by the fold order), or whose premultiplied Avg's
+    // tolerance could not tell a missing rank (`check::exactly_checkable`),
+    // are not checked; the header says so. The GPU backends' checks allow
+    // NCCL's premultiplied Avg for every float (`perf/device.rs`).
+    let premultiplied = a.backend != "host" || T::AVG_PREMULTIPLIES;
+    let checkable = oxccl::check::exactly_checkable(T::DTYPE, op, n, premultiplied);
     let reduced_value = |n: usize, i: usize, op: ReduceOp| -> Option<T> {
         checkable.then(|| reduced_value(n, i, op))
     };
@@ -1017,10 +1020,21 @@ fn print_header(a: &Args, ranks: usize, what: &str, transport: &str) {
         },
         u8::from(a.check)
     );
-    if a.check && a.coll.reduces() && !oxccl::check::exactly_checkable(a.dtype, a.op, ranks) {
+    let premultiplied = a.backend != "host" || a.dtype.avg_premultiplies_on_host();
+    if a.check
+        && a.coll.reduces()
+        && !oxccl::check::exactly_checkable(a.dtype, a.op, ranks, premultiplied)
+    {
+        let why = if a.op == ReduceOp::Avg
+            && oxccl::check::exactly_checkable(a.dtype, ReduceOp::Sum, ranks, premultiplied)
+        {
+            "is premultiplied, and its rounding could hide a missing rank"
+        } else {
+            "rounds by the order it folds in (no closed form)"
+        };
         println!(
-            "# check: {} {} over {ranks} ranks rounds by the order it folds in (no closed \
-             form): reduced values are not checked, moved ones are",
+            "# check: {} {} over {ranks} ranks {why}: reduced values are not checked, moved \
+             ones are",
             a.dtype.name(),
             a.op.name()
         );
