@@ -209,14 +209,13 @@ impl CommConfig {
         }
         if let Some(value) = env_value("OXCCL_CHUNK_BYTES")? {
             config.chunk_bytes =
-                value
-                    .parse()
-                    .ok()
+                parse_byte_size(&value)
                     .filter(|&b| b > 0)
                     .ok_or_else(|| Error::Config {
                         name: "OXCCL_CHUNK_BYTES".into(),
                         value: value.clone(),
-                        reason: "expected a positive number of bytes".into(),
+                        reason: "expected a positive number of bytes, such as 262144 or 256K"
+                            .into(),
                     })?;
         }
         if let Some(value) = env_value("OXCCL_TRANSPORT")? {
@@ -230,14 +229,12 @@ impl CommConfig {
             config.socket_ifname = Some(value).filter(|v| !v.trim().is_empty());
         }
         if let Some(value) = env_value("OXCCL_SHM_RING_BYTES")? {
-            config.shm_ring_bytes = value
-                .parse::<usize>()
-                .ok()
+            config.shm_ring_bytes = parse_byte_size(&value)
                 .filter(|&b| (4096..=1 << 30).contains(&b) && b.is_power_of_two())
                 .ok_or_else(|| Error::Config {
                     name: "OXCCL_SHM_RING_BYTES".into(),
                     value: value.clone(),
-                    reason: "expected a power of two from 4096 to 1 GiB".into(),
+                    reason: "expected a power of two from 4096 (4K) to 1 GiB (1G)".into(),
                 })?;
         }
         if let Some(value) = env_value("OXCCL_ALGO")? {
@@ -269,6 +266,22 @@ impl CommConfig {
         self.chunk_bytes = chunk_bytes.max(1);
         self
     }
+}
+
+/// A byte count as the environment variables (`OXCCL_CHUNK_BYTES`,
+/// `OXCCL_SHM_RING_BYTES`) and the tools' size flags take it: a whole
+/// number with an optional `K`, `M` or `G` suffix (either case; binary:
+/// `256K` is 262144), spaces around it ignored. `None` when it is not one,
+/// or overflows `usize`.
+pub fn parse_byte_size(text: &str) -> Option<usize> {
+    let text = text.trim();
+    let (number, scale) = match text.chars().last()?.to_ascii_uppercase() {
+        'K' => (&text[..text.len() - 1], 1usize << 10),
+        'M' => (&text[..text.len() - 1], 1 << 20),
+        'G' => (&text[..text.len() - 1], 1 << 30),
+        _ => (text, 1),
+    };
+    number.parse::<usize>().ok()?.checked_mul(scale)
 }
 
 /// Parses `30`, `30s`, `1.5s`, `500ms`, `2m` into a positive duration.
@@ -1707,6 +1720,32 @@ impl Communicator {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Byte counts with and without suffixes, as `OXCCL_CHUNK_BYTES`,
+    /// `OXCCL_SHM_RING_BYTES` and the tools' flags take them; anything else
+    /// is refused, never misread or a panic.
+    #[test]
+    fn byte_sizes_take_k_m_g_suffixes() {
+        assert_eq!(parse_byte_size("262144"), Some(262_144));
+        assert_eq!(parse_byte_size(" 256K "), Some(262_144));
+        assert_eq!(parse_byte_size("256k"), Some(262_144));
+        assert_eq!(parse_byte_size("1M"), Some(1 << 20));
+        assert_eq!(parse_byte_size("2g"), Some(2 << 30));
+        assert_eq!(parse_byte_size("0"), Some(0));
+        for bad in [
+            "",
+            "K",
+            "1.5M",
+            "-1",
+            "12X",
+            "1 M",
+            "64MiB",
+            "١٢",
+            "99999999999999999999G",
+        ] {
+            assert_eq!(parse_byte_size(bad), None, "{bad:?}");
+        }
+    }
 
     #[test]
     fn durations_parse() {

@@ -52,6 +52,7 @@ pub mod schedule;
 mod transport;
 pub mod types;
 
+pub use comm::parse_byte_size;
 pub use comm::{
     AbortHandle, Algo, CommBuilder, CommConfig, Communicator, ShmStores, DEFAULT_CHUNK_BYTES,
     DEFAULT_SHM_RING_BYTES, DEFAULT_SHM_STORES_REMEASURE, DEFAULT_TIMEOUT, MAX_TIMEOUT,

@@ -46,17 +46,6 @@ struct Args {
     loop_bytes: usize,
 }
 
-fn parse_size(s: &str) -> Option<usize> {
-    let s = s.trim();
-    let (num, mul) = match s.chars().last()?.to_ascii_uppercase() {
-        'K' => (&s[..s.len() - 1], 1usize << 10),
-        'M' => (&s[..s.len() - 1], 1 << 20),
-        'G' => (&s[..s.len() - 1], 1 << 30),
-        _ => (s, 1),
-    };
-    num.parse::<usize>().ok()?.checked_mul(mul)
-}
-
 /// The longest `--loop-seconds`: a year.
 const MAX_LOOP_SECONDS: f64 = 365.0 * 24.0 * 3600.0;
 
@@ -98,8 +87,10 @@ fn parse_args() -> Result<Args, String> {
             }
             "--chunk-bytes" => {
                 let v = value()?;
-                a.chunk_bytes =
-                    Some(parse_size(&v).ok_or_else(|| format!("--chunk-bytes: bad size {v:?}"))?);
+                a.chunk_bytes = Some(
+                    oxccl::parse_byte_size(&v)
+                        .ok_or_else(|| format!("--chunk-bytes: bad size {v:?}"))?,
+                );
             }
             "--loop-seconds" => {
                 let v = value()?;
@@ -115,7 +106,8 @@ fn parse_args() -> Result<Args, String> {
             }
             "--size" => {
                 let v = value()?;
-                a.loop_bytes = parse_size(&v).ok_or_else(|| format!("--size: bad size {v:?}"))?;
+                a.loop_bytes =
+                    oxccl::parse_byte_size(&v).ok_or_else(|| format!("--size: bad size {v:?}"))?;
             }
             other => return Err(format!("unknown option {other}")),
         }

@@ -268,17 +268,7 @@ impl SizeStep {
 }
 
 fn parse_size(s: &str) -> Result<usize, String> {
-    let s = s.trim();
-    let (num, mul) = match s.chars().last().map(|c| c.to_ascii_uppercase()) {
-        Some('K') => (&s[..s.len() - 1], 1usize << 10),
-        Some('M') => (&s[..s.len() - 1], 1 << 20),
-        Some('G') => (&s[..s.len() - 1], 1 << 30),
-        _ => (s, 1),
-    };
-    num.parse::<usize>()
-        .ok()
-        .and_then(|n| n.checked_mul(mul))
-        .ok_or_else(|| format!("bad size {s:?}"))
+    oxccl::parse_byte_size(s).ok_or_else(|| format!("bad size {:?}", s.trim()))
 }
 
 fn parse_args() -> Result<Args, String> {
