@@ -579,7 +579,8 @@ impl CommBuilder {
                 Arena::region_bytes(world_size)
             },
             // What decides how a call is planned and which links join the
-            // ranks: the environment variables' spellings, as users set them.
+            // ranks, named as the environment variables are and compared
+            // by their parsed values (`256K` and `262144` agree).
             settings: vec![
                 (
                     "OXCCL_ALGO",
@@ -1732,7 +1733,14 @@ mod tests {
         assert_eq!(parse_byte_size("1M"), Some(1 << 20));
         assert_eq!(parse_byte_size("2g"), Some(2 << 30));
         assert_eq!(parse_byte_size("0"), Some(0));
+        assert_eq!(
+            parse_byte_size("+4K"),
+            Some(4096),
+            "as usize's parse allows"
+        );
         for bad in [
+            "5\u{FF2B}",
+            "5\u{212A}",
             "",
             "K",
             "1.5M",
