@@ -239,74 +239,115 @@ fn header<T: Element>(info: &CallInfo, step: u32, len: usize) -> FrameHeader {
 
 /// Which sends read the caller's buffer in place (no copy into a frame):
 /// when the transport writes frames out before the call returns
-/// (`allowed`) and no step of the call writes those elements — the input
-/// of an out-of-place call, and elsewhere (in place, or the output out of
-/// place) a span no step writes: a broadcast root's buffer, an
-/// all-gather's own part, the other ranks' parts a reduce-scatter sends;
-/// not an all-reduce's, whose all-gather phase overwrites every chunk.
-/// Empty sends (a barrier's) are copied: there is nothing to save, and a
-/// lent frame makes the call walk the queues when it ends.
+/// (`allowed`) and no *later* step of the call writes those elements. The
+/// input of an out-of-place call is never written; elsewhere (in place, or
+/// the output out of place) that holds for a broadcast root's buffer, an
+/// all-gather's own part, the parts a reduce-scatter sends, and an
+/// all-reduce's chunks in its all-gather phase (reduced or received before
+/// they are sent, never written after), but not for the chunks its
+/// reduce-scatter phase sends, which its all-gather phase overwrites while
+/// a queued frame might still read them. Steps before the send are done
+/// when it is queued, and a receive posted ahead into the span would be a
+/// later step's, so it is counted there. Empty sends (a barrier's) are
+/// copied: there is nothing to save, and a lent frame makes the call walk
+/// the queues when it ends.
 struct Lending {
     allowed: bool,
     in_place: bool,
-    /// [`written_ranges`], found by the first send that needs them.
-    written: Option<Vec<(usize, usize)>>,
+    /// Per step: whether no later step writes what it sends
+    /// ([`sends_clear_of_later_writes`]), found by the first send that
+    /// needs it.
+    clear: Option<Vec<bool>>,
 }
 
 impl Lending {
-    fn lends(&mut self, plan: &Plan, src: Span) -> bool {
+    /// Whether the send at `index` in `plan`, of `src`, lends its bytes.
+    fn lends(&mut self, plan: &Plan, index: usize, src: Span) -> bool {
         self.allowed
             && src.len > 0
             && match src.buf {
                 BufId::Send if !self.in_place => true,
                 BufId::Scratch => false,
                 // In place, "send" names the one buffer the plan may write.
-                _ => unwritten(
-                    self.written.get_or_insert_with(|| written_ranges(plan)),
-                    src,
-                ),
+                _ => self
+                    .clear
+                    .get_or_insert_with(|| sends_clear_of_later_writes(plan))[index],
             }
     }
 }
 
-/// The ranges of the written buffer (the output; in place the one buffer)
-/// that some step of `plan` writes, sorted and merged: every destination
-/// lies there in `execute`, whatever its `BufId`, except a copy into
-/// scratch.
-fn written_ranges(plan: &Plan) -> Vec<(usize, usize)> {
-    let mut ranges: Vec<(usize, usize)> = plan
-        .steps
-        .iter()
-        .filter_map(|step| match *step {
-            Step::Send { .. } | Step::RecvReduceSend { .. } => None,
-            Step::Copy { dst, .. } if dst.buf == BufId::Scratch => None,
-            Step::Recv { dst, .. }
-            | Step::RecvCopySend { dst, .. }
-            | Step::RecvReduce { dst, .. }
-            | Step::Copy { dst, .. }
-            | Step::ReduceLocal { dst, .. }
-            | Step::DivideByWorld { span: dst } => Some(dst),
-        })
-        .filter(|span| span.len > 0)
-        .map(|span| (span.offset, span.offset + span.len))
-        .collect();
-    ranges.sort_unstable();
-    let mut merged: Vec<(usize, usize)> = Vec::with_capacity(ranges.len());
-    for (start, end) in ranges {
-        match merged.last_mut() {
-            Some(last) if start <= last.1 => last.1 = last.1.max(end),
-            _ => merged.push((start, end)),
-        }
+/// Ranges of the written buffer, merged: start → end, disjoint, with no two
+/// touching.
+#[derive(Default)]
+struct SpanSet(std::collections::BTreeMap<usize, usize>);
+
+impl SpanSet {
+    fn overlaps(&self, span: Span) -> bool {
+        let end = span.offset + span.len;
+        span.len > 0
+            && self
+                .0
+                .range(..end)
+                .next_back()
+                .is_some_and(|(_, &e)| e > span.offset)
     }
-    merged
+
+    fn insert(&mut self, span: Span) {
+        if span.len == 0 {
+            return;
+        }
+        // Merge with every range it overlaps or touches.
+        let (mut start, mut end) = (span.offset, span.offset + span.len);
+        let joined: Vec<(usize, usize)> = self
+            .0
+            .range(..=end)
+            .rev()
+            .take_while(|&(_, &e)| e >= start)
+            .map(|(&s, &e)| (s, e))
+            .collect();
+        for (s, e) in joined {
+            self.0.remove(&s);
+            start = start.min(s);
+            end = end.max(e);
+        }
+        self.0.insert(start, end);
+    }
 }
 
-/// Whether `span` of the written buffer is clear of every range in
-/// `written` (sorted, disjoint).
-fn unwritten(written: &[(usize, usize)], span: Span) -> bool {
-    let end = span.offset + span.len;
-    let before = written.partition_point(|&(start, _)| start < end);
-    before == 0 || written[before - 1].1 <= span.offset
+/// What `step` writes in the written buffer (the output; in place the one
+/// buffer): every destination lies there in `execute`, whatever its
+/// `BufId`, except a copy into scratch.
+fn written_by(step: &Step) -> Option<Span> {
+    match *step {
+        Step::Send { .. } | Step::RecvReduceSend { .. } => None,
+        Step::Copy { dst, .. } if dst.buf == BufId::Scratch => None,
+        Step::Recv { dst, .. }
+        | Step::RecvCopySend { dst, .. }
+        | Step::RecvReduce { dst, .. }
+        | Step::Copy { dst, .. }
+        | Step::ReduceLocal { dst, .. }
+        | Step::DivideByWorld { span: dst } => Some(dst),
+    }
+}
+
+/// Per step of `plan`: for a send from the written buffer, whether no later
+/// step writes any of its span (false for every other step). One walk from
+/// the end, collecting what the steps after each one write.
+fn sends_clear_of_later_writes(plan: &Plan) -> Vec<bool> {
+    let mut later = SpanSet::default();
+    let mut clear = vec![false; plan.steps.len()];
+    for (index, step) in plan.steps.iter().enumerate().rev() {
+        match *step {
+            Step::Send { src, .. } if src.buf != BufId::Scratch => {
+                clear[index] = !later.overlaps(src);
+            }
+            _ => {}
+        }
+        if let Some(dst) = written_by(step) {
+            later.insert(dst);
+        }
+    }
+    clear
 }
 
 /// Withdraws the caller's buffers from the transport's queues when a call
@@ -374,20 +415,13 @@ fn receives_to_post_ahead(
         BufId::Send => in_place,
         BufId::Scratch => false,
     };
-    // Ranges of the written buffer touched so far: start → end, disjoint.
-    let mut touched = std::collections::BTreeMap::<usize, usize>::new();
-    let overlaps = |touched: &std::collections::BTreeMap<usize, usize>, span: Span| {
-        let end = span.offset + span.len;
-        touched
-            .range(..end)
-            .next_back()
-            .is_some_and(|(_, &e)| e > span.offset)
-    };
+    // Ranges of the written buffer touched so far.
+    let mut touched = SpanSet::default();
     let mut frames = vec![0u32; world];
     let mut ahead = Vec::new();
     for step in &plan.steps {
         if let Step::Recv { peer, dst } = *step {
-            if big(step) && in_written(dst) && !overlaps(&touched, dst) {
+            if big(step) && in_written(dst) && !touched.overlaps(dst) {
                 ahead.push((peer, frames[peer], dst));
             }
         }
@@ -395,21 +429,8 @@ fn receives_to_post_ahead(
             frames[peer] += 1;
         }
         for span in spans(step).into_iter().flatten() {
-            if in_written(span) && span.len > 0 {
-                // Merge with every range it overlaps or touches.
-                let (mut start, mut end) = (span.offset, span.offset + span.len);
-                let joined: Vec<(usize, usize)> = touched
-                    .range(..=end)
-                    .rev()
-                    .take_while(|&(_, &e)| e >= start)
-                    .map(|(&s, &e)| (s, e))
-                    .collect();
-                for (s, e) in joined {
-                    touched.remove(&s);
-                    start = start.min(s);
-                    end = end.max(e);
-                }
-                touched.insert(start, end);
+            if in_written(span) {
+                touched.insert(span);
             }
         }
     }
@@ -448,7 +469,7 @@ pub(crate) fn execute<T: Element>(
     let mut lending = Lending {
         allowed: transport.takes_borrowed(),
         in_place: bufs.in_place,
-        written: None,
+        clear: None,
     };
     let mut guard = BorrowGuard {
         transport,
@@ -488,7 +509,7 @@ pub(crate) fn execute<T: Element>(
             .recv(peer, &header::<T>(info, step, len), info.timeout)
             .map_err(|e| info.error(peer, e))
     };
-    for step in &plan.steps {
+    for (index, step) in plan.steps.iter().enumerate() {
         match *step {
             Step::Send { peer, src } => {
                 let data = match src.buf {
@@ -496,10 +517,10 @@ pub(crate) fn execute<T: Element>(
                     _ => bufs.read(src),
                 };
                 let bytes: &[u8] = bytemuck::cast_slice(data);
-                let payload = if lending.lends(plan, src) {
+                let payload = if lending.lends(plan, index, src) {
                     guard.lent = true;
-                    // SAFETY: `lends` holds: no step writes these bytes
-                    // during the call, and `guard` copies whatever is still
+                    // SAFETY: `lends` holds: no later step writes these
+                    // bytes during the call, and `guard` copies whatever is still
                     // queued before the call returns (the flush below
                     // leaves nothing queued on success).
                     unsafe { Payload::borrowed(bytes) }
@@ -590,28 +611,31 @@ pub(crate) fn execute<T: Element>(
 mod tests {
     use super::*;
 
-    /// Which in-place ring sends may lend the caller's buffer: those of
-    /// parts no step writes. An all-gather's or reduce-scatter's sends all
-    /// read parts the call never writes; an all-reduce's read chunks its
-    /// all-gather phase overwrites (a queued frame would change).
+    /// Which ring sends may lend the caller's buffer: those of spans no
+    /// later step writes. An all-gather's or reduce-scatter's sends all
+    /// read parts the call never writes. An all-reduce's reduce-scatter
+    /// phase sends chunks its all-gather phase overwrites (a queued frame
+    /// would change), so in place only its all-gather phase lends; out of
+    /// place the first phase sends the input, which is never written.
     #[test]
-    fn in_place_sends_lend_only_what_no_step_writes() {
+    fn sends_lend_only_what_no_later_step_writes() {
         use crate::schedule::ring;
-        let lent = |steps: Vec<Step>| {
+        let lent = |steps: Vec<Step>, in_place: bool| {
             let plan = Plan {
                 steps,
                 scratch_len: 0,
             };
             let mut lending = Lending {
                 allowed: true,
-                in_place: true,
-                written: None,
+                in_place,
+                clear: None,
             };
             let sends: Vec<bool> = plan
                 .steps
                 .iter()
-                .filter_map(|s| match *s {
-                    Step::Send { src, .. } => Some(lending.lends(&plan, src)),
+                .enumerate()
+                .filter_map(|(index, s)| match *s {
+                    Step::Send { src, .. } => Some(lending.lends(&plan, index, src)),
                     _ => None,
                 })
                 .collect();
@@ -621,24 +645,72 @@ mod tests {
         for (rank, world) in [(0, 2), (1, 2), (2, 3), (1, 4)] {
             let mut steps = Vec::new();
             ring::all_gather(rank, world, 1000, 64, true, &mut steps);
-            assert!(lent(steps).iter().all(|&l| l), "all-gather {rank}/{world}");
+            assert!(
+                lent(steps, true).iter().all(|&l| l),
+                "all-gather {rank}/{world}"
+            );
             let mut steps = Vec::new();
             ring::reduce_scatter(rank, world, 1000, 64, true, false, &mut steps);
             assert!(
-                lent(steps).iter().all(|&l| l),
+                lent(steps, true).iter().all(|&l| l),
                 "reduce-scatter {rank}/{world}"
             );
+            // Each piece sends once per phase: reduce-scatter, all-gather.
+            let pieces = 4000usize.div_ceil(world).div_ceil(64);
             let mut steps = Vec::new();
             ring::all_reduce(rank, world, 4000, 64, true, false, &mut steps);
-            assert!(lent(steps).iter().all(|&l| !l), "all-reduce {rank}/{world}");
+            let phases: Vec<bool> = (0..pieces).flat_map(|_| [false, true]).collect();
+            assert_eq!(lent(steps, true), phases, "all-reduce {rank}/{world}");
+            let mut steps = Vec::new();
+            ring::all_reduce(rank, world, 4000, 64, false, false, &mut steps);
+            assert!(
+                lent(steps, false).iter().all(|&l| l),
+                "all-reduce out of place {rank}/{world}"
+            );
         }
+        // Not allowed by the transport: nothing lends.
+        let mut steps = Vec::new();
+        ring::all_gather(0, 2, 1000, 64, true, &mut steps);
+        let plan = Plan {
+            steps,
+            scratch_len: 0,
+        };
+        let mut lending = Lending {
+            allowed: false,
+            in_place: true,
+            clear: None,
+        };
+        assert!(plan.steps.iter().enumerate().all(|(index, s)| match *s {
+            Step::Send { src, .. } => !lending.lends(&plan, index, src),
+            _ => true,
+        }));
     }
 
     #[test]
-    fn written_ranges_merge_and_bound_what_steps_write() {
+    fn span_sets_merge_and_later_writes_bound_what_sends_lend() {
         let out = |offset, len| Span::new(BufId::Recv, offset, len);
+        let mut set = SpanSet::default();
+        for span in [out(10, 5), out(30, 3), out(15, 5), out(50, 0)] {
+            set.insert(span);
+        }
+        let ranges: Vec<(usize, usize)> = set.0.iter().map(|(&s, &e)| (s, e)).collect();
+        assert_eq!(ranges, vec![(10, 20), (30, 33)]);
+        assert!(!set.overlaps(out(0, 10)));
+        assert!(set.overlaps(out(0, 11)));
+        assert!(set.overlaps(out(19, 1)));
+        assert!(!set.overlaps(out(20, 10)));
+        assert!(set.overlaps(out(25, 6)));
+        assert!(!set.overlaps(out(33, 100)));
+        assert!(!set.overlaps(out(12, 0)));
+        // Spans are checked without overflow.
+        assert!(within(0, 64, 64) && within(64, 0, 64) && !within(1, 64, 64));
+        assert!(!within(usize::MAX, 2, 64) && !within(2, usize::MAX, 64));
+
+        let send = |src| Step::Send { peer: 1, src };
         let plan = Plan {
             steps: vec![
+                // 0: only read later (a copy into scratch writes no output).
+                send(out(0, 4)),
                 Step::Recv {
                     peer: 1,
                     dst: out(10, 5),
@@ -648,40 +720,56 @@ mod tests {
                     dst: Span::new(BufId::Scratch, 0, 4),
                 },
                 Step::DivideByWorld { span: out(15, 5) },
-                Step::Send {
-                    peer: 1,
-                    src: out(40, 8),
-                },
+                // 4: the receive at 8 only touches its end.
+                send(out(40, 8)),
+                // 5: written before (step 1), never after.
+                send(out(12, 2)),
+                // 6: the copy at 7 writes 30..33.
+                send(out(29, 2)),
                 Step::Copy {
                     src: Span::new(BufId::Send, 0, 3),
                     dst: out(30, 3),
                 },
                 Step::Recv {
                     peer: 1,
+                    dst: out(48, 2),
+                },
+                // 9: empty sends are copied.
+                send(out(40, 0)),
+                Step::Recv {
+                    peer: 1,
                     dst: out(50, 0),
                 },
+                // 11: scratch is the executor's.
+                send(Span::new(BufId::Scratch, 0, 4)),
             ],
             scratch_len: 4,
         };
-        let written = written_ranges(&plan);
-        assert_eq!(written, vec![(10, 20), (30, 33)]);
-        // Spans are checked without overflow; empty sends are copied.
-        assert!(within(0, 64, 64) && within(64, 0, 64) && !within(1, 64, 64));
-        assert!(!within(usize::MAX, 2, 64) && !within(2, usize::MAX, 64));
         let mut lending = Lending {
             allowed: true,
             in_place: true,
-            written: None,
+            clear: None,
         };
-        assert!(lending.lends(&plan, out(40, 8)));
-        assert!(!lending.lends(&plan, out(40, 0)));
-        assert!(!lending.lends(&plan, out(12, 2)));
-        assert!(unwritten(&written, out(0, 10)));
-        assert!(!unwritten(&written, out(0, 11)));
-        assert!(!unwritten(&written, out(19, 1)));
-        assert!(unwritten(&written, out(20, 10)));
-        assert!(!unwritten(&written, out(25, 6)));
-        assert!(unwritten(&written, out(33, 100)));
+        let lends: Vec<(usize, bool)> = plan
+            .steps
+            .iter()
+            .enumerate()
+            .filter_map(|(index, s)| match *s {
+                Step::Send { src, .. } => Some((index, lending.lends(&plan, index, src))),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            lends,
+            vec![
+                (0, true),
+                (4, true),
+                (5, true),
+                (6, false),
+                (9, false),
+                (11, false)
+            ]
+        );
     }
 
     /// Only plain receives of the written buffer that nothing earlier
