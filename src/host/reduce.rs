@@ -852,8 +852,14 @@ mod convert {
         ) -> usize {
             #[cfg(target_arch = "x86_64")]
             if super::has_avx2() {
+                let (out, a, b) = (out.cast(), a.cast(), b.cast());
+                if super::half_fused::has_avx512_bf16() {
+                    // SAFETY: AVX2 and AVX-512 BF16 are present; the
+                    // caller's contract.
+                    return unsafe { for_op!(zip_bf16_512, op, (out, a, b, n)) };
+                }
                 // SAFETY: AVX2 is present; the caller's contract.
-                return unsafe { for_op!(zip_bf16, op, (out.cast(), a.cast(), b.cast(), n)) };
+                return unsafe { for_op!(zip_bf16, op, (out, a, b, n)) };
             }
             0
         }
@@ -868,6 +874,11 @@ mod convert {
             #[cfg(target_arch = "x86_64")]
             if super::has_avx2() {
                 let (d, x) = ((d.0.cast(), d.1.cast()), (x.0.cast(), x.1.cast()));
+                if super::half_fused::has_avx512_bf16() {
+                    // SAFETY: AVX2 and AVX-512 BF16 are present; the
+                    // caller's contract.
+                    return unsafe { for_op!(zip_both_bf16_512, op, (d, x, n, down)) };
+                }
                 // SAFETY: AVX2 is present; the caller's contract.
                 return unsafe { for_op!(zip_both_bf16, op, (d, x, n, down)) };
             }
