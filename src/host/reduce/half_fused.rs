@@ -120,28 +120,49 @@ unsafe fn narrow_bf16(r: __m256) -> __m256i {
     }
 }
 
-/// Sixteen `bf16` at `a` and `b` combined: interleaving a 256-bit load
-/// with zeros widens elements 0–3 and 8–11 (and 4–7, 12–15) exactly to
-/// `f32`, and the saturating pack of the two narrowed halves (every lane
-/// 0..=0xffff, so exact) puts the results back in order, both working
-/// within each 128-bit half.
+/// Sixteen `bf16` widened exactly to `f32` by interleaving them with zeros:
+/// elements 0–3 and 8–11 in the first vector, 4–7 and 12–15 in the second
+/// (the unpacks work within each 128-bit half).
+#[inline(always)]
+unsafe fn widen_bf16(x: __m256i) -> (__m256, __m256) {
+    // SAFETY: the callers enable AVX2.
+    unsafe {
+        let zero = _mm256_setzero_si256();
+        (
+            _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, x)),
+            _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, x)),
+        )
+    }
+}
+
+/// The inverse of [`widen_bf16`]: both halves narrowed by [`narrow_bf16`]
+/// and joined by a saturating pack (every lane 0..=0xffff, so exact),
+/// which puts the sixteen back in order, also half by half.
+#[inline(always)]
+unsafe fn narrow_bf16_pair(low: __m256, high: __m256) -> __m256i {
+    // SAFETY: the callers enable AVX2.
+    unsafe { _mm256_packus_epi32(narrow_bf16(low), narrow_bf16(high)) }
+}
+
+/// Sixteen `bf16` at `a` and `b` combined (widened, [`apply`], narrowed).
 #[inline(always)]
 unsafe fn bf16_step<const OP: u8>(a: *const u16, b: *const u16) -> __m256i {
     // SAFETY: the callers enable AVX2 and pass sixteen readable elements
     // at each pointer.
     unsafe {
-        let zero = _mm256_setzero_si256();
-        let x = _mm256_loadu_si256(a.cast());
-        let y = _mm256_loadu_si256(b.cast());
-        let low = apply::<OP>(
-            _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, x)),
-            _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, y)),
-        );
-        let high = apply::<OP>(
-            _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, x)),
-            _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, y)),
-        );
-        _mm256_packus_epi32(narrow_bf16(low), narrow_bf16(high))
+        let (x_low, x_high) = widen_bf16(_mm256_loadu_si256(a.cast()));
+        let (y_low, y_high) = widen_bf16(_mm256_loadu_si256(b.cast()));
+        narrow_bf16_pair(apply::<OP>(x_low, y_low), apply::<OP>(x_high, y_high))
+    }
+}
+
+/// Sixteen `bf16` at `a` times `scalar` (an `f32` product, rounded once).
+#[inline(always)]
+unsafe fn bf16_scale_step(a: *const u16, scalar: __m256) -> __m256i {
+    // SAFETY: the callers enable AVX2 and pass sixteen readable elements.
+    unsafe {
+        let (low, high) = widen_bf16(_mm256_loadu_si256(a.cast()));
+        narrow_bf16_pair(_mm256_mul_ps(low, scalar), _mm256_mul_ps(high, scalar))
     }
 }
 
@@ -203,43 +224,87 @@ unsafe fn apply512<const OP: u8>(a: __m512, b: __m512) -> __m512 {
     }
 }
 
-/// Thirty-two `bf16` at `a` and `b` combined, as two [`bf16_step`]s give
-/// them: widened by interleaving with zeros (elements 0–3, 8–11, 16–19,
-/// 24–27 in `low`, the others in `high`), combined by [`apply512`], and
-/// narrowed by `vcvtne2ps2bf16`, one instruction where [`narrow_bf16`]
-/// takes ten per eight. Its rounding (nearest even) and NaNs (the top
-/// bits, quieted) are `bf16_bits`', but it flushes subnormal `f32` to zero
-/// where `bf16_bits` rounds them, so a step whose results hold one runs
-/// as two [`bf16_step`]s instead.
+/// [`widen_bf16`] of thirty-two: elements 0–3, 8–11, 16–19 and 24–27 in
+/// the first vector, the others in the second.
 #[inline(always)]
-unsafe fn bf16_step32<const OP: u8>(a: *const u16, b: *const u16) -> __m512i {
-    // SAFETY: the callers enable AVX2 and what `has_avx512_bf16` checks,
-    // and pass thirty-two readable elements at each pointer.
+unsafe fn widen_bf16_512(x: __m512i) -> (__m512, __m512) {
+    // SAFETY: the callers enable AVX-512 F and BW.
     unsafe {
         let zero = _mm512_setzero_si512();
-        let x = _mm512_loadu_si512(a.cast());
-        let y = _mm512_loadu_si512(b.cast());
-        let low = apply512::<OP>(
+        (
             _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, x)),
-            _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, y)),
-        );
-        let high = apply512::<OP>(
             _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, x)),
-            _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, y)),
-        );
+        )
+    }
+}
+
+/// The inverse of [`widen_bf16_512`] by `vcvtne2ps2bf16`, one instruction
+/// where [`narrow_bf16`] takes ten per eight. Its rounding (nearest even)
+/// and NaNs (the top bits, quieted) are `bf16_bits`', but it flushes
+/// subnormal `f32` to zero where `bf16_bits` rounds them: `None` when a
+/// lane holds one, and the caller narrows those thirty-two the 256-bit way.
+#[inline(always)]
+unsafe fn narrow_bf16_512(low: __m512, high: __m512) -> Option<__m512i> {
+    // SAFETY: the callers enable AVX-512 F, DQ and BF16.
+    unsafe {
         const SUBNORMAL: i32 = 0x20;
         if _mm512_fpclass_ps_mask::<SUBNORMAL>(low) | _mm512_fpclass_ps_mask::<SUBNORMAL>(high) != 0
         {
-            let first = bf16_step::<OP>(a, b);
-            let second = bf16_step::<OP>(a.add(16), b.add(16));
-            return _mm512_inserti64x4::<1>(_mm512_castsi256_si512(first), second);
+            return None;
         }
         // Words 0–15 come from `low`, 16–31 from `high` (not lane by lane),
         // so the 64-bit quarters hold elements 0–3, 8–11, 16–19, 24–27,
         // 4–7, 12–15, 20–23, 28–31: quarters 0, 4, 1, 5, 2, 6, 3, 7 are
         // the elements in order.
         let words: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(high, low));
-        _mm512_permutexvar_epi64(_mm512_set_epi64(7, 3, 6, 2, 5, 1, 4, 0), words)
+        Some(_mm512_permutexvar_epi64(
+            _mm512_set_epi64(7, 3, 6, 2, 5, 1, 4, 0),
+            words,
+        ))
+    }
+}
+
+/// Two sixteen-element results as one vector, in order.
+#[inline(always)]
+unsafe fn join_256(first: __m256i, second: __m256i) -> __m512i {
+    // SAFETY: the callers enable AVX-512 F.
+    unsafe { _mm512_inserti64x4::<1>(_mm512_castsi256_si512(first), second) }
+}
+
+/// Thirty-two `bf16` at `a` and `b` combined, as two [`bf16_step`]s give
+/// them: widened, combined by [`apply512`], narrowed by
+/// [`narrow_bf16_512`] (or as two [`bf16_step`]s where a result is
+/// subnormal).
+#[inline(always)]
+unsafe fn bf16_step32<const OP: u8>(a: *const u16, b: *const u16) -> __m512i {
+    // SAFETY: the callers enable AVX2 and what `has_avx512_bf16` checks,
+    // and pass thirty-two readable elements at each pointer.
+    unsafe {
+        let (x_low, x_high) = widen_bf16_512(_mm512_loadu_si512(a.cast()));
+        let (y_low, y_high) = widen_bf16_512(_mm512_loadu_si512(b.cast()));
+        let low = apply512::<OP>(x_low, y_low);
+        let high = apply512::<OP>(x_high, y_high);
+        narrow_bf16_512(low, high).unwrap_or_else(|| {
+            join_256(bf16_step::<OP>(a, b), bf16_step::<OP>(a.add(16), b.add(16)))
+        })
+    }
+}
+
+/// Thirty-two `bf16` at `a` times `scalar`, as two [`bf16_scale_step`]s.
+#[inline(always)]
+unsafe fn bf16_scale_step32(a: *const u16, scalar: __m512) -> __m512i {
+    // SAFETY: as `bf16_step32`, for `a` alone.
+    unsafe {
+        let (low, high) = widen_bf16_512(_mm512_loadu_si512(a.cast()));
+        let low = _mm512_mul_ps(low, scalar);
+        let high = _mm512_mul_ps(high, scalar);
+        narrow_bf16_512(low, high).unwrap_or_else(|| {
+            let scalar = _mm512_castps512_ps256(scalar);
+            join_256(
+                bf16_scale_step(a, scalar),
+                bf16_scale_step(a.add(16), scalar),
+            )
+        })
     }
 }
 
@@ -292,6 +357,52 @@ pub(super) unsafe fn scale_f16(out: *mut u16, a: *const u16, scalar: f32, n: usi
                 _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(r),
             );
             i += 8;
+        }
+    }
+    i
+}
+
+/// `out[i] = a[i] × scalar` over `bf16` bits, whole steps of sixteen: the
+/// division of a `bf16` `Avg` by a power of two (`Kernels::divide_by`),
+/// one `f32` product rounded once, as its blocked loop computes it.
+///
+/// # Safety
+/// The CPU must support AVX2; each pointer is valid for `n` elements, and
+/// `out` is `a` or apart from it.
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn scale_bf16(out: *mut u16, a: *const u16, scalar: f32, n: usize) -> usize {
+    let s = _mm256_set1_ps(scalar);
+    let mut i = 0;
+    // SAFETY: i + 16 ≤ n for every access; the caller's contract.
+    unsafe {
+        while i + 16 <= n {
+            _mm256_storeu_si256(out.add(i).cast(), bf16_scale_step(a.add(i), s));
+            i += 16;
+        }
+    }
+    i
+}
+
+/// [`scale_bf16`] thirty-two elements a step ([`bf16_scale_step32`]),
+/// then sixteen.
+///
+/// # Safety
+/// The CPU must support AVX2 and [`has_avx512_bf16`]; as [`scale_bf16`]
+/// otherwise.
+#[target_feature(enable = "avx2,avx512f,avx512bw,avx512dq,avx512bf16")]
+pub(super) unsafe fn scale_bf16_512(out: *mut u16, a: *const u16, scalar: f32, n: usize) -> usize {
+    let s = _mm512_set1_ps(scalar);
+    let mut i = 0;
+    // SAFETY: i + 32 (then 16) ≤ n for every access; the caller's contract.
+    unsafe {
+        while i + 32 <= n {
+            _mm512_storeu_si512(out.add(i).cast(), bf16_scale_step32(a.add(i), s));
+            i += 32;
+        }
+        let s = _mm512_castps512_ps256(s);
+        while i + 16 <= n {
+            _mm256_storeu_si256(out.add(i).cast(), bf16_scale_step(a.add(i), s));
+            i += 16;
         }
     }
     i
@@ -409,9 +520,10 @@ mod tests {
     use super::*;
 
     /// The 512-bit `bf16` kernels give the 256-bit ones' bits (which
-    /// `fused_half_kernels_give_the_blocked_bits` holds to the blocked
-    /// kernels wherever dispatch picks them): every operator, one output
-    /// and two walking either way, over random bits with subnormals placed
+    /// `fused_half_kernels_give_the_blocked_bits` and
+    /// `float_division_by_powers_of_two_gives_the_quotient_bits` hold to
+    /// the blocked kernels wherever dispatch picks them): every operator,
+    /// one output and two walking either way, scaling in place and apart, over random bits with subnormals placed
     /// in some steps and not others (the wide step's fallback), NaNs with
     /// payloads, infinities and zeros, at lengths around both step sizes.
     #[test]
@@ -490,6 +602,22 @@ mod tests {
                         },
                     )
                 };
+                if op == ReduceOp::Sum {
+                    // The scaling kernels likewise (Avg's division by a
+                    // power of two), in place and apart.
+                    for scalar in [0.5f32, 0.25, 1.0 / 1024.0, 3.0, 0.3] {
+                        let (mut narrow, mut wide) = (vec![0u16; n], a.to_vec());
+                        // SAFETY: as above; `wide` scales in place.
+                        let done = unsafe {
+                            (
+                                scale_bf16(narrow.as_mut_ptr(), a.as_ptr(), scalar, n),
+                                scale_bf16_512(wide.as_mut_ptr(), wide.as_ptr(), scalar, n),
+                            )
+                        };
+                        assert_eq!(done, (n / 16 * 16, n / 16 * 16), "scale {scalar} n {n}");
+                        assert_eq!(wide[..done.0], narrow[..done.0], "scale {scalar} n {n}");
+                    }
+                }
                 assert_eq!(done_narrow, n / 16 * 16, "{op} n {n}");
                 assert_eq!(done_wide, done_narrow, "{op} n {n}");
                 assert_eq!(wide, narrow, "{op} into, n {n}");
