@@ -164,7 +164,8 @@ pub fn finish_avg<T: Kernels>(op: ReduceOp, acc: &mut [T], world: usize) {
 }
 
 /// `1/n` where dividing by `n` is multiplying by it: `n` a power of two
-/// above 1, so `1/n` is exact in every float type and `x / n` and
+/// above 1 (at most 2⁶³), so `1/n` is exact and normal in `f32` and `f64`
+/// (where the callers use it; the 16-bit types scale in `f32`) and `x / n` and
 /// `x · (1/n)` are the same exact value rounded once, the same bits for
 /// every `x` (NaNs, zeros and subnormals included). A multiply pipelines
 /// where a divide holds the divider for several cycles per vector: Avg's
@@ -1362,22 +1363,43 @@ mod tests {
     /// divisors (`/` itself) alike.
     #[test]
     fn integer_division_by_powers_of_two_is_division() {
+        /// `values` divided by each divisor against `/` in `i128`, which
+        /// also covers divisors beyond the type's range.
         fn check<T>(values: &[T], divisors: &[usize])
         where
-            T: Kernels + Copy + PartialEq + std::fmt::Debug + TryFrom<usize>,
-            T: std::ops::Div<Output = T>,
+            T: Kernels + Copy + PartialEq + std::fmt::Debug + Into<i128> + TryFrom<i128>,
         {
             for &n in divisors {
                 let mut got = values.to_vec();
                 T::divide_by(&mut got, n);
-                let Ok(divisor) = T::try_from(n) else {
-                    continue;
-                };
-                let want: Vec<T> = values.iter().map(|&v| v / divisor).collect();
+                let want: Vec<T> = values
+                    .iter()
+                    .map(|&v| match T::try_from(v.into() / n as i128) {
+                        Ok(q) => q,
+                        Err(_) => unreachable!("a quotient by n ≥ 1 fits"),
+                    })
+                    .collect();
                 assert_eq!(got, want, "divided by {n}");
             }
         }
-        let divisors = [2, 3, 4, 6, 8, 64, 128, 1 << 16, 1 << 31, 1 << 40, 1 << 62];
+        let divisors = [
+            2,
+            3,
+            4,
+            6,
+            8,
+            64,
+            128,
+            255,
+            256,
+            1 << 16,
+            1 << 31,
+            1 << 32,
+            1 << 40,
+            1 << 62,
+            1 << 63,
+            usize::MAX,
+        ];
         check(
             &[
                 i8::MIN,
