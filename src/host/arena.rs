@@ -44,7 +44,7 @@ use crate::transport::{FailureCause, TransportError};
 use crate::types::{Element, OpKind, Rank, ReduceOp};
 
 use super::executor::CallInfo;
-use super::reduce::{finish_avg, Walk};
+use super::reduce::{finish_avg, fold_two_into_both, Walk};
 use super::shared::SharedRegion;
 use super::stream;
 
@@ -1999,36 +1999,27 @@ impl Arena {
         let slot_part = unsafe { self.payload::<T>(me, b).add(mine_o) };
         let out_part = unsafe { bufs.output.add(offset + mine_o) };
         let stream_slot = self.streams_stage::<T>(mine_l);
-        if world == 2 && !stream && !stream_slot && op != ReduceOp::Avg {
-            // Two ranks: one pass stores the sum into the slot and the
-            // output (as the zero-copy path does), instead of folding into
-            // an L1 block and copying it twice. The output takes the place
-            // of this rank's own term, which it is in place.
+        if world == 2 && !stream && !stream_slot {
+            // Two ranks: one pass stores the sum (an Avg's halved, where
+            // the type allows) into the slot and the output (as the
+            // zero-copy path does), instead of folding into an L1 block
+            // and copying it twice. The output takes the place of this
+            // rank's own term, which it is in place.
             // SAFETY: round A slots are posted and valid (see below); the
             // slot part is apart from every other buffer, and the output
             // part is this rank's own input part (in place) or apart.
-            unsafe {
+            let done = unsafe {
                 let own = bufs.input.add(offset + mine_o);
                 let theirs = self.payload::<T>(1 - me, a).add(mine_o).cast_const();
                 if me == 0 {
-                    T::combine_into_both(
-                        op,
-                        (out_part, slot_part),
-                        (own, theirs),
-                        mine_l,
-                        Walk::Up,
-                    );
+                    fold_two_into_both(op, (out_part, slot_part), (own, theirs), mine_l, Walk::Up)
                 } else {
-                    T::combine_into_both(
-                        op,
-                        (slot_part, out_part),
-                        (theirs, own),
-                        mine_l,
-                        Walk::Up,
-                    );
+                    fold_two_into_both(op, (slot_part, out_part), (theirs, own), mine_l, Walk::Up)
                 }
+            };
+            if done {
+                return;
             }
-            return;
         }
         stream::in_blocks(
             mine_l,
@@ -3821,10 +3812,11 @@ impl Arena {
             let stream = !bufs.in_place && streams::<T>(count);
             let block = (ZERO_COPY_BLOCK_BYTES / std::mem::size_of::<T>()).max(1);
             let mut at = start;
-            if world == 2 && !stream && op != ReduceOp::Avg {
-                // Two ranks: the share's sum goes into both outputs in one
-                // pass (as the ceiling's zero-copy variant (a) does) rather
-                // than folded into one output and copied to the other.
+            if world == 2 && !stream {
+                // Two ranks: the share's sum (an Avg's halved, where the
+                // type allows) goes into both outputs in one pass (as the
+                // ceiling's zero-copy variant (a) does) rather than folded
+                // into one output and copied to the other.
                 // Rank 0 walks down, away from rank 1's share: walking up,
                 // the prefetcher ran past its end into the first lines of
                 // rank 1's share, which rank 1 writes at the same time, so
@@ -3834,16 +3826,18 @@ impl Arena {
                 let walk = if self.rank == 0 { Walk::Down } else { Walk::Up };
                 // SAFETY: as above; each output is its rank's input (in
                 // place) or a buffer of its own.
-                unsafe {
-                    T::combine_into_both(
+                let done = unsafe {
+                    fold_two_into_both(
                         op,
                         (outputs[0].add(start), outputs[1].add(start)),
                         (inputs[0].add(start), inputs[1].add(start)),
                         end - start,
                         walk,
-                    );
+                    )
+                };
+                if done {
+                    at = end;
                 }
-                at = end;
             }
             while at < end {
                 let n = block.min(end - at);
