@@ -202,61 +202,93 @@ fn every_rank_gets_the_same_nan_bits_whatever_its_alignment() {
 }
 
 /// An f16 `Avg` scales every rank's input by 1/world (rounded to f16)
-/// before it sums, as NCCL's `ncclAvg` does: ranks holding about 40000
-/// average to about 40000, where summing first (81024 and more) passes
-/// f16's largest value, 65504, and gave `inf`. Every reducing call, in and
-/// out of place, in the lanes (3 elements) and beyond (10 007), through the
-/// arena, the schedules between threads and over TCP; the result is the
-/// rank-order fold of the scaled terms, which an implementation that
-/// sums first cannot produce even without overflow (world 3).
+/// before it sums, as NCCL's `ncclAvg` does: ranks holding 40000 and more
+/// average to about that, where summing first (80000 and more) passes
+/// f16's largest value, 65504, and gives `inf`. Every reducing call, in
+/// and out of place, in the lanes (3 elements), beyond (10 007) and over
+/// several of the 1 MiB segments it is scaled and reduced in (600 001
+/// elements; a reduce-scatter's blocks are cut into `world` pieces per
+/// segment), through the arena, the schedules between threads and over
+/// TCP.
+///
+/// The values depend on the rank and the position (a cycle of 13, which
+/// no segment's length is a multiple of), so a segment reduced into the
+/// wrong place shows. They are chosen so that every scaled term, and so
+/// every partial sum, is a multiple of 32 below 65504, exact in f16: the
+/// expected bits do not depend on the order a schedule folds in (the
+/// arena folds in rank order, the ring in ring order).
 #[test]
 fn f16_avg_scales_each_term_first_so_the_sum_cannot_overflow() {
     use oxccl::f16;
-    fn value(rank: usize) -> oxccl::f16 {
-        oxccl::f16::from_f32(40000.0 + 1024.0 * rank as f32)
-    }
+    // Multiples of 64 from 40000 (halved: multiples of 32) whose product
+    // with f16(1/3) rounds to a multiple of 32.
+    let third = f16::from_f32((1.0 / 3.0f64) as f32).to_f32();
+    let cycle: [f16; 13] = (0..)
+        .map(|k| 40000.0 + 64.0 * k as f32)
+        .filter(|x| f16::from_f32(x * third).to_f32() % 32.0 == 0.0)
+        .take(13)
+        .map(f16::from_f32)
+        .collect::<Vec<_>>()
+        .try_into()
+        .unwrap();
+    assert!(cycle[12].to_f32() < 48000.0);
+    let value = move |rank: usize, i: usize| cycle[(i + 5 * rank) % 13];
     // What NCCL computes: each term times f16(1/world), rounded to f16,
-    // then summed in f32 and rounded to f16 at each step, in rank order.
-    let expected = |world: usize| {
+    // then summed in f32 and rounded to f16 at each step (exact here).
+    let expected = move |world: usize, i: usize| {
         let scalar = f16::from_f32((1.0 / world as f64) as f32).to_f32();
-        let term = |r: usize| f16::from_f32(value(r).to_f32() * scalar);
+        let term = |r: usize| f16::from_f32(value(r, i).to_f32() * scalar);
         (1..world).fold(term(0), |acc, r| {
             f16::from_f32(acc.to_f32() + term(r).to_f32())
         })
     };
-    let body = move |comm: &mut Communicator| -> oxccl::Result<Vec<(String, Vec<f16>)>> {
+    // What each result is compared with: element `i` of the reduction, or
+    // (off a reduce's root) the rank's own input left alone.
+    #[derive(Clone, Copy)]
+    enum Want {
+        Reduced,
+        OwnInput,
+    }
+    let body = move |comm: &mut Communicator| -> oxccl::Result<Vec<(String, Want, Vec<f16>)>> {
         let (rank, world) = (comm.rank(), comm.world_size());
         let mut results = Vec::new();
-        for count in [3usize, 10_007] {
-            let input = vec![value(rank); count];
+        for count in [3usize, 10_007, 600_001] {
+            let input: Vec<f16> = (0..count).map(|i| value(rank, i)).collect();
             let mut out = vec![f16::ZERO; count];
             comm.all_reduce(&input, &mut out, ReduceOp::Avg)?;
-            results.push((format!("all_reduce {count}"), out));
+            results.push((format!("all_reduce {count}"), Want::Reduced, out));
             let mut buf = input.clone();
             comm.all_reduce_in_place(&mut buf, ReduceOp::Avg)?;
-            results.push((format!("all_reduce_in_place {count}"), buf));
-            let whole = vec![value(rank); count * world];
+            results.push((format!("all_reduce_in_place {count}"), Want::Reduced, buf));
+            // Block r holds what element i of the result takes from this
+            // rank: value(rank, i) at r·count + i.
+            let whole: Vec<f16> = (0..count * world).map(|j| value(rank, j % count)).collect();
             let mut part = vec![f16::ZERO; count];
             comm.reduce_scatter(&whole, &mut part, ReduceOp::Avg)?;
-            results.push((format!("reduce_scatter {count}"), part));
+            results.push((format!("reduce_scatter {count}"), Want::Reduced, part));
             let mut buf = whole.clone();
             comm.reduce_scatter_in_place(&mut buf, ReduceOp::Avg)?;
             results.push((
                 format!("reduce_scatter_in_place {count}"),
+                Want::Reduced,
                 buf[rank * count..(rank + 1) * count].to_vec(),
             ));
             let mut out = vec![f16::ZERO; count];
             comm.reduce(&input, &mut out, ReduceOp::Avg, world - 1)?;
             if rank == world - 1 {
-                results.push((format!("reduce {count}"), out));
+                results.push((format!("reduce {count}"), Want::Reduced, out));
             }
             let mut buf = input.clone();
             comm.reduce_in_place(&mut buf, ReduceOp::Avg, 0)?;
             if rank == 0 {
-                results.push((format!("reduce_in_place {count}"), buf));
+                results.push((format!("reduce_in_place {count}"), Want::Reduced, buf));
             } else {
                 // Off the root an in-place reduce leaves the buffer alone.
-                results.push((format!("reduce_in_place {count}, off the root"), buf));
+                results.push((
+                    format!("reduce_in_place {count}, off the root"),
+                    Want::OwnInput,
+                    buf,
+                ));
             }
         }
         Ok(results)
@@ -274,21 +306,24 @@ fn f16_avg_scales_each_term_first_so_the_sum_cannot_overflow() {
                 common::run_ranks_net(world, builder(), oxccl::TransportKind::Tcp, body),
             ),
         ];
+        let wants: Vec<f16> = (0..13).map(|i| expected(world, i)).collect();
         for (how, run) in runs {
             let ranks = run.unwrap_or_else(|e| panic!("world {world}, {how}: {e}"));
             for (rank, results) in ranks.iter().enumerate() {
-                for (what, got) in results {
-                    let want = if what.ends_with("off the root") {
-                        value(rank)
-                    } else {
-                        expected(world)
-                    };
-                    assert!(want.is_finite(), "{want}");
-                    assert!(
-                        got.iter().all(|g| g.to_bits() == want.to_bits()),
-                        "world {world}, {how}, rank {rank}, {what}: got {:?}, want {want}",
-                        &got[..3]
-                    );
+                for (what, kind, got) in results {
+                    for (i, g) in got.iter().enumerate() {
+                        let want = match kind {
+                            Want::Reduced => wants[i % 13],
+                            Want::OwnInput => value(rank, i),
+                        };
+                        assert!(want.is_finite(), "{want}");
+                        assert_eq!(
+                            g.to_bits(),
+                            want.to_bits(),
+                            "world {world}, {how}, rank {rank}, {what}: element {i} is {g}, \
+                             not {want}"
+                        );
+                    }
                 }
             }
         }

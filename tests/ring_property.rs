@@ -268,3 +268,21 @@ fn direct_all_reduce_equals_all_gather_of_reduce_scatter() {
         check::<i32>(world, 33_333, 9, 1 << 20, arena).unwrap();
     }
 }
+
+/// An f16 Avg runs as calls over 1 MiB segments of its input, each taking
+/// the same piece of every chunk the ring cuts: so a ring folding in ring
+/// order still gives the bits of one call, and the all-reduce still equals
+/// the all-gather of its reduce-scatter. World 3 (with two ranks both fold
+/// orders agree), 200 001 elements per rank: two segments, and a third
+/// for the uneven count's longer chunks; between threads and over TCP,
+/// and through the arena.
+#[test]
+fn segmented_f16_avg_keeps_the_ring_property() {
+    for how in [
+        (Algo::Ring, Ranks::Threads),
+        (Algo::Ring, Ranks::Tcp),
+        (Algo::Auto, Ranks::Threads),
+    ] {
+        check::<f16>(3, 200_001, 11, 64 << 10, how).unwrap();
+    }
+}

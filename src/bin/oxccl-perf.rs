@@ -956,7 +956,9 @@ fn bench<T: Element>(comm: &mut Communicator, a: &Args) -> oxccl::Result<RunResu
         let mut row = Row {
             bytes,
             count,
-            algo: comm.algorithm_for::<T>(op_kind(a.coll), bytes).to_string(),
+            algo: comm
+                .algorithm_for_reduction::<T>(op_kind(a.coll), a.op, bytes)
+                .to_string(),
             ..Row::default()
         };
         for (k, &in_place) in a.coll.variants(&a.backend).iter().enumerate() {
