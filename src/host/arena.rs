@@ -39,7 +39,7 @@ use std::time::{Duration, Instant};
 
 use crate::comm::ShmStores;
 use crate::error::Result;
-use crate::transport::shm::{process_alive, Segment};
+use crate::transport::shm::{process_alive, ProcessStamp, Segment};
 use crate::transport::{FailureCause, TransportError};
 use crate::types::{Element, OpKind, Rank, ReduceOp};
 
@@ -281,6 +281,9 @@ struct Control {
     done: AtomicU64,
     /// Its process id (liveness checks across processes).
     pid: AtomicU64,
+    /// Its process's start time ([`ProcessStamp::start`]): with `pid`, what
+    /// liveness checks compare, so a reused id is not taken for the rank.
+    start: AtomicU64,
     /// [`STATE_ALIVE`] once attached, [`STATE_DEPARTED`] once dropped,
     /// [`STATE_FAILED`] once failed.
     state: AtomicU64,
@@ -1109,6 +1112,16 @@ impl Arena {
         self.control(rank).pid.load(Ordering::Relaxed) as libc::pid_t
     }
 
+    /// Whether `rank`'s process still runs (its id and start time, as it
+    /// published them; an id of 0, not published, counts as not running).
+    fn peer_process_alive(&self, rank: Rank) -> bool {
+        let control = self.control(rank);
+        process_alive(ProcessStamp {
+            pid: control.pid.load(Ordering::Relaxed) as u32,
+            start: control.start.load(Ordering::Relaxed),
+        })
+    }
+
     fn attach(
         memory: Arc<Memory>,
         geometry: Geometry,
@@ -1164,8 +1177,9 @@ impl Arena {
             mailbox_room: 0,
         };
         let me = arena.control(rank);
-        me.pid
-            .store(u64::from(std::process::id()), Ordering::Relaxed);
+        let stamp = ProcessStamp::own();
+        me.pid.store(u64::from(stamp.pid), Ordering::Relaxed);
+        me.start.store(stamp.start, Ordering::Relaxed);
         me.state.store(STATE_ALIVE, Ordering::Release);
         arena
     }
@@ -1358,8 +1372,8 @@ impl Arena {
         let crashed = |look: bool| {
             others.clone().find(|&r| {
                 look && self.watch_pids && !self.departed(r) && {
-                    let pid = self.control(r).pid.load(Ordering::Relaxed) as u32;
-                    pid != 0 && !process_alive(pid)
+                    let pid = self.control(r).pid.load(Ordering::Relaxed);
+                    pid != 0 && !self.peer_process_alive(r)
                 }
             })
         };
@@ -3499,8 +3513,7 @@ impl Arena {
                 let now = Instant::now();
                 if self.watch_pids && now >= next_liveness {
                     next_liveness = now + LIVENESS_INTERVAL;
-                    let pid = self.peer_pid(p) as u32;
-                    if pid != 0 && !crate::transport::shm::process_alive(pid) {
+                    if self.peer_pid(p) != 0 && !self.peer_process_alive(p) {
                         break;
                     }
                 }

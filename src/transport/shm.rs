@@ -45,6 +45,8 @@ struct Header {
     state: AtomicU64,
     slots: AtomicU64,
     ring_bytes: AtomicU64,
+    /// The owner's start time ([`ProcessStamp::start`]).
+    owner_start: AtomicU64,
 }
 
 /// Where a ring's control words and data live within the segment.
@@ -239,9 +241,9 @@ impl Segment {
             name: name.to_string(),
         };
         let header = segment.header();
-        header
-            .owner_pid
-            .store(std::process::id().into(), Ordering::Relaxed);
+        let me = ProcessStamp::own();
+        header.owner_pid.store(me.pid.into(), Ordering::Relaxed);
+        header.owner_start.store(me.start, Ordering::Relaxed);
         header.slots.store(slots as u64, Ordering::Relaxed);
         header
             .ring_bytes
@@ -353,9 +355,13 @@ impl Segment {
         self.header().state.load(Ordering::Acquire) == STATE_DEPARTED
     }
 
-    /// The owner's process id, for liveness checks.
-    pub fn owner_pid(&self) -> u32 {
-        self.header().owner_pid.load(Ordering::Relaxed) as u32
+    /// The owner's process, for liveness checks.
+    pub fn owner(&self) -> ProcessStamp {
+        let header = self.header();
+        ProcessStamp {
+            pid: header.owner_pid.load(Ordering::Relaxed) as u32,
+            start: header.owner_start.load(Ordering::Relaxed),
+        }
     }
 
     /// The ring in `slot`, or `None` if the segment has no such slot.
@@ -529,18 +535,62 @@ impl ShmLink {
 
     /// Whether the peer's process still runs.
     pub fn peer_alive(&self) -> bool {
-        process_alive(self.peer.owner_pid())
+        process_alive(self.peer.owner())
     }
 
     /// The peer's process id.
     pub fn peer_pid(&self) -> u32 {
-        self.peer.owner_pid()
+        self.peer.owner().pid
     }
 }
 
-/// Whether process `pid` exists and is not a zombie (a killed rank whose
-/// parent has not reaped it yet must still count as dead).
-pub(crate) fn process_alive(pid: u32) -> bool {
+/// A process as a rank publishes it for liveness checks: its id and its
+/// start time, so that the id of a peer that died, handed by the kernel to
+/// a later process, is not taken for the peer (a wait that ends when the
+/// peer dies, such as `Arena::withdraw`'s, would then never end).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ProcessStamp {
+    pub pid: u32,
+    /// Clock ticks from boot to the process's start (`/proc/PID/stat`,
+    /// field 22); 0 where unknown (no `/proc`), then the id alone counts.
+    pub start: u64,
+}
+
+impl ProcessStamp {
+    /// This process's stamp.
+    pub fn own() -> ProcessStamp {
+        static START: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+        let pid = std::process::id();
+        ProcessStamp {
+            pid,
+            start: *START.get_or_init(|| {
+                std::fs::read_to_string("/proc/self/stat")
+                    .ok()
+                    .and_then(|stat| parse_stat(&stat))
+                    .map_or(0, |(_, start)| start)
+            }),
+        }
+    }
+}
+
+/// The state letter and the start time (field 22) of a `/proc/PID/stat`
+/// line. The fields are counted after the command name's closing
+/// parenthesis: the name itself may hold spaces and parentheses.
+fn parse_stat(stat: &str) -> Option<(char, u64)> {
+    let (_, rest) = stat.rsplit_once(')')?;
+    let mut fields = rest.split_whitespace();
+    let state = fields.next()?.chars().next()?;
+    // Fields 4 to 21 lie between the state (3) and the start time (22).
+    let start = fields.nth(18)?.parse().ok()?;
+    Some((state, start))
+}
+
+/// Whether the process `stamp` names still runs: its id exists, is not a
+/// zombie (a killed rank whose parent has not reaped it yet counts as
+/// dead), and (where the stamp has a start time) started when the stamp
+/// says, so a reused id is no longer the peer.
+pub(crate) fn process_alive(stamp: ProcessStamp) -> bool {
+    let pid = stamp.pid;
     // A pid a peer wrote: 0 and values past i32::MAX would name process
     // groups (0: our own, always "alive"), not a process.
     if pid == 0 || pid > i32::MAX as u32 {
@@ -552,12 +602,12 @@ pub(crate) fn process_alive(pid: u32) -> bool {
         return false;
     }
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        // The state is the first field after the parenthesised command name.
-        Ok(stat) => !matches!(
-            stat.rsplit_once(')')
-                .and_then(|(_, rest)| rest.trim_start().chars().next()),
-            Some('Z') | Some('X')
-        ),
+        Ok(stat) => match parse_stat(&stat) {
+            Some(('Z' | 'X', _)) => false,
+            Some((_, start)) => stamp.start == 0 || start == stamp.start,
+            // Unreadable: trust kill(2).
+            None => true,
+        },
         Err(_) => true, // no /proc: trust kill(2)
     }
 }
@@ -741,13 +791,45 @@ mod tests {
 
     #[test]
     fn liveness() {
-        assert!(process_alive(std::process::id()));
+        let me = ProcessStamp::own();
+        assert!(me.start > 0, "{me:?}");
+        assert!(process_alive(me));
+        // The same id with another start time: a later process that was
+        // handed a dead peer's id.
+        for start in [me.start - 1, me.start + 1] {
+            assert!(!process_alive(ProcessStamp { start, ..me }));
+        }
+        // Without a start time the id alone counts.
+        assert!(process_alive(ProcessStamp { start: 0, ..me }));
         let mut child = std::process::Command::new("true").spawn().unwrap();
-        let pid = child.id();
+        let child_stamp = ProcessStamp {
+            pid: child.id(),
+            start: 0,
+        };
         std::thread::sleep(std::time::Duration::from_millis(100));
-        assert!(!process_alive(pid), "an unreaped zombie counts as dead");
+        assert!(
+            !process_alive(child_stamp),
+            "an unreaped zombie counts as dead"
+        );
         child.wait().unwrap();
-        assert!(!process_alive(pid));
+        assert!(!process_alive(child_stamp));
         assert!(host_identity().contains('|'));
+    }
+
+    /// The start time is field 22, counted after the command name, which
+    /// may hold spaces and parentheses.
+    #[test]
+    fn stat_lines_parse_past_odd_command_names() {
+        let tail = "S 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 987654 19 20";
+        assert_eq!(
+            parse_stat(&format!("42 (a) b) c) {tail}")),
+            Some(('S', 987654))
+        );
+        assert_eq!(
+            parse_stat(&format!("42 (plain) {tail}")),
+            Some(('S', 987654))
+        );
+        assert_eq!(parse_stat("42 (short) S 1 2"), None);
+        assert_eq!(parse_stat("no parenthesis"), None);
     }
 }
