@@ -396,6 +396,12 @@ pub struct Communicator {
     /// at a time ([`Communicator::avg_by_segments`]); kept between calls,
     /// at most [`AVG_SEGMENT_BYTES`]. `u64`s, for any element's alignment.
     avg_scratch: Vec<u64>,
+    /// While a premultiplied `Avg` runs its segments: a word naming the
+    /// whole call's element count and the segment ([`segment_tag`]),
+    /// mixed into each segment call's signature and frame digest, so that
+    /// ranks passing different counts fail with a mismatch rather than
+    /// pair segments of different calls; 0 otherwise.
+    segment_tag: u64,
     _not_sync: PhantomData<Cell<()>>,
 }
 
@@ -462,14 +468,30 @@ enum AvgCall {
 /// Bytes of input a premultiplied `Avg` scales and reduces per call
 /// ([`Communicator::avg_by_segments`]), and so the most its scratch holds:
 /// a core's L2 on Zen 4, so the scaled segment is read back from cache.
-/// f16 Avg all-reduce, three rounds alternating with the whole input
-/// scaled first (Zen 4 VM, ms, out of / in place): 2 processes 16 MiB
-/// 3.4–4.0 / 2.7–3.2 against 4.1–5.5 / 4.2–5.3, 64 MiB 12.9–16.8 /
-/// 11.3–12.0 against 18.2–22.0 / 17.5–18.1; 2 threads 16 MiB 2.8–3.1 /
-/// 2.2–3.0 against 3.7–4.5 / 3.4–4.4, 64 MiB 11.9–15.8 / 9.0–12.3 against
-/// 15.4–19.6 / 12.3–17.0; 1 MiB even. Segments of 512 KiB and 2 MiB ran
-/// within the same spread.
+/// f16 Avg all-reduce, four rounds alternating with the whole input
+/// scaled first (Zen 4 VM, ms, out of / in place): 2 threads 16 MiB
+/// 3.0–3.9 / 2.2–2.8 against 3.5–5.3 / 3.5–5.2, 64 MiB 11.8–13.3 /
+/// 8.7–12.4 against 17.1–23.1 / 16.5–20.4; 2 processes 16 MiB 4.6–5.8 /
+/// 3.8–5.0 against 4.3–6.2 / 5.1–6.0, 64 MiB 18.5–24.9 / 13.6–19.5
+/// against 18.7–24.2 / 21.1–23.9; 1 MiB (one segment) even. Segments of
+/// 512 KiB and 2 MiB ran within the same spread.
+///
+/// A call larger than one segment runs equal segments of more than half
+/// of one: more than the direct schedules take
+/// ([`schedule::DIRECT_MAX_BYTES_SENT`]), so every segment gets the family
+/// the whole call would (and its fold order).
 const AVG_SEGMENT_BYTES: usize = 1024 * 1024;
+const _: () = assert!(AVG_SEGMENT_BYTES / 2 > schedule::DIRECT_MAX_BYTES_SENT);
+
+/// [`Communicator::segment_tag`] for segment `index` of a premultiplied
+/// `Avg` of `whole_count` elements: never 0.
+fn segment_tag(whole_count: usize, index: usize) -> u64 {
+    let z = (whole_count as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        ^ (index as u64)
+            .wrapping_add(1)
+            .wrapping_mul(0xD6E8_FEB8_6659_FD93);
+    z | 1
+}
 
 /// Elements of each of `parts` blocks that one segment of a premultiplied
 /// `Avg` of `T` takes ([`AVG_SEGMENT_BYTES`] in all, at least one).
@@ -760,7 +782,7 @@ fn record_failure(
 fn run_in_arena<T: Element>(
     arena: &mut Arena,
     desc: &CollectiveDesc,
-    info: &CallInfo,
+    (info, segment_tag): (&CallInfo, u64),
     bufs: Bufs<'_, T>,
 ) -> Result<()> {
     let count = desc.count();
@@ -768,7 +790,8 @@ fn run_in_arena<T: Element>(
     let root = desc.root.unwrap_or(0);
     let sig = CallSig {
         seq: info.seq,
-        signature: arena::signature(desc.op, desc.dtype as u8, desc.reduce_op, root, count),
+        signature: arena::signature(desc.op, desc.dtype as u8, desc.reduce_op, root, count)
+            ^ segment_tag,
     };
     let rank = desc.rank;
     let op = info.reduce_op;
@@ -921,6 +944,7 @@ impl Communicator {
             backend: Backend::Host(transport),
             arena: None,
             avg_scratch: Vec::new(),
+            segment_tag: 0,
             _not_sync: PhantomData,
         }
     }
@@ -1057,12 +1081,12 @@ impl Communicator {
             digest: if in_arena {
                 0
             } else {
-                CallInfo::digest_of(&desc)
+                CallInfo::digest_of(&desc) ^ (self.segment_tag ^ (self.segment_tag >> 32)) as u32
             },
         };
         let result = match (in_arena, self.arena.as_mut()) {
             _ if transport.is_aborted() => Err(info.error(self.rank, TransportError::Aborted)),
-            (true, Some(arena)) => run_in_arena(arena, &desc, &info, bufs),
+            (true, Some(arena)) => run_in_arena(arena, &desc, (&info, self.segment_tag), bufs),
             _ => {
                 let family = self.plan_family(&desc);
                 let plan = schedule::plan_with(&desc, self.config.chunk_bytes, family);
@@ -1121,7 +1145,8 @@ impl Communicator {
         };
         let sig = CallSig {
             seq,
-            signature: arena::signature(OpKind::AllReduce, T::DTYPE as u8, Some(op), 0, count),
+            signature: arena::signature(OpKind::AllReduce, T::DTYPE as u8, Some(op), 0, count)
+                ^ self.segment_tag,
         };
         let result = if arena.aborted() {
             Err(info.error(self.rank, TransportError::Aborted))
@@ -1179,9 +1204,13 @@ impl Communicator {
         if !segmented {
             return self.algorithm_for::<T>(op, bytes);
         }
+        // The segments' size as `avg_by_segments` cuts them (equal, so
+        // the first stands for all).
         let parts = if op == OpKind::Reduce { 1 } else { self.world };
-        let segment = avg_segment_elements::<T>(parts) * parts * std::mem::size_of::<T>();
-        self.algorithm_for::<T>(op, bytes.min(segment))
+        let elem = std::mem::size_of::<T>();
+        let longest = (bytes / elem).div_ceil(parts);
+        let segment = longest.div_ceil(longest.div_ceil(avg_segment_elements::<T>(parts)).max(1));
+        self.algorithm_for::<T>(op, segment * parts * elem)
     }
 
     /// How the last collective that ran in the shared arena reached its
@@ -1226,22 +1255,31 @@ impl Communicator {
     /// ([`ChunkLayout`](schedule::ChunkLayout)), a reduce-scatter's `world`
     /// blocks, or a reduce's whole input; the pieces are packed part after
     /// part. So each element keeps its chunk, and a ring folds its terms
-    /// in the same order as one call would (the arena and the other
-    /// schedules fold in an order that does not depend on the position):
-    /// the bits are those of one call, and an all-reduce still equals the
-    /// all-gather of its reduce-scatter. A reduce-scatter's and a
-    /// reduce's segment reduces straight into its place in the output; an
-    /// all-reduce's reduces in place in the scratch and is copied out piece
-    /// by piece, so the output is written only by segments that succeeded.
+    /// in the order one call would (the arena and the direct and chain
+    /// schedules fold in an order that does not depend on the position).
+    /// The parts are cut into segments of equal length, so a call larger
+    /// than one segment runs segments of more than half of one, never a
+    /// short tail that the table would give another schedule family than
+    /// the whole call (see [`AVG_SEGMENT_BYTES`]). Hence the bits are those
+    /// of one call summing the scaled inputs, and an all-reduce still
+    /// equals the all-gather of its reduce-scatter. A reduce-scatter's and
+    /// a reduce's segment reduces straight into its place in the output,
+    /// and so does an all-reduce of one segment; an all-reduce of several
+    /// reduces each in place in the scratch and copies it out piece by
+    /// piece (its pieces lie apart in the output), so the output is
+    /// written only by segments that succeeded.
     ///
-    /// Why segments: the scratch then holds at most [`AVG_SEGMENT_BYTES`]
-    /// whatever the call's size, where scaling the whole input first kept a
-    /// copy as large as the largest input so far (NCCL scales inline and
-    /// needs none); and the scaled segment is read back from cache, not
-    /// from memory. Each segment is a call of its own (a sequence number,
-    /// a deadline), the same number of them on every rank: the count
-    /// depends only on the length, the type and the world size. An empty
-    /// input still makes one (empty) call, as the unsegmented call did.
+    /// Why segments: the scratch then holds one segment whatever the
+    /// call's size, where scaling the whole input first kept a copy as
+    /// large as the largest input so far (NCCL scales inline and needs
+    /// none); and the scaled segment is read back from cache, not from
+    /// memory. Each segment is a call of its own (a sequence number, a
+    /// deadline), the same number of them on every rank that passes the
+    /// same count: the count depends only on the length, the type and the
+    /// world size. Ranks passing different counts fail with a mismatch:
+    /// every segment's signature carries the whole call's count
+    /// ([`segment_tag`](Communicator::segment_tag)). An empty input still
+    /// makes one (empty) call, as the unsegmented call did.
     ///
     /// # Errors
     ///
@@ -1261,20 +1299,27 @@ impl Communicator {
             AvgCall::ReduceScatter { .. } => (OpKind::ReduceScatter, self.world),
             AvgCall::Reduce { .. } => (OpKind::Reduce, 1),
         };
-        let layout = schedule::ChunkLayout::new(bufs.input().len(), parts, 1);
+        let whole_count = bufs.input().len();
+        let layout = schedule::ChunkLayout::new(whole_count, parts, 1);
         // Part 0 is the longest (`ChunkLayout` gives the extra elements
-        // to the first parts).
+        // to the first parts); it is cut into equal segments.
         let longest = layout.chunk(0).1;
-        let per_part = avg_segment_elements::<T>(parts);
-        let mut start = 0;
-        loop {
-            let range = start..longest.min(start + per_part);
+        let count = longest.div_ceil(avg_segment_elements::<T>(parts)).max(1);
+        let segments = schedule::ChunkLayout::new(longest, count, 1);
+        for index in 0..count {
+            let (start, len) = segments.chunk(index);
+            let range = start..start + len;
             let pieces = (0..parts).map(|p| {
                 let (offset, len) = layout.chunk(p);
                 offset + range.start.min(len)..offset + range.end.min(len)
             });
             let mut scaled = self.scaled_segment(kind, bufs.input(), pieces.clone())?;
+            self.segment_tag = segment_tag(whole_count, index);
             let result = match call {
+                // One segment is the whole input in order: straight out.
+                AvgCall::AllReduce if count == 1 => {
+                    self.all_reduce_as_given(scaled.elements(), bufs.output(), op)
+                }
                 AvgCall::AllReduce => {
                     let result = self.all_reduce_in_place_as_given(scaled.elements_mut(), op);
                     if result.is_ok() {
@@ -1300,13 +1345,11 @@ impl Communicator {
                     self.reduce_as_given(scaled.elements(), out, op, root)
                 }
             };
+            self.segment_tag = 0;
             self.keep_scratch(scaled);
             result?;
-            start = range.end;
-            if start >= longest {
-                return Ok(());
-            }
         }
+        Ok(())
     }
 
     /// The `pieces` of `input` (ranges of it), scaled by `1/world` into
@@ -1578,12 +1621,13 @@ impl Communicator {
         op: ReduceOp,
         root: Rank,
     ) -> Result<()> {
-        // A root out of range, or a root's output of the wrong length, is
-        // refused by `run`, before any scaling. Off the root `recv` is
-        // not touched: each segment gets an empty one.
+        // A root out of range, or an output of the wrong length (off the
+        // root: neither empty nor the input's), is refused by `run`,
+        // before any scaling. Off the root `recv` is not touched: each
+        // segment gets an empty one.
         if self.premultiplies::<T>(op)
             && root < self.world
-            && (self.rank != root || recv.len() == send.len())
+            && (recv.len() == send.len() || (self.rank != root && recv.is_empty()))
         {
             let bufs = AvgBufs::OutOfPlace { send, recv };
             return self.avg_by_segments(AvgCall::Reduce { root }, op, bufs);

@@ -206,14 +206,15 @@ fn every_rank_gets_the_same_nan_bits_whatever_its_alignment() {
 /// average to about that, where summing first (80000 and more) passes
 /// f16's largest value, 65504, and gives `inf`. Every reducing call, in
 /// and out of place, in the lanes (3 elements), beyond (10 007) and over
-/// several of the 1 MiB segments it is scaled and reduced in (600 001
-/// elements; a reduce-scatter's blocks are cut into `world` pieces per
-/// segment), through the arena, the schedules between threads and over
-/// TCP.
+/// several of the 1 MiB segments it is scaled and reduced in (600 011
+/// elements; a segment takes a piece of every chunk, or of every block of
+/// a reduce-scatter), through the arena, the schedules between threads
+/// and over TCP.
 ///
-/// The values depend on the rank and the position (a cycle of 13, which
-/// no segment's length is a multiple of), so a segment reduced into the
-/// wrong place shows. They are chosen so that every scaled term, and so
+/// The values depend on the rank, the position and a reduce-scatter's
+/// block (a cycle of 13, which no chunk's or segment's length is a
+/// multiple of), so a piece reduced into the wrong place, or taken from
+/// the wrong block, shows. They are chosen so that every scaled term, and so
 /// every partial sum, is a multiple of 32 below 65504, exact in f16: the
 /// expected bits do not depend on the order a schedule folds in (the
 /// arena folds in rank order, the ring in ring order).
@@ -242,46 +243,50 @@ fn f16_avg_scales_each_term_first_so_the_sum_cannot_overflow() {
             f16::from_f32(acc.to_f32() + term(r).to_f32())
         })
     };
-    // What each result is compared with: element `i` of the reduction, or
-    // (off a reduce's root) the rank's own input left alone.
+    // What each result is compared with: element `i + shift` of the
+    // reduction, or (off a reduce's root) the rank's own input left alone.
     #[derive(Clone, Copy)]
     enum Want {
-        Reduced,
+        Reduced { shift: usize },
         OwnInput,
     }
+    const REDUCED: Want = Want::Reduced { shift: 0 };
     let body = move |comm: &mut Communicator| -> oxccl::Result<Vec<(String, Want, Vec<f16>)>> {
         let (rank, world) = (comm.rank(), comm.world_size());
         let mut results = Vec::new();
-        for count in [3usize, 10_007, 600_001] {
+        for count in [3usize, 10_007, 600_011] {
             let input: Vec<f16> = (0..count).map(|i| value(rank, i)).collect();
             let mut out = vec![f16::ZERO; count];
             comm.all_reduce(&input, &mut out, ReduceOp::Avg)?;
-            results.push((format!("all_reduce {count}"), Want::Reduced, out));
+            results.push((format!("all_reduce {count}"), REDUCED, out));
             let mut buf = input.clone();
             comm.all_reduce_in_place(&mut buf, ReduceOp::Avg)?;
-            results.push((format!("all_reduce_in_place {count}"), Want::Reduced, buf));
-            // Block r holds what element i of the result takes from this
-            // rank: value(rank, i) at r·count + i.
-            let whole: Vec<f16> = (0..count * world).map(|j| value(rank, j % count)).collect();
+            results.push((format!("all_reduce_in_place {count}"), REDUCED, buf));
+            // Block r holds what rank r's result takes from this rank:
+            // value(rank, i + 3r) at r·count + i.
+            let whole: Vec<f16> = (0..count * world)
+                .map(|j| value(rank, j % count + 3 * (j / count)))
+                .collect();
+            let mine = Want::Reduced { shift: 3 * rank };
             let mut part = vec![f16::ZERO; count];
             comm.reduce_scatter(&whole, &mut part, ReduceOp::Avg)?;
-            results.push((format!("reduce_scatter {count}"), Want::Reduced, part));
+            results.push((format!("reduce_scatter {count}"), mine, part));
             let mut buf = whole.clone();
             comm.reduce_scatter_in_place(&mut buf, ReduceOp::Avg)?;
             results.push((
                 format!("reduce_scatter_in_place {count}"),
-                Want::Reduced,
+                mine,
                 buf[rank * count..(rank + 1) * count].to_vec(),
             ));
             let mut out = vec![f16::ZERO; count];
             comm.reduce(&input, &mut out, ReduceOp::Avg, world - 1)?;
             if rank == world - 1 {
-                results.push((format!("reduce {count}"), Want::Reduced, out));
+                results.push((format!("reduce {count}"), REDUCED, out));
             }
             let mut buf = input.clone();
             comm.reduce_in_place(&mut buf, ReduceOp::Avg, 0)?;
             if rank == 0 {
-                results.push((format!("reduce_in_place {count}"), Want::Reduced, buf));
+                results.push((format!("reduce_in_place {count}"), REDUCED, buf));
             } else {
                 // Off the root an in-place reduce leaves the buffer alone.
                 results.push((
@@ -313,7 +318,7 @@ fn f16_avg_scales_each_term_first_so_the_sum_cannot_overflow() {
                 for (what, kind, got) in results {
                     for (i, g) in got.iter().enumerate() {
                         let want = match kind {
-                            Want::Reduced => wants[i % 13],
+                            Want::Reduced { shift } => wants[(i + shift) % 13],
                             Want::OwnInput => value(rank, i),
                         };
                         assert!(want.is_finite(), "{want}");

@@ -6,7 +6,7 @@ mod common;
 use std::time::Duration;
 
 use common::{run_ranks, run_ranks_with};
-use oxccl::{Communicator, Error, OpKind, ReduceOp};
+use oxccl::{f16, Communicator, Error, OpKind, ReduceOp};
 
 #[test]
 fn send_recv_preserve_order_between_pairs() {
@@ -136,6 +136,34 @@ fn bad_input_is_returned_on_the_calling_rank_before_any_io() {
         assert_eq!(
             invalid_arg(comm.all_to_all(&[0u8; 4], &mut [0u8; 4])),
             (OpKind::AllToAll, "send")
+        );
+        // An f16 Avg, which scales its input a segment at a time first, is
+        // refused alike and scales nothing (off the root a reduce's output
+        // must be empty or the input's length).
+        let (half, mut out16) = ([f16::ONE; 5], [f16::ZERO; 4]);
+        assert_eq!(
+            invalid_arg(comm.all_reduce(&half, &mut out16, ReduceOp::Avg)),
+            (OpKind::AllReduce, "recv")
+        );
+        assert_eq!(
+            invalid_arg(comm.reduce_scatter(&half, &mut out16[..1], ReduceOp::Avg)),
+            (OpKind::ReduceScatter, "send")
+        );
+        assert_eq!(
+            invalid_arg(comm.reduce_scatter_in_place(&mut out16, ReduceOp::Avg)),
+            (OpKind::ReduceScatter, "buf")
+        );
+        let (me, other) = (comm.rank(), (comm.rank() + 1) % w);
+        for root in [me, other] {
+            assert_eq!(
+                invalid_arg(comm.reduce(&half, &mut out16, ReduceOp::Avg, root)),
+                (OpKind::Reduce, "recv"),
+                "root {root}"
+            );
+        }
+        assert_eq!(
+            invalid_arg(comm.reduce_in_place(&mut out16, ReduceOp::Avg, w)),
+            (OpKind::Reduce, "root")
         );
         let msg = comm
             .all_reduce(&[1.0f32; 5], &mut out, ReduceOp::Sum)
@@ -296,6 +324,43 @@ fn arena_reports_a_count_mismatch() {
         err.contains("mismatch") && err.contains("different call"),
         "{err}"
     );
+}
+
+/// An f16 Avg runs as calls over segments of at most 1 MiB of input, and
+/// ranks that disagree on its count may cut different numbers of them:
+/// one segment of 524 288 elements against two of 524 288 (1 048 576 in
+/// all, world 2). Every segment's signature names the whole call's count,
+/// so both ranks get a mismatch at the first segment, through the arena
+/// and over the ring's links, rather than one rank returning `Ok` with its
+/// elements reduced against the other's second half.
+#[test]
+fn f16_avg_ranks_disagreeing_on_the_count_get_a_mismatch() {
+    for algo in [oxccl::Algo::Auto, oxccl::Algo::Ring] {
+        let builder = Communicator::builder()
+            .timeout(Duration::from_secs(10))
+            .algo(algo);
+        let started = std::time::Instant::now();
+        let errors = run_ranks_with(2, builder, |comm| {
+            let count = 524_288 << comm.rank();
+            let mut buf = vec![f16::ONE; count];
+            Ok(comm
+                .all_reduce_in_place(&mut buf, ReduceOp::Avg)
+                .err()
+                .map(|e| e.to_string()))
+        })
+        .unwrap_or_else(|e| panic!("{algo:?}: {e}"));
+        for (rank, error) in errors.iter().enumerate() {
+            let error = error.as_deref().unwrap_or("returned Ok");
+            assert!(
+                error.contains("mismatch") || error.contains("different call"),
+                "{algo:?} rank {rank}: {error}"
+            );
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(8),
+            "{algo:?}: {errors:?}"
+        );
+    }
 }
 
 /// A small all-reduce runs in the arena's lanes, outside the slot rounds:
