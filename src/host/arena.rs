@@ -281,9 +281,6 @@ struct Control {
     done: AtomicU64,
     /// Its process id (liveness checks across processes).
     pid: AtomicU64,
-    /// Its process's start time ([`ProcessStamp::start`]): with `pid`, what
-    /// liveness checks compare, so a reused id is not taken for the rank.
-    start: AtomicU64,
     /// [`STATE_ALIVE`] once attached, [`STATE_DEPARTED`] once dropped,
     /// [`STATE_FAILED`] once failed.
     state: AtomicU64,
@@ -295,7 +292,11 @@ struct Control {
     /// Once failed: why, when it said ([`encode_cause`]), stored before
     /// the state; 0 otherwise.
     cause: AtomicU64,
+    /// Its process's start time ([`ProcessStamp::start`]): with `pid`, what
+    /// liveness checks compare, so a reused id is not taken for the rank.
+    start: AtomicU64,
 }
+const _: () = assert!(std::mem::size_of::<Control>() <= LINE);
 
 /// A failure's cause as the word [`Control::cause`] holds: the rank + 1
 /// (rank < 2^32), with the top bit set when it was late rather than lost.
@@ -4320,6 +4321,25 @@ mod tests {
             crate::ShmStores::Cached,
         )
         .err()
+    }
+
+    /// Every rank's control line carries its process's stamp (pid and
+    /// start time), which liveness checks find alive; a start time one
+    /// tick off (the pid reused by a later process) is found gone.
+    #[test]
+    fn control_lines_carry_the_process_stamp() {
+        let arenas =
+            Arena::local_group(2, Arc::new(AtomicBool::new(false)), Duration::from_secs(1))
+                .unwrap();
+        let own = ProcessStamp::own();
+        for rank in 0..2 {
+            let control = arenas[0].control(rank);
+            assert_eq!(control.pid.load(Ordering::Relaxed), u64::from(own.pid));
+            assert_eq!(control.start.load(Ordering::Relaxed), own.start);
+            assert!(arenas[0].peer_process_alive(rank));
+            control.start.store(own.start + 1, Ordering::Relaxed);
+            assert!(!arenas[0].peer_process_alive(rank));
+        }
     }
 
     /// A peer that never attaches makes the set-up time out naming the

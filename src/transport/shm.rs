@@ -48,6 +48,7 @@ struct Header {
     /// The owner's start time ([`ProcessStamp::start`]).
     owner_start: AtomicU64,
 }
+const _: () = assert!(std::mem::size_of::<Header>() <= HEADER_BYTES);
 
 /// Where a ring's control words and data live within the segment.
 fn ring_offset(slot: usize, ring_bytes: usize) -> usize {
@@ -557,19 +558,19 @@ pub(crate) struct ProcessStamp {
 }
 
 impl ProcessStamp {
-    /// This process's stamp.
+    /// This process's stamp, read when asked (once per attach: a child
+    /// forked after a set-up must not publish its parent's start time).
+    /// The start time is 0 where `/proc` belongs to another pid namespace
+    /// (its `self` has another id than ours, so a peer reading
+    /// `/proc/OUR_ID` would find another process): the id alone counts.
     pub fn own() -> ProcessStamp {
-        static START: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
         let pid = std::process::id();
-        ProcessStamp {
-            pid,
-            start: *START.get_or_init(|| {
-                std::fs::read_to_string("/proc/self/stat")
-                    .ok()
-                    .and_then(|stat| parse_stat(&stat))
-                    .map_or(0, |(_, start)| start)
-            }),
-        }
+        let start = std::fs::read_to_string("/proc/self/stat")
+            .ok()
+            .filter(|stat| stat.split_whitespace().next() == Some(pid.to_string().as_str()))
+            .and_then(|stat| parse_stat(&stat))
+            .map_or(0, |(_, start)| start);
+        ProcessStamp { pid, start }
     }
 }
 
@@ -691,6 +692,7 @@ mod tests {
             true
         }));
         let s = Segment::create(&name, 2, 4096).unwrap();
+        assert_eq!(s.owner(), ProcessStamp::own());
         // Rewrite the header as a peer might.
         s.header().ring_bytes.store(4, Ordering::Relaxed);
         let opened = Segment::open(&name);
