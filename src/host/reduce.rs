@@ -101,9 +101,10 @@ pub trait Kernels: Sized + Copy {
     /// [`combine_into_both`](Kernels::combine_into_both) for the `Avg` of
     /// two ranks: both outputs get the terms' sum halved, the bits that
     /// `combine_into` and then [`finish_avg`] give, in one pass. Returns
-    /// whether it did: a type without a one-pass form (`bf16`, whose sum is
-    /// rounded to `bf16` before it is halved) leaves the caller to fold,
-    /// finish and copy.
+    /// whether it did: where a type has no one-pass form (`bf16`, whose
+    /// sum is rounded to `bf16` before it is halved, without AVX2 or below
+    /// one sixteen-element step) it writes nothing, and the caller folds,
+    /// finishes and copies.
     ///
     /// # Safety
     /// As [`combine_into_both`](Kernels::combine_into_both).
@@ -874,6 +875,22 @@ mod convert {
         /// # Safety
         /// Each pointer is valid for `n` elements; `out` is `a` or apart.
         unsafe fn scale_fused(out: *mut Self, a: *const Self, scalar: f32, n: usize) -> usize;
+        /// `d0[i] = d1[i] = (x0[i] + x1[i]) / 2`, the sum rounded to the
+        /// type and then halved (a two-rank `Avg` that does not
+        /// premultiply), in one pass where the CPU allows, as
+        /// [`zip_both_fused`](Half::zip_both_fused): returns how many
+        /// elements it did. None by default.
+        ///
+        /// # Safety
+        /// As [`Kernels::combine_into_both`](super::Kernels::combine_into_both).
+        unsafe fn average_two_fused(
+            _d: (*mut Self, *mut Self),
+            _x: (*const Self, *const Self),
+            _n: usize,
+            _down: bool,
+        ) -> usize {
+            0
+        }
         /// `out[i] = a[i] × scalar` for every `i < n`: [`scale_fused`](Half::scale_fused),
         /// then the rest through `f32` blocks in L1, the same bits.
         ///
@@ -1022,6 +1039,26 @@ mod convert {
             }
             0
         }
+        #[allow(unused_variables)]
+        unsafe fn average_two_fused(
+            d: (*mut Self, *mut Self),
+            x: (*const Self, *const Self),
+            n: usize,
+            down: bool,
+        ) -> usize {
+            #[cfg(target_arch = "x86_64")]
+            if super::has_avx2() {
+                let (d, x) = ((d.0.cast(), d.1.cast()), (x.0.cast(), x.1.cast()));
+                if super::half_fused::has_avx512_bf16() {
+                    // SAFETY: AVX2 and AVX-512 BF16 are present; the
+                    // caller's contract.
+                    return unsafe { super::half_fused::average_two_bf16_512(d, x, n, down) };
+                }
+                // SAFETY: AVX2 is present; the caller's contract.
+                return unsafe { super::half_fused::average_two_bf16(d, x, n, down) };
+            }
+            0
+        }
         fn to_f32s(src: &[Self], dst: &mut [f32]) {
             bf16_to_f32(src, dst)
         }
@@ -1098,13 +1135,33 @@ macro_rules! half_kernels {
             }
             unsafe fn average_two_into_both(d: (*mut Self, *mut Self), x: (*const Self, *const Self), n: usize, walk: Walk) -> bool {
                 // A premultiplied Avg (f16) sums terms scaled already and
-                // `finish_avg` leaves the sum: the Sum's one pass. bf16
-                // rounds its sum to bf16 before halving it: none here.
-                if !Self::AVG_PREMULTIPLIES {
-                    return false;
+                // `finish_avg` leaves the sum: the Sum's one pass.
+                if Self::AVG_PREMULTIPLIES {
+                    // SAFETY: the caller's contract.
+                    unsafe { Self::combine_into_both(ReduceOp::Sum, d, x, n, walk) };
+                    return true;
                 }
-                // SAFETY: the caller's contract.
-                unsafe { Self::combine_into_both(ReduceOp::Sum, d, x, n, walk) };
+                // bf16 rounds its sum before halving it: `average_two_fused`
+                // where the CPU allows, else none here (the caller folds,
+                // divides and copies). What its steps leave (fewer than a
+                // step) is folded, then halved in each output: the same
+                // bits.
+                let down = walk == Walk::Down;
+                // SAFETY: the caller's contract; the one-pass steps cover
+                // the first `done` elements walking up, the last walking
+                // down.
+                unsafe {
+                    let done = Self::average_two_fused(d, x, n, down);
+                    if done == 0 && n > 0 {
+                        return false;
+                    }
+                    let skip = if down { 0 } else { done };
+                    let rest = n - done;
+                    let (d0, d1) = (d.0.add(skip), d.1.add(skip));
+                    fold_then_copy(ReduceOp::Sum, (d0, d1), (x.0.add(skip), x.1.add(skip)), rest);
+                    Self::divide_by(std::slice::from_raw_parts_mut(d0, rest), 2);
+                    Self::divide_by(std::slice::from_raw_parts_mut(d1, rest), 2);
+                }
                 true
             }
             fn divide_by(acc: &mut [Self], n: usize) {
@@ -1829,9 +1886,13 @@ mod tests {
                         )
                     };
                     if !done {
-                        // Only bf16's Avg has no one-pass form.
+                        // Only bf16's Avg has no one-pass form where its
+                        // steps do nothing: without AVX2, or below a step.
                         assert!(
-                            op == ReduceOp::Avg && std::any::type_name::<T>().ends_with("bf16")
+                            op == ReduceOp::Avg
+                                && std::any::type_name::<T>().ends_with("bf16")
+                                && (n < 16 || !has_avx2()),
+                            "n {n}"
                         );
                         continue;
                     }

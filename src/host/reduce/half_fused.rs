@@ -515,9 +515,167 @@ pub(super) unsafe fn zip_both_bf16_512<const OP: u8>(
     wide + rest
 }
 
+/// Sixteen `bf16` (a result of [`bf16_step`]) halved: widened, times 0.5
+/// (exact in `f32`), rounded back once, as `divide_by(2)` computes it.
+#[inline(always)]
+unsafe fn bf16_halve(r: __m256i) -> __m256i {
+    // SAFETY: the callers enable AVX2.
+    unsafe {
+        let half = _mm256_set1_ps(0.5);
+        let (low, high) = widen_bf16(r);
+        narrow_bf16_pair(_mm256_mul_ps(low, half), _mm256_mul_ps(high, half))
+    }
+}
+
+/// `d0[i] = d1[i] = (x0[i] + x1[i]) / 2` over `bf16` bits, the sum rounded
+/// to `bf16` and then halved and rounded again, as a two-rank `Avg` folds
+/// and divides (`Kernels::average_two_into_both`), in steps of sixteen
+/// walking up or `down` ([`both_steps`]); returns how many elements it
+/// did.
+///
+/// # Safety
+/// As [`zip_both_bf16`].
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn average_two_bf16(
+    (d0, d1): (*mut u16, *mut u16),
+    (x0, x1): (*const u16, *const u16),
+    n: usize,
+    down: bool,
+) -> usize {
+    both_steps(n, 16, down, |i| {
+        // SAFETY: i + 16 ≤ n; both loads precede both stores.
+        unsafe {
+            let r = bf16_halve(bf16_step::<SUM>(x0.add(i), x1.add(i)));
+            _mm256_storeu_si256(d0.add(i).cast(), r);
+            _mm256_storeu_si256(d1.add(i).cast(), r);
+        }
+    })
+}
+
+/// [`average_two_bf16`] thirty-two elements a step, then sixteen, in the
+/// walk's order; a step whose halves hold a subnormal narrows them the
+/// 256-bit way.
+///
+/// # Safety
+/// The CPU must support AVX2 and [`has_avx512_bf16`]; as [`zip_both_f16`]
+/// otherwise.
+#[target_feature(enable = "avx2,avx512f,avx512bw,avx512dq,avx512bf16")]
+pub(super) unsafe fn average_two_bf16_512(
+    (d0, d1): (*mut u16, *mut u16),
+    (x0, x1): (*const u16, *const u16),
+    n: usize,
+    down: bool,
+) -> usize {
+    let wide = both_steps(n, 32, down, |i| {
+        // SAFETY: i + 32 ≤ n; both loads precede both stores.
+        unsafe {
+            let sum = bf16_step32::<SUM>(x0.add(i), x1.add(i));
+            let half = _mm512_set1_ps(0.5);
+            let (low, high) = widen_bf16_512(sum);
+            let r = narrow_bf16_512(_mm512_mul_ps(low, half), _mm512_mul_ps(high, half))
+                .unwrap_or_else(|| {
+                    join_256(
+                        bf16_halve(_mm512_castsi512_si256(sum)),
+                        bf16_halve(_mm512_extracti64x4_epi64::<1>(sum)),
+                    )
+                });
+            _mm512_storeu_si512(d0.add(i).cast(), r);
+            _mm512_storeu_si512(d1.add(i).cast(), r);
+        }
+    });
+    // As in `zip_both_bf16_512`: sixteen-element steps continue the walk.
+    let at = if down { 0 } else { wide };
+    // SAFETY: `at..at + n - wide` lies within the n elements; AVX2 is on.
+    let rest = unsafe {
+        average_two_bf16(
+            (d0.add(at), d1.add(at)),
+            (x0.add(at), x1.add(at)),
+            n - wide,
+            down,
+        )
+    };
+    wide + rest
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The two-rank `bf16` average kernels give what folding and then
+    /// dividing by two gives (`combine_into`, then `divide_by`), the
+    /// 512-bit one as the 256-bit one, both walks: over random bits with
+    /// NaNs and infinities, and pairs whose sum is at most twice the
+    /// smallest normal, so halving makes subnormals (which the 512-bit
+    /// narrowing flushes: its steps must fall back) in some 32-element
+    /// steps and not others.
+    #[test]
+    fn average_two_bf16_kernels_fold_then_halve() {
+        use crate::host::reduce::Kernels;
+        use half::bf16;
+        let mut seed = 0x5851_F42D_4C95_7F2Du64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let n = 1000;
+        let (mut a, mut b) = (vec![0u16; n], vec![0u16; n]);
+        for i in 0..n {
+            let (r, q) = (next(), next());
+            (a[i], b[i]) = if (i / 32) % 3 == 1 && i % 5 == 2 {
+                // Tiny sums: the smallest normal, or a subnormal, and a
+                // subnormal of either sign.
+                (0x0080 | (r as u16 & 0x807f), q as u16 & 0x807f)
+            } else if i % 11 == 0 {
+                (
+                    [0x7f80, 0xff80, 0x7fc1, 0xff81, 0x0000, 0x8000][(r % 6) as usize],
+                    q as u16,
+                )
+            } else {
+                (r as u16 | 0x0080, q as u16 | 0x0080)
+            };
+        }
+        let as_bf16 = |v: &[u16]| -> Vec<bf16> { v.iter().map(|&x| bf16::from_bits(x)).collect() };
+        let mut want = vec![bf16::ZERO; n];
+        bf16::combine_into(ReduceOp::Sum, &mut want, &as_bf16(&a), &as_bf16(&b));
+        bf16::divide_by(&mut want, 2);
+        let want: Vec<u16> = want.iter().map(|v| v.to_bits()).collect();
+        let subnormal_results = want
+            .iter()
+            .filter(|&&w| w & 0x7f80 == 0 && w & 0x7f != 0)
+            .count();
+        assert!(subnormal_results > 10, "{subnormal_results}");
+        let wide = is_x86_feature_detected!("avx2") && has_avx512_bf16();
+        if !is_x86_feature_detected!("avx2") {
+            eprintln!("no AVX2 here: the bf16 average kernels are not run");
+            return;
+        }
+        for len in [16, 31, 32, 47, 64, 1000] {
+            for down in [false, true] {
+                for kernel in [false, true].into_iter().filter(|&w| !w || wide) {
+                    let (mut d0, mut d1) = (vec![0u16; len], vec![0u16; len]);
+                    let d = (d0.as_mut_ptr(), d1.as_mut_ptr());
+                    let x = (a.as_ptr(), b.as_ptr());
+                    // SAFETY: AVX2 (and, for the wide kernel, the AVX-512
+                    // features) are present; four buffers of `len`
+                    // elements, the outputs apart.
+                    let done = unsafe {
+                        if kernel {
+                            average_two_bf16_512(d, x, len, down)
+                        } else {
+                            average_two_bf16(d, x, len, down)
+                        }
+                    };
+                    let what = format!("len {len}, down {down}, 512-bit {kernel}");
+                    assert_eq!(done, len / 16 * 16, "{what}");
+                    let covered = if down { len - done..len } else { 0..done };
+                    assert_eq!(d0[covered.clone()], want[covered.clone()], "{what}");
+                    assert_eq!(d1[covered.clone()], want[covered], "{what}");
+                }
+            }
+        }
+    }
 
     /// The 512-bit `bf16` kernels give the 256-bit ones' bits (which
     /// `fused_half_kernels_give_the_blocked_bits` and
