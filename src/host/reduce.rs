@@ -185,7 +185,8 @@ pub fn finish_avg<T: Kernels>(op: ReduceOp, acc: &mut [T], world: usize) {
 /// Two ranks' fold of `op` into both outputs in one pass
 /// ([`Kernels::combine_into_both`], for `Avg`
 /// [`Kernels::average_two_into_both`]). Returns false, having written
-/// nothing, where the type has no one-pass `Avg`.
+/// nothing, where the type has no one-pass `Avg` (bf16 without AVX2, or
+/// below one sixteen-element step).
 ///
 /// # Safety
 /// As [`Kernels::combine_into_both`].
@@ -1149,18 +1150,22 @@ macro_rules! half_kernels {
                 let down = walk == Walk::Down;
                 // SAFETY: the caller's contract; the one-pass steps cover
                 // the first `done` elements walking up, the last walking
-                // down.
+                // down. The two outputs lie apart (each is its own input
+                // or apart from everything), and no other reference to
+                // them lives while each is halved.
                 unsafe {
                     let done = Self::average_two_fused(d, x, n, down);
                     if done == 0 && n > 0 {
                         return false;
                     }
-                    let skip = if down { 0 } else { done };
                     let rest = n - done;
-                    let (d0, d1) = (d.0.add(skip), d.1.add(skip));
-                    fold_then_copy(ReduceOp::Sum, (d0, d1), (x.0.add(skip), x.1.add(skip)), rest);
-                    Self::divide_by(std::slice::from_raw_parts_mut(d0, rest), 2);
-                    Self::divide_by(std::slice::from_raw_parts_mut(d1, rest), 2);
+                    if rest > 0 {
+                        let skip = if down { 0 } else { done };
+                        let (d0, d1) = (d.0.add(skip), d.1.add(skip));
+                        fold_then_copy(ReduceOp::Sum, (d0, d1), (x.0.add(skip), x.1.add(skip)), rest);
+                        Self::divide_by(std::slice::from_raw_parts_mut(d0, rest), 2);
+                        Self::divide_by(std::slice::from_raw_parts_mut(d1, rest), 2);
+                    }
                 }
                 true
             }
@@ -1821,9 +1826,18 @@ mod tests {
     /// arbitrary bit patterns (NaN payloads, ±0, extremes), for every
     /// output placement a two-rank call may have: apart from its input or
     /// the input itself, independently on each side.
+    /// Whether the AVX2 kernels may run here (none off x86-64).
+    fn avx2_here() -> bool {
+        #[cfg(target_arch = "x86_64")]
+        return has_avx2();
+        #[cfg(not(target_arch = "x86_64"))]
+        return false;
+    }
+
     fn both_outputs_match<T: Kernels + bytemuck::Pod>() {
         let bytes_of = |v: &[T]| bytemuck::cast_slice::<T, u8>(v).to_vec();
-        for n in [0usize, 1, 31, 32, 33, 64, 100, 1000] {
+        // 48 and 63: a 512-bit step, then a 256-bit one continuing the walk.
+        for n in [0usize, 1, 31, 32, 33, 48, 63, 64, 100, 1000] {
             let mut seed = 0x9e37_79b9_7f4a_7c15u64 ^ n as u64;
             let mut pattern = |len: usize| -> Vec<T> {
                 let mut values = vec![T::zeroed(); len];
@@ -1891,7 +1905,7 @@ mod tests {
                         assert!(
                             op == ReduceOp::Avg
                                 && std::any::type_name::<T>().ends_with("bf16")
-                                && (n < 16 || !has_avx2()),
+                                && (n < 16 || !avx2_here()),
                             "n {n}"
                         );
                         continue;

@@ -619,7 +619,7 @@ mod tests {
             seed ^= seed << 17;
             seed
         };
-        let n = 1000;
+        let n = 1024;
         let (mut a, mut b) = (vec![0u16; n], vec![0u16; n]);
         for i in 0..n {
             let (r, q) = (next(), next());
@@ -651,10 +651,16 @@ mod tests {
             eprintln!("no AVX2 here: the bf16 average kernels are not run");
             return;
         }
-        for len in [16, 31, 32, 47, 64, 1000] {
+        if !wide {
+            eprintln!("no AVX-512 BF16 here: the 512-bit bf16 average kernel is not run");
+        }
+        // 48, 63, 1016: 512-bit steps, then a 256-bit one continuing the
+        // walk; what no step covers must stay as it was.
+        const UNTOUCHED: u16 = 0x5a5a;
+        for len in [16, 31, 32, 47, 48, 63, 64, 1000, 1016] {
             for down in [false, true] {
                 for kernel in [false, true].into_iter().filter(|&w| !w || wide) {
-                    let (mut d0, mut d1) = (vec![0u16; len], vec![0u16; len]);
+                    let (mut d0, mut d1) = (vec![UNTOUCHED; len], vec![UNTOUCHED; len]);
                     let d = (d0.as_mut_ptr(), d1.as_mut_ptr());
                     let x = (a.as_ptr(), b.as_ptr());
                     // SAFETY: AVX2 (and, for the wide kernel, the AVX-512
@@ -671,7 +677,13 @@ mod tests {
                     assert_eq!(done, len / 16 * 16, "{what}");
                     let covered = if down { len - done..len } else { 0..done };
                     assert_eq!(d0[covered.clone()], want[covered.clone()], "{what}");
-                    assert_eq!(d1[covered.clone()], want[covered], "{what}");
+                    assert_eq!(d1[covered.clone()], want[covered.clone()], "{what}");
+                    let outside = |d: &[u16]| {
+                        d.iter()
+                            .enumerate()
+                            .all(|(i, &v)| covered.contains(&i) || v == UNTOUCHED)
+                    };
+                    assert!(outside(&d0) && outside(&d1), "{what}: wrote past its steps");
                 }
             }
         }
