@@ -1053,10 +1053,18 @@ mod convert {
                 if super::half_fused::has_avx512_bf16() {
                     // SAFETY: AVX2 and AVX-512 BF16 are present; the
                     // caller's contract.
-                    return unsafe { super::half_fused::average_two_bf16_512(d, x, n, down) };
+                    return unsafe {
+                        super::half_fused::zip_both_bf16_512::<{ super::half_fused::HALVED_SUM }>(
+                            d, x, n, down,
+                        )
+                    };
                 }
                 // SAFETY: AVX2 is present; the caller's contract.
-                return unsafe { super::half_fused::average_two_bf16(d, x, n, down) };
+                return unsafe {
+                    super::half_fused::zip_both_bf16::<{ super::half_fused::HALVED_SUM }>(
+                        d, x, n, down,
+                    )
+                };
             }
             0
         }

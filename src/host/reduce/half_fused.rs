@@ -25,6 +25,10 @@ pub(super) const SUM: u8 = 0;
 pub(super) const PROD: u8 = 1;
 pub(super) const MIN: u8 = 2;
 pub(super) const MAX: u8 = 3;
+/// Not an operator: for [`zip_both_bf16`] and [`zip_both_bf16_512`], the
+/// sum rounded to `bf16`, then halved and rounded again, as a two-rank
+/// `Avg` folds and divides (`Kernels::average_two_into_both`).
+pub(super) const HALVED_SUM: u8 = 4;
 
 /// [`SUM`], [`PROD`], [`MIN`] or [`MAX`] for `op` (`Avg` combines as `Sum`).
 pub(super) fn code(op: ReduceOp) -> u8 {
@@ -471,7 +475,11 @@ pub(super) unsafe fn zip_both_bf16<const OP: u8>(
     both_steps(n, 16, down, |i| {
         // SAFETY: i + 16 ≤ n; both loads precede both stores.
         unsafe {
-            let r = bf16_step::<OP>(x0.add(i), x1.add(i));
+            let r = if OP == HALVED_SUM {
+                bf16_halve(bf16_step::<SUM>(x0.add(i), x1.add(i)))
+            } else {
+                bf16_step::<OP>(x0.add(i), x1.add(i))
+            };
             _mm256_storeu_si256(d0.add(i).cast(), r);
             _mm256_storeu_si256(d1.add(i).cast(), r);
         }
@@ -494,7 +502,11 @@ pub(super) unsafe fn zip_both_bf16_512<const OP: u8>(
     let wide = both_steps(n, 32, down, |i| {
         // SAFETY: i + 32 ≤ n; both loads precede both stores.
         unsafe {
-            let r = bf16_step32::<OP>(x0.add(i), x1.add(i));
+            let r = if OP == HALVED_SUM {
+                bf16_halve32(bf16_step32::<SUM>(x0.add(i), x1.add(i)))
+            } else {
+                bf16_step32::<OP>(x0.add(i), x1.add(i))
+            };
             _mm512_storeu_si512(d0.add(i).cast(), r);
             _mm512_storeu_si512(d1.add(i).cast(), r);
         }
@@ -527,74 +539,22 @@ unsafe fn bf16_halve(r: __m256i) -> __m256i {
     }
 }
 
-/// `d0[i] = d1[i] = (x0[i] + x1[i]) / 2` over `bf16` bits, the sum rounded
-/// to `bf16` and then halved and rounded again, as a two-rank `Avg` folds
-/// and divides (`Kernels::average_two_into_both`), in steps of sixteen
-/// walking up or `down` ([`both_steps`]); returns how many elements it
-/// did.
-///
-/// # Safety
-/// As [`zip_both_bf16`].
-#[target_feature(enable = "avx2")]
-pub(super) unsafe fn average_two_bf16(
-    (d0, d1): (*mut u16, *mut u16),
-    (x0, x1): (*const u16, *const u16),
-    n: usize,
-    down: bool,
-) -> usize {
-    both_steps(n, 16, down, |i| {
-        // SAFETY: i + 16 ≤ n; both loads precede both stores.
-        unsafe {
-            let r = bf16_halve(bf16_step::<SUM>(x0.add(i), x1.add(i)));
-            _mm256_storeu_si256(d0.add(i).cast(), r);
-            _mm256_storeu_si256(d1.add(i).cast(), r);
-        }
-    })
-}
-
-/// [`average_two_bf16`] thirty-two elements a step, then sixteen, in the
-/// walk's order; a step whose halves hold a subnormal narrows them the
-/// 256-bit way.
-///
-/// # Safety
-/// The CPU must support AVX2 and [`has_avx512_bf16`]; as [`zip_both_f16`]
-/// otherwise.
-#[target_feature(enable = "avx2,avx512f,avx512bw,avx512dq,avx512bf16")]
-pub(super) unsafe fn average_two_bf16_512(
-    (d0, d1): (*mut u16, *mut u16),
-    (x0, x1): (*const u16, *const u16),
-    n: usize,
-    down: bool,
-) -> usize {
-    let wide = both_steps(n, 32, down, |i| {
-        // SAFETY: i + 32 ≤ n; both loads precede both stores.
-        unsafe {
-            let sum = bf16_step32::<SUM>(x0.add(i), x1.add(i));
-            let half = _mm512_set1_ps(0.5);
-            let (low, high) = widen_bf16_512(sum);
-            let r = narrow_bf16_512(_mm512_mul_ps(low, half), _mm512_mul_ps(high, half))
-                .unwrap_or_else(|| {
-                    join_256(
-                        bf16_halve(_mm512_castsi512_si256(sum)),
-                        bf16_halve(_mm512_extracti64x4_epi64::<1>(sum)),
-                    )
-                });
-            _mm512_storeu_si512(d0.add(i).cast(), r);
-            _mm512_storeu_si512(d1.add(i).cast(), r);
-        }
-    });
-    // As in `zip_both_bf16_512`: sixteen-element steps continue the walk.
-    let at = if down { 0 } else { wide };
-    // SAFETY: `at..at + n - wide` lies within the n elements; AVX2 is on.
-    let rest = unsafe {
-        average_two_bf16(
-            (d0.add(at), d1.add(at)),
-            (x0.add(at), x1.add(at)),
-            n - wide,
-            down,
-        )
-    };
-    wide + rest
+/// [`bf16_halve`] of thirty-two (a result of [`bf16_step32`]), narrowed
+/// the 256-bit way where a halved value is subnormal (see
+/// [`narrow_bf16_512`]).
+#[inline(always)]
+unsafe fn bf16_halve32(sum: __m512i) -> __m512i {
+    // SAFETY: the callers enable AVX2 and what `has_avx512_bf16` checks.
+    unsafe {
+        let half = _mm512_set1_ps(0.5);
+        let (low, high) = widen_bf16_512(sum);
+        narrow_bf16_512(_mm512_mul_ps(low, half), _mm512_mul_ps(high, half)).unwrap_or_else(|| {
+            join_256(
+                bf16_halve(_mm512_castsi512_si256(sum)),
+                bf16_halve(_mm512_extracti64x4_epi64::<1>(sum)),
+            )
+        })
+    }
 }
 
 #[cfg(test)]
@@ -668,9 +628,9 @@ mod tests {
                     // elements, the outputs apart.
                     let done = unsafe {
                         if kernel {
-                            average_two_bf16_512(d, x, len, down)
+                            zip_both_bf16_512::<HALVED_SUM>(d, x, len, down)
                         } else {
-                            average_two_bf16(d, x, len, down)
+                            zip_both_bf16::<HALVED_SUM>(d, x, len, down)
                         }
                     };
                     let what = format!("len {len}, down {down}, 512-bit {kernel}");
