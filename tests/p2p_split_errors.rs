@@ -124,6 +124,22 @@ fn bad_input_is_returned_on_the_calling_rank_before_any_io() {
             invalid_arg(comm.broadcast_in_place(&mut out, w)),
             (OpKind::Broadcast, "root")
         );
+        // Out of place, where a broadcast in the arena skips `run`: the
+        // root's input must match its output, and off the root the ignored
+        // input must be empty or of the output's length.
+        let (me, other) = (comm.rank(), (comm.rank() + 1) % w);
+        let short = [1.0f32; 3];
+        assert_eq!(
+            invalid_arg(comm.broadcast(&[1.0f32; 4], &mut out, w)),
+            (OpKind::Broadcast, "root")
+        );
+        for root in [me, other] {
+            assert_eq!(
+                invalid_arg(comm.broadcast(&short, &mut out, root)),
+                (OpKind::Broadcast, "send"),
+                "root {root}"
+            );
+        }
         assert_eq!(
             invalid_arg(comm.reduce_in_place(&mut out, ReduceOp::Max, 7)),
             (OpKind::Reduce, "root")
@@ -153,7 +169,6 @@ fn bad_input_is_returned_on_the_calling_rank_before_any_io() {
             invalid_arg(comm.reduce_scatter_in_place(&mut out16, ReduceOp::Avg)),
             (OpKind::ReduceScatter, "buf")
         );
-        let (me, other) = (comm.rank(), (comm.rank() + 1) % w);
         for root in [me, other] {
             assert_eq!(
                 invalid_arg(comm.reduce(&half, &mut out16, ReduceOp::Avg, root)),

@@ -1863,7 +1863,7 @@ impl Arena {
         count: usize,
         op: ReduceOp,
     ) -> Result<()> {
-        // `Communicator::arena_all_reduce` sends small calls to the lanes
+        // `Communicator::arena_fast` sends small calls to the lanes
         // itself; this keeps every other caller on the same choice, which
         // must agree across ranks.
         if self.lane_fits(count * std::mem::size_of::<T>()) {
