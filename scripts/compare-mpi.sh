@@ -319,7 +319,11 @@ for path in glob.glob(os.path.join(out, "raw", "mpi-*.txt")):
             mpi.setdefault(key, {"busbw": [], "time": []})
             mpi[key]["busbw"].append(float(f[6]))
             mpi[key]["time"].append(float(f[4]))
+# Per repetition as well, with the core-to-core latencies the ceiling read
+# before and after each figure: (variant, bytes) -> {rep: figures}.
+ceil_rep = {}
 for path in glob.glob(os.path.join(out, "raw", "ceiling-*.txt")):
+    rep = int(re.match(r"ceiling-(\d+)\.txt", os.path.basename(path)).group(1))
     for line in open(path):
         m = re.match(r"AR (\w) +(\d+) +time_us +([\d.]+).*busbw_GBs +([\d.]+).*check (\w+)", line)
         if m and m.group(5) != "ok":
@@ -329,6 +333,10 @@ for path in glob.glob(os.path.join(out, "raw", "ceiling-*.txt")):
             ceil.setdefault(key, {"busbw": [], "time": []})
             ceil[key]["busbw"].append(float(m.group(4)))
             ceil[key]["time"].append(float(m.group(3)))
+            c2c = re.search(r"c2c_ns +([\d.]+) +([\d.]+)", line)
+            ceil_rep.setdefault(key, {})[rep] = {
+                "busbw": float(m.group(4)), "time": float(m.group(3)),
+                "c2c": [float(c2c.group(1)), float(c2c.group(2))] if c2c else []}
 # (rep, coll) -> whether the placement held through that pair: the
 # core-to-core latencies before, between and after it within 1.6× of
 # each other ("near" and "far" differ 3-5× on the VMs measured). The
@@ -337,7 +345,7 @@ for path in glob.glob(os.path.join(out, "raw", "ceiling-*.txt")):
 # either side's run: for them the pair held when the latencies read as
 # each side started (before and between) agree, whatever came later.
 SMALL_MAX = 65536
-steady, steady_start = {}, {}
+steady, steady_start, placements = {}, {}, {}
 for path in glob.glob(os.path.join(out, "raw", "placement-*.txt")):
     m = re.match(r"placement-(\d+)-(\w+)\.txt", os.path.basename(path))
     try:
@@ -347,6 +355,7 @@ for path in glob.glob(os.path.join(out, "raw", "placement-*.txt")):
     if len(lat) == 3 and min(lat) > 0:
         steady[(int(m.group(1)), m.group(2))] = max(lat) / min(lat) < 1.6
         steady_start[(int(m.group(1)), m.group(2))] = max(lat[:2]) / min(lat[:2]) < 1.6
+        placements[(int(m.group(1)), m.group(2))] = lat
 med = lambda xs: statistics.median(xs) if xs else None
 def size(b):
     for unit, shift in (("MiB", 20), ("KiB", 10)):
@@ -397,6 +406,42 @@ def paired(key, placement, small):
         return f"{statistics.median(values):.2f}× (0/{len(values)}, all used)"
     note = f" ({len(kept)}/{len(values)})" if len(kept) < len(values) else ""
     return f"{statistics.median(kept):.2f}×{note}"
+def oxccl_window(rep, key):
+    """The latencies read around oxccl's all-reduce runs of repetition
+    `rep` (they run first in odd repetitions, second in even ones) for
+    `key`: only the one read as they started for the plain buffers' small
+    sizes (up to SMALL_MAX, the first group run); the alloc_shared runs
+    come last."""
+    lat = placements.get((rep, "allreduce"))
+    if not lat:
+        return []
+    start, end = (0, 1) if rep % 2 == 1 else (1, 2)
+    if key[0] == "allreduce" and key[1] <= SMALL_MAX:
+        return lat[start:start + 1]
+    return lat[start:end + 1]
+def against_ceiling(key, variant, placement, small):
+    """oxccl (`key`, `placement`) against the ceiling's `variant` at the
+    same size, as the median over repetitions of the ratio within each
+    one, over those where oxccl's run and the ceiling's figure saw the
+    same placement (every latency read around both within 1.6× of each
+    other): the ceiling runs minutes away from oxccl's all-reduce, and a
+    near figure over a far one says nothing. "(k/n)" as in `paired`."""
+    o, c = ox_rep.get(key, {}), ceil_rep.get((variant, key[1]), {})
+    values, held = [], []
+    for rep in sorted(set(o) & set(c)):
+        a = o[rep][("time_" if small else "") + placement]
+        b = c[rep]["time" if small else "busbw"]
+        if a and b:
+            values.append(b / a if small else a / b)
+            lat = oxccl_window(rep, key) + c[rep]["c2c"]
+            held.append(bool(lat) and min(lat) > 0 and max(lat) / min(lat) < 1.6)
+    if not values:
+        return "—"
+    kept = [v for v, h in zip(values, held) if h]
+    if not kept:
+        return f"{statistics.median(values):.2f}× (0/{len(values)}, all used)"
+    note = f" ({len(kept)}/{len(values)})" if len(kept) < len(values) else ""
+    return f"{statistics.median(kept):.2f}×{note}"
 for coll in colls:
     print(f"### {coll}\n")
     like = like_mpi(coll)
@@ -408,8 +453,8 @@ for coll in colls:
     with_ceiling = coll == "allreduce" and ceil
     if with_ceiling:
         head += " (a) zero copy | (b) staging | (d) flag | in place / (a) | in place / (b) |"
-        head += " alloc_shared in place | alloc_shared / (a) |"
-        sep += "---:|---:|---:|---:|---:|---:|---:|"
+        head += " in place / (d) | alloc_shared in place | alloc_shared / (a) |"
+        sep += "---:|---:|---:|---:|---:|---:|---:|---:|"
     print(head)
     print(sep)
     for b in sorted({k[1] for k in ox if k[0] == coll} | {k[1] for k in mpi if k[0] == coll}):
@@ -426,10 +471,12 @@ for coll in colls:
             ca = med(ceil.get(("a", b), {}).get(pick, []))
             cb = med(ceil.get(("b", b), {}).get(pick, []))
             cd = med(ceil.get(("d", b), {}).get(pick, []))
-            oi = figure((coll, b), "ip", small)
             si = figure(("allreduce_shared", b), "ip", small)
-            line += (f" {fmt(ca, u)} | {fmt(cb, u)} | {fmt(cd, u)} | {faster(oi, ca, small)} |"
-                     f" {faster(oi, cb, small)} | {fmt(si, u)} | {faster(si, ca, small)} |")
+            line += (f" {fmt(ca, u)} | {fmt(cb, u)} | {fmt(cd, u)}"
+                     f" | {against_ceiling((coll, b), 'a', 'ip', small)}"
+                     f" | {against_ceiling((coll, b), 'b', 'ip', small)}"
+                     f" | {against_ceiling((coll, b), 'd', 'ip', small)} | {fmt(si, u)}"
+                     f" | {against_ceiling(('allreduce_shared', b), 'a', 'ip', small)} |")
         print(line)
     print()
 print("Ratios above 1× mean oxccl is ahead (for times: the other takes longer).")
@@ -446,6 +493,12 @@ if stat == "median":
 else:
     print("oxccl's the slowest rank's mean over all its calls (--stat mean,")
     print("nccl-tests' statistic), which keeps the preemptions a median drops.")
+if ceil_rep:
+    print("The columns against the ceiling, `in place / (a)` to `alloc_shared / (a)`,")
+    print("are medians of ratios within each repetition too, over those where")
+    print("the latencies read around oxccl's all-reduce runs and the two the")
+    print("ceiling read around its figure agree within 1.6× (the ceiling runs")
+    print("minutes away from oxccl, so only a shared placement makes a pair).")
 
 # The medians as oxccl-perf JSON, one file per curve, for `--plot`.
 def dump(name, label, rows):
