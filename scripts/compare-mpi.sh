@@ -398,6 +398,10 @@ def paired(key, placement, small):
             # A placement not read (the probe printed nothing) is not
             # known to have held.
             held.append((steady_start if key[1] <= SMALL_MAX else steady).get((rep, key[0]), False))
+    return held_median(values, held)
+def held_median(values, held):
+    """The median of the `values` whose pair `held`, "(k/n)" beside it
+    when some did not; every value, "(0/n, all used)", when none did."""
     if not values:
         return "—"
     kept = [v for v, h in zip(values, held) if h]
@@ -433,15 +437,12 @@ def against_ceiling(key, variant, placement, small):
         b = c[rep]["time" if small else "busbw"]
         if a and b:
             values.append(b / a if small else a / b)
-            lat = oxccl_window(rep, key) + c[rep]["c2c"]
-            held.append(bool(lat) and min(lat) > 0 and max(lat) / min(lat) < 1.6)
-    if not values:
-        return "—"
-    kept = [v for v, h in zip(values, held) if h]
-    if not kept:
-        return f"{statistics.median(values):.2f}× (0/{len(values)}, all used)"
-    note = f" ({len(kept)}/{len(values)})" if len(kept) < len(values) else ""
-    return f"{statistics.median(kept):.2f}×{note}"
+            # Readings missing on either side: not known to have held.
+            window, own = oxccl_window(rep, key), c[rep]["c2c"]
+            lat = window + own
+            held.append(bool(window) and bool(own) and min(lat) > 0
+                        and max(lat) / min(lat) < 1.6)
+    return held_median(values, held)
 for coll in colls:
     print(f"### {coll}\n")
     like = like_mpi(coll)
@@ -486,19 +487,20 @@ print("placement held (core-to-core latency before, between and after the pair")
 print("within 1.6×; up to 64 KiB, which run in the first seconds of each side's")
 print("run, the latencies read as each side started; \"(k/n)\": k of n pairs")
 print("held); the columns before it divide medians taken over all repetitions.")
-print("Within a repetition Open MPI's figure")
-print("is the median over its samples (batches) of the slowest rank's time, and")
+print("Within a repetition Open MPI's figure is the median over its samples")
+print("(batches) of the slowest rank's time, and")
 if stat == "median":
     print("oxccl's the same statistic (--stat median).")
 else:
     print("oxccl's the slowest rank's mean over all its calls (--stat mean,")
     print("nccl-tests' statistic), which keeps the preemptions a median drops.")
 if ceil_rep:
-    print("The columns against the ceiling, `in place / (a)` to `alloc_shared / (a)`,")
-    print("are medians of ratios within each repetition too, over those where")
-    print("the latencies read around oxccl's all-reduce runs and the two the")
-    print("ceiling read around its figure agree within 1.6× (the ceiling runs")
-    print("minutes away from oxccl, so only a shared placement makes a pair).")
+    print("The ratios against the ceiling (`in place / (a)`, `/ (b)`, `/ (d)` and")
+    print("`alloc_shared / (a)`) are medians of ratios within each repetition too,")
+    print("over those where the latencies read around oxccl's all-reduce runs")
+    print("(up to 64 KiB the one read as they started) and the two the ceiling")
+    print("read around its figure agree within 1.6× (the ceiling runs minutes")
+    print("away from oxccl, so only a shared placement makes a pair).")
 
 # The medians as oxccl-perf JSON, one file per curve, for `--plot`.
 def dump(name, label, rows):
