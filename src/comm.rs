@@ -784,6 +784,29 @@ fn record_failure(
 enum FastCall {
     AllReduce(ReduceOp),
     Broadcast { root: Rank },
+    AllGather,
+    ReduceScatter(ReduceOp),
+}
+
+/// The arena's view of an in-place call on `base` with `count` elements
+/// per rank where the count is per rank (see `CollectiveDesc::count`):
+/// reduce-scatter's result and all-gather's input are this rank's part of
+/// the one buffer; every other collective reads and writes it whole.
+///
+/// # Safety
+/// `base` holds `world · count` elements for an all-gather or a
+/// reduce-scatter (so `rank · count` lies inside).
+unsafe fn in_place_buffers<T>(op: OpKind, base: *mut T, rank: Rank, count: usize) -> Buffers<T> {
+    let (input, output) = match op {
+        OpKind::ReduceScatter => (base.cast_const(), base.add(rank * count)),
+        OpKind::AllGather | OpKind::Split => (base.add(rank * count).cast_const(), base),
+        _ => (base.cast_const(), base),
+    };
+    Buffers {
+        input,
+        output,
+        in_place: true,
+    }
 }
 
 /// Runs one validated collective through the arena.
@@ -809,27 +832,9 @@ fn run_in_arena<T: Element>(
             output: recv.as_mut_ptr(),
             in_place: false,
         },
-        Bufs::InPlace(buf) => {
-            let base = buf.as_mut_ptr();
-            // In place, reduce-scatter's result and all-gather's input are
-            // this rank's part of the one buffer.
-            let part = match desc.op {
-                OpKind::ReduceScatter | OpKind::AllGather | OpKind::Split => rank * count,
-                _ => 0,
-            };
-            // SAFETY: part·count ≤ len (validated).
-            let at = unsafe { base.add(part) };
-            let (input, output) = match desc.op {
-                OpKind::ReduceScatter => (base as *const T, at),
-                OpKind::AllGather | OpKind::Split => (at as *const T, base),
-                _ => (base as *const T, base),
-            };
-            Buffers {
-                input,
-                output,
-                in_place: true,
-            }
-        }
+        // SAFETY: validated: an all-gather's, a split's or a
+        // reduce-scatter's buffer holds world·count elements.
+        Bufs::InPlace(buf) => unsafe { in_place_buffers(desc.op, buf.as_mut_ptr(), rank, count) },
     };
     match desc.op {
         OpKind::AllReduce => arena.all_reduce(info, &sig, buffers, count, op),
@@ -1119,22 +1124,31 @@ impl Communicator {
         record_failure(&mut self.failed, (transport, self.arena.as_ref()), error);
     }
 
-    /// An all-reduce or a broadcast in the shared arena, straight from the
-    /// typed entry points: small all-reduces in the lanes (see
-    /// [`Arena::lane_all_reduce`]), the path of tensor-parallel decoding's
-    /// per-layer calls, small broadcasts in the root's mailbox (see
-    /// `Arena::mailbox_broadcast`), the others as `run_in_arena` runs them.
-    /// It skips what `run` spends on a call (descriptor, validation,
-    /// dispatch): a third of an 8-byte all-reduce, and a tenth of a 2 KiB
-    /// zero-copy one between threads. An 8-byte broadcast (2 processes,
-    /// near, medians of eight alternating rounds) ran 0.0878 → 0.0758 µs
-    /// out of place and 0.0854 → 0.0678 in place with this path and the
-    /// `Result`s taken apart (below). `None` where `run` takes the call (no arena,
-    /// `OXCCL_ALGO=ring`, a failed communicator, nothing to move, or a root
-    /// out of range, which `run` reports). `bufs` come from valid slices: an
-    /// output of `count` elements, and an input of as many (all-reduce out
-    /// of place, a broadcast's root) or ignored (off a broadcast's root,
-    /// where it may be empty). With the root checked, that is all
+    /// An all-reduce, broadcast, all-gather or reduce-scatter in the shared
+    /// arena, straight from the typed entry points: small all-reduces in
+    /// the lanes (see [`Arena::lane_all_reduce`]), the path of
+    /// tensor-parallel decoding's per-layer calls, small broadcasts in the
+    /// root's mailbox (see `Arena::mailbox_broadcast`), the others as
+    /// `run_in_arena` runs them. It skips what `run` spends on a call
+    /// (descriptor, validation, dispatch): a third of an 8-byte all-reduce,
+    /// and a tenth of a 2 KiB zero-copy one between threads. An 8-byte
+    /// broadcast (2 processes, near, medians of eight alternating rounds)
+    /// ran 0.0878 → 0.0758 µs out of place and 0.0854 → 0.0678 in place
+    /// with this path and the `Result`s taken apart (below); an 8-byte
+    /// all-gather 0.0777 → 0.0587 µs and an 8-byte reduce-scatter 0.1018 →
+    /// 0.0902 with this path (medians of both placements of twelve
+    /// alternating rounds each).
+    ///
+    /// `None` where `run` takes the call: no arena, `OXCCL_ALGO=ring`, a
+    /// failed communicator, nothing to move, or a root out of range (which
+    /// `run` reports). `count` is the call's count as
+    /// `CollectiveDesc::count` has it (per rank for all-gather and
+    /// reduce-scatter), and `bufs` are what `run_in_arena` would make of
+    /// valid slices: the caller checked the lengths as `validate` does
+    /// (equal out of place for all-reduce and on a broadcast's root, the
+    /// ignored input off the root empty or equal, `world · count` for the
+    /// whole buffers of all-gather and reduce-scatter, the in-place ones
+    /// through `in_place_buffers`). With the root checked here, that is all
     /// `validate` would check of these calls on host memory.
     ///
     /// Callers take the answer apart (`Some(Ok(()))` → `Ok(())`) rather
@@ -1152,8 +1166,8 @@ impl Communicator {
         count: usize,
     ) -> Option<Result<()>> {
         let in_range = match call {
-            FastCall::AllReduce(_) => true,
             FastCall::Broadcast { root } => root < self.world,
+            FastCall::AllReduce(_) | FastCall::AllGather | FastCall::ReduceScatter(_) => true,
         };
         if count == 0 || !in_range || self.failed.is_some() || self.config.algo == Algo::Ring {
             return None;
@@ -1166,6 +1180,8 @@ impl Communicator {
         let (op, reduce_op, root) = match call {
             FastCall::AllReduce(op) => (OpKind::AllReduce, Some(op), 0),
             FastCall::Broadcast { root } => (OpKind::Broadcast, None, root),
+            FastCall::AllGather => (OpKind::AllGather, None, 0),
+            FastCall::ReduceScatter(op) => (OpKind::ReduceScatter, Some(op), 0),
         };
         let info = CallInfo {
             op,
@@ -1198,6 +1214,12 @@ impl Communicator {
                 FastCall::Broadcast { root } => arena
                     .maybe_remeasure_stores(&info, bytes)
                     .and_then(|()| arena.broadcast(&info, &sig, bufs, count, root)),
+                FastCall::AllGather => arena
+                    .maybe_remeasure_stores(&info, bytes)
+                    .and_then(|()| arena.all_gather(&info, &sig, bufs, count)),
+                FastCall::ReduceScatter(op) => arena
+                    .maybe_remeasure_stores(&info, bytes)
+                    .and_then(|()| arena.reduce_scatter(&info, &sig, bufs, count, op)),
             }
         };
         // Rebuilt rather than moved (see above).
@@ -1569,6 +1591,18 @@ impl Communicator {
         recv: &mut [T],
         op: ReduceOp,
     ) -> Result<()> {
+        if recv.len().checked_mul(self.world) == Some(send.len()) {
+            let bufs = Buffers {
+                input: send.as_ptr(),
+                output: recv.as_mut_ptr(),
+                in_place: false,
+            };
+            match self.arena_fast(FastCall::ReduceScatter(op), bufs, recv.len()) {
+                Some(Ok(())) => return Ok(()),
+                Some(Err(e)) => return Err(e),
+                None => {}
+            }
+        }
         let desc = self
             .desc::<T>(OpKind::ReduceScatter)
             .with_send(BufDesc::of(send))
@@ -1597,6 +1631,18 @@ impl Communicator {
             let call = AvgCall::ReduceScatter { at };
             return self.avg_by_segments(call, op, AvgBufs::InPlace(buf));
         }
+        if buf.len().is_multiple_of(self.world) {
+            let count = buf.len() / self.world;
+            // SAFETY: buf holds world·count elements.
+            let bufs = unsafe {
+                in_place_buffers(OpKind::ReduceScatter, buf.as_mut_ptr(), self.rank, count)
+            };
+            match self.arena_fast(FastCall::ReduceScatter(op), bufs, count) {
+                Some(Ok(())) => return Ok(()),
+                Some(Err(e)) => return Err(e),
+                None => {}
+            }
+        }
         let desc = self
             .desc::<T>(OpKind::ReduceScatter)
             .with_in_place(BufDesc::of(buf))
@@ -1611,6 +1657,18 @@ impl Communicator {
     /// [`Error::InvalidArgument`] if `recv.len() != send.len() * world_size()`;
     /// otherwise the communication errors.
     pub fn all_gather<T: Element>(&mut self, send: &[T], recv: &mut [T]) -> Result<()> {
+        if send.len().checked_mul(self.world) == Some(recv.len()) {
+            let bufs = Buffers {
+                input: send.as_ptr(),
+                output: recv.as_mut_ptr(),
+                in_place: false,
+            };
+            match self.arena_fast(FastCall::AllGather, bufs, send.len()) {
+                Some(Ok(())) => return Ok(()),
+                Some(Err(e)) => return Err(e),
+                None => {}
+            }
+        }
         let desc = self
             .desc::<T>(OpKind::AllGather)
             .with_send(BufDesc::of(send))
@@ -1626,6 +1684,17 @@ impl Communicator {
     /// [`Error::InvalidArgument`] if `buf.len()` is not a multiple of the
     /// world size; otherwise the communication errors.
     pub fn all_gather_in_place<T: Element>(&mut self, buf: &mut [T]) -> Result<()> {
+        if buf.len().is_multiple_of(self.world) {
+            let count = buf.len() / self.world;
+            // SAFETY: buf holds world·count elements.
+            let bufs =
+                unsafe { in_place_buffers(OpKind::AllGather, buf.as_mut_ptr(), self.rank, count) };
+            match self.arena_fast(FastCall::AllGather, bufs, count) {
+                Some(Ok(())) => return Ok(()),
+                Some(Err(e)) => return Err(e),
+                None => {}
+            }
+        }
         let desc = self
             .desc::<T>(OpKind::AllGather)
             .with_in_place(BufDesc::of(buf));

@@ -121,6 +121,14 @@ fn bad_input_is_returned_on_the_calling_rank_before_any_io() {
             (OpKind::ReduceScatter, "buf")
         );
         assert_eq!(
+            invalid_arg(comm.all_gather_in_place(&mut out)),
+            (OpKind::AllGather, "buf")
+        );
+        assert_eq!(
+            invalid_arg(comm.reduce_scatter(&[1.0f32; 4], &mut out[..1], ReduceOp::Sum)),
+            (OpKind::ReduceScatter, "send")
+        );
+        assert_eq!(
             invalid_arg(comm.broadcast_in_place(&mut out, w)),
             (OpKind::Broadcast, "root")
         );
