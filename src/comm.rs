@@ -794,8 +794,8 @@ enum FastCall {
 /// the one buffer; every other collective reads and writes it whole.
 ///
 /// # Safety
-/// `base` holds `world · count` elements for an all-gather or a
-/// reduce-scatter (so `rank · count` lies inside).
+/// `base` holds `world · count` elements for an all-gather, a split's
+/// exchange or a reduce-scatter (so `rank · count` lies inside).
 unsafe fn in_place_buffers<T>(op: OpKind, base: *mut T, rank: Rank, count: usize) -> Buffers<T> {
     let (input, output) = match op {
         OpKind::ReduceScatter => (base.cast_const(), base.add(rank * count)),
