@@ -388,16 +388,24 @@ def paired(key, placement, small):
     with the other's far one. Pairs whose placement changed on the way
     (see `steady`) are left out while others remain; "(k/n)" says how
     many of the n pairs counted when some were left out."""
-    o, m = ox_rep.get(key, {}), mpi_rep.get(key, {})
+    # A placement not read (the probe printed nothing) is not known to
+    # have held.
+    rule = steady_start if key[1] <= SMALL_MAX else steady
+    return within_repetitions(key, placement, small, mpi_rep.get(key, {}),
+                              lambda rep: rule.get((rep, key[0]), False))
+def within_repetitions(key, placement, small, theirs, held_in):
+    """oxccl's figures (`key`, `placement`) over `theirs` ({rep: figures})
+    within each repetition, summarised by `held_median` over the
+    repetitions where `held_in(rep)`: above 1 when oxccl is ahead (for
+    times, `small`: when the other takes longer)."""
+    o = ox_rep.get(key, {})
     values, held = [], []
-    for rep in sorted(set(o) & set(m)):
+    for rep in sorted(set(o) & set(theirs)):
         a = o[rep][("time_" if small else "") + placement]
-        b = m[rep]["time" if small else "busbw"]
+        b = theirs[rep]["time" if small else "busbw"]
         if a and b:
             values.append(b / a if small else a / b)
-            # A placement not read (the probe printed nothing) is not
-            # known to have held.
-            held.append((steady_start if key[1] <= SMALL_MAX else steady).get((rep, key[0]), False))
+            held.append(held_in(rep))
     return held_median(values, held)
 def held_median(values, held):
     """The median of the `values` whose pair `held`, "(k/n)" beside it
@@ -430,19 +438,13 @@ def against_ceiling(key, variant, placement, small):
     same placement (every latency read around both within 1.6× of each
     other): the ceiling runs minutes away from oxccl's all-reduce, and a
     near figure over a far one says nothing. "(k/n)" as in `paired`."""
-    o, c = ox_rep.get(key, {}), ceil_rep.get((variant, key[1]), {})
-    values, held = [], []
-    for rep in sorted(set(o) & set(c)):
-        a = o[rep][("time_" if small else "") + placement]
-        b = c[rep]["time" if small else "busbw"]
-        if a and b:
-            values.append(b / a if small else a / b)
-            # Readings missing on either side: not known to have held.
-            window, own = oxccl_window(rep, key), c[rep]["c2c"]
-            lat = window + own
-            held.append(bool(window) and bool(own) and min(lat) > 0
-                        and max(lat) / min(lat) < 1.6)
-    return held_median(values, held)
+    c = ceil_rep.get((variant, key[1]), {})
+    def held_in(rep):
+        # Readings missing on either side: not known to have held.
+        window, own = oxccl_window(rep, key), c[rep]["c2c"]
+        lat = window + own
+        return bool(window) and bool(own) and min(lat) > 0 and max(lat) / min(lat) < 1.6
+    return within_repetitions(key, placement, small, c, held_in)
 for coll in colls:
     print(f"### {coll}\n")
     like = like_mpi(coll)
