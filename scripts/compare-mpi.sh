@@ -206,12 +206,17 @@ run_perf() {
     # with --stat mean, the mean over all -n calls (nccl-tests'), which keeps
     # every preemption that a median drops: it leans against oxccl, most
     # where calls are short.
+    # The placement before and after each group goes to
+    # raw/groups-REP.txt: a group lasts seconds where a collective's runs
+    # last minutes, so the ratios against the ceiling pair by group.
+    echo "$label before $(placement)" >>"$OUT/raw/groups-$rep.txt"
     OXCCL_TRANSPORT=$TRANSPORT "$PERF" -np "$RANKS" "$@" --sizes "$sizes" "${iters[@]}" -c 1 -a 3 \
         -J "$OUT/raw/oxccl-$rep-$label.json" >"$OUT/raw/oxccl-$rep-$label.txt" 2>&1 || {
         echo "compare-mpi.sh: oxccl-perf failed (repetition $rep, $label); its output:" >&2
         tail -n 15 "$OUT/raw/oxccl-$rep-$label.txt" >&2
         exit 1
     }
+    echo "$label after $(placement)" >>"$OUT/raw/groups-$rep.txt"
 }
 
 # run_oxccl REP COLLECTIVE
@@ -283,6 +288,9 @@ python3 - "$OUT" "$COLLS" "$TRANSPORT" "$STAT" <<'PY' | tee "$OUT/table.md"
 import glob, json, os, re, statistics, sys
 out, colls, transport, stat = sys.argv[1], sys.argv[2].split(","), sys.argv[3], sys.argv[4]
 ox, mpi, ceil = {}, {}, {}
+# (rep, coll, bytes) -> the label of the oxccl-perf run (size group) that
+# measured it; (rep, label) -> the latencies read before and after that run.
+ox_group, group_lat = {}, {}
 # Per repetition, for ratios of runs made side by side: (coll, bytes) ->
 # {rep: figures}.
 ox_rep, mpi_rep = {}, {}
@@ -291,6 +299,7 @@ for path in glob.glob(os.path.join(out, "raw", "oxccl-*.json")):
     rep, coll = int(name.group(1)), name.group(2)
     run = json.load(open(path))
     for row in run["rows"]:
+        ox_group[(rep, coll, row["bytes"])] = f"{coll}-{name.group(3)}"
         ox_rep.setdefault((coll, row["bytes"]), {})[rep] = {
             "oop": row["busbw"], "ip": row["busbw_ip"],
             "time_oop": row["time_us"], "time_ip": row["time_us_ip"]}
@@ -346,6 +355,14 @@ for path in glob.glob(os.path.join(out, "raw", "ceiling-*.txt")):
 # each side started (before and between) agree, whatever came later.
 SMALL_MAX = 65536
 steady, steady_start, placements = {}, {}, {}
+for path in glob.glob(os.path.join(out, "raw", "groups-*.txt")):
+    rep = int(re.match(r"groups-(\d+)\.txt", os.path.basename(path)).group(1))
+    for line in open(path):
+        f = line.split()
+        try:
+            group_lat.setdefault((rep, f[0]), {})[f[1]] = float(f[2])
+        except (IndexError, ValueError):
+            continue
 for path in glob.glob(os.path.join(out, "raw", "placement-*.txt")):
     m = re.match(r"placement-(\d+)-(\w+)\.txt", os.path.basename(path))
     try:
@@ -419,11 +436,18 @@ def held_median(values, held):
     note = f" ({len(kept)}/{len(values)})" if len(kept) < len(values) else ""
     return f"{statistics.median(kept):.2f}×{note}"
 def oxccl_window(rep, key):
-    """The latencies read around oxccl's all-reduce runs of repetition
-    `rep` (they run first in odd repetitions, second in even ones) for
-    `key`: only the one read as they started for the plain buffers' small
-    sizes (up to SMALL_MAX, the first group run); the alloc_shared runs
-    come last."""
+    """The latencies read around oxccl's run that measured `key` in
+    repetition `rep`: before and after its size group (raw/groups-REP.txt,
+    since stop 36), only before it up to SMALL_MAX. Runs without those
+    readings fall back to the readings around all of oxccl's all-reduce
+    runs (first in odd repetitions, second in even ones): for the plain
+    buffers' small sizes, the first group run, the one read as they
+    started; the alloc_shared runs come last."""
+    group = group_lat.get((rep, ox_group.get((rep,) + key, "")), {})
+    if "before" in group:
+        if key[1] <= SMALL_MAX or "after" not in group:
+            return [group["before"]]
+        return [group["before"], group["after"]]
     lat = placements.get((rep, "allreduce"))
     if not lat:
         return []
@@ -499,8 +523,8 @@ else:
 if ceil_rep:
     print("The ratios against the ceiling (`in place / (a)`, `/ (b)`, `/ (d)` and")
     print("`alloc_shared / (a)`) are medians of ratios within each repetition too,")
-    print("over those where the latencies read around oxccl's all-reduce runs")
-    print("(up to 64 KiB the one read as they started) and the two the ceiling")
+    print("over those where the latencies read around oxccl's run of that size")
+    print("(up to 64 KiB the one read as it started) and the two the ceiling")
     print("read around its figure agree within 1.6× (the ceiling runs minutes")
     print("away from oxccl, so only a shared placement makes a pair).")
 
