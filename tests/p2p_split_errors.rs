@@ -152,6 +152,20 @@ fn bad_input_is_returned_on_the_calling_rank_before_any_io() {
             invalid_arg(comm.reduce_in_place(&mut out, ReduceOp::Max, 7)),
             (OpKind::Reduce, "root")
         );
+        // A reduce in the arena skips `run` too: the root's output must
+        // match its input, and off the root the ignored output must be
+        // empty or of the input's length.
+        assert_eq!(
+            invalid_arg(comm.reduce(&[1.0f32; 4], &mut out, ReduceOp::Sum, w)),
+            (OpKind::Reduce, "root")
+        );
+        for root in [me, other] {
+            assert_eq!(
+                invalid_arg(comm.reduce(&[1.0f32; 4], &mut out[..3], ReduceOp::Sum, root)),
+                (OpKind::Reduce, "recv"),
+                "root {root}"
+            );
+        }
         assert_eq!(invalid_arg(comm.send(&out, w)), (OpKind::Send, "peer"));
         assert_eq!(
             invalid_arg(comm.recv(&mut out, comm.rank())),
