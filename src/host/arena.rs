@@ -1031,7 +1031,7 @@ impl Arena {
     /// time; and whether its waits yield at once (more ranks than CPUs).
     pub fn stores_description(&self) -> String {
         let stores = self.slot_stores_description();
-        if self.spin.is_zero() {
+        if self.oversubscribed() {
             format!(
                 "{stores}; waits yield at once ({} ranks, fewer CPUs)",
                 self.world()
@@ -1107,6 +1107,13 @@ impl Arena {
             })
             .sum();
         Ok(self.world() > cpus as usize)
+    }
+
+    /// Whether the ranks outnumber their CPUs (set-up's
+    /// [`probe_oversubscribed`](Self::probe_oversubscribed)): then waits
+    /// yield at once, which is what `spin` records.
+    fn oversubscribed(&self) -> bool {
+        self.spin.is_zero()
     }
 
     fn peer_pid(&self, rank: Rank) -> libc::pid_t {
@@ -3247,8 +3254,19 @@ impl Arena {
     /// [`CMA_MIN_BYTES`] on Intel CPUs (measured there); on AMD ones by
     /// [`CACHED_AMD_ALL_GATHER_CMA_BYTES`] and
     /// [`CACHED_AMD_BROADCAST_CMA_BYTES`].
+    ///
+    /// Never with more ranks than CPUs either: a CMA broadcast's root (and
+    /// every all-gather rank) waits in `leave` until each reader has copied,
+    /// and a reader that is not running holds it there, where staging lets
+    /// the root post and return. 4 processes on the 2-vCPU Zen 4 VM,
+    /// cached stores forced (CMA against staging, out of place / in place,
+    /// three rounds, two far and one near): broadcast 64 KiB 21–34 / 23–38
+    /// against 12–16 / 11–13 µs, 256 KiB 53–97 / 48–110 against 28–37 /
+    /// 24–28, 1 MiB 195–323 / 170–334 against 106–148 / 90–98, 4 MiB
+    /// 0.75–2.25 / 0.87–1.85 against 0.50–0.78 / 0.39–0.65 ms; all-gather
+    /// 64 KiB 27–42 / 25–41 against 11–17 / 10–17 µs.
     fn cma_suits(&self, op: OpKind, bytes: usize) -> bool {
-        if !self.cma || self.streaming_slots {
+        if !self.cma || self.streaming_slots || self.oversubscribed() {
             return false;
         }
         let amd = stream::cpu_vendor_is_amd();
