@@ -1125,10 +1125,10 @@ impl Communicator {
         record_failure(&mut self.failed, (transport, self.arena.as_ref()), error);
     }
 
-    /// An all-reduce, broadcast, all-gather, reduce-scatter or reduce in the shared
-    /// arena, straight from the typed entry points: small all-reduces in
-    /// the lanes (see [`Arena::lane_all_reduce`]), the path of
-    /// tensor-parallel decoding's per-layer calls, small broadcasts in the
+    /// An all-reduce, broadcast, all-gather, reduce-scatter or reduce in
+    /// the shared arena, straight from the typed entry points: small
+    /// all-reduces in the lanes (see [`Arena::lane_all_reduce`]), the path
+    /// of tensor-parallel decoding's per-layer calls, small broadcasts in the
     /// root's mailbox (see `Arena::mailbox_broadcast`), the others as
     /// `run_in_arena` runs them. It skips what `run` spends on a call
     /// (descriptor, validation, dispatch): a third of an 8-byte all-reduce,

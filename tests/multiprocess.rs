@@ -269,8 +269,9 @@ fn large_outputs_across_processes_are_correct() {
 /// placement chose): streaming covers the non-temporal staging of the
 /// one-shot (4 KiB and more) and two-shot all-reduce (over 512 KiB),
 /// reduce-scatter, and all-gather and broadcast, which then always stage;
-/// cached runs their CMA paths, and (4194311 elements, outputs from
-/// 16 MiB) the cached staging that replaces CMA there on AMD CPUs.
+/// cached runs their CMA paths (with no more ranks than CPUs: the two
+/// cached runs use 2; more ranks stage), and (4194311 elements, outputs
+/// from 16 MiB) the cached staging that replaces CMA there on AMD CPUs.
 #[test]
 fn both_slot_store_modes_across_processes_are_correct() {
     const COUNTS: &str = "1,1029,20011,70001,300007";

@@ -556,7 +556,7 @@ pub(crate) struct Arena {
     timeout: Duration,
     /// How long a wait spins before yielding, and between yields: [`SPIN`],
     /// or nothing when the ranks outnumber the CPUs they may run on (see
-    /// [`oversubscribed`](Self::probe_oversubscribed)).
+    /// [`oversubscribed`](Self::oversubscribed)).
     spin: Duration,
     /// Whether this rank may read peers' memory with `process_vm_readv`
     /// (probed at set-up; Linux CMA, which containers or Yama may forbid).
@@ -1109,9 +1109,11 @@ impl Arena {
         Ok(self.world() > cpus as usize)
     }
 
-    /// Whether the ranks outnumber their CPUs (set-up's
-    /// [`probe_oversubscribed`](Self::probe_oversubscribed)): then waits
-    /// yield at once, which is what `spin` records.
+    /// Whether the ranks outnumber the CPUs they may run on, which `spin`
+    /// records (waits then yield at once): across processes from
+    /// [`probe_oversubscribed`](Self::probe_oversubscribed), between
+    /// threads from `local_group`'s count of this process's CPUs; split
+    /// children inherit it. Equal on every rank.
     fn oversubscribed(&self) -> bool {
         self.spin.is_zero()
     }
@@ -3286,9 +3288,10 @@ impl Arena {
     /// ([`all_in_one_allocation`](Self::all_in_one_allocation)), else CMA
     /// when the caller says it suits (`cma_ok`: all-gather and broadcast,
     /// [`cma_suits`](Self::cma_suits)). Every rank takes the same decision:
-    /// it depends only on the call, on `shared_ever`, on the slot stores
-    /// (equal everywhere), on the allocations made (collective) and on what
-    /// every rank posted. `lens` are the input's and output's lengths in
+    /// it depends only on the call, on `shared_ever`, on the slot stores,
+    /// the CMA probe and [`oversubscribed`](Self::oversubscribed) (equal
+    /// everywhere), on the allocations made (collective) and on what every
+    /// rank posted. `lens` are the input's and output's lengths in
     /// elements.
     fn enter_direct<T>(
         &mut self,
