@@ -393,8 +393,11 @@ pub fn every_collective<T: Element>(
 /// [`Communicator::alloc_shared`]: all-reduce, reduce-scatter and
 /// all-gather in and out of place, broadcast and reduce in place, for every
 /// operator, with each result checked. Where the communicator has a shared
-/// arena and a call is large enough (≥ 2 KiB), it must have run zero-copy
-/// (`last_direct_algorithm() == Some("zerocopy")`); the error says otherwise.
+/// arena and a call is large enough, it must have run zero-copy
+/// (`last_direct_algorithm() == Some("zerocopy")`); the error says
+/// otherwise. Large enough: across processes 2 KiB; between threads what
+/// `algorithm_for_reduction` names zero copy (from 2 KiB, later with
+/// more ranks than CPUs: the lanes and staged broadcasts go further).
 ///
 /// # Errors
 ///
@@ -406,7 +409,7 @@ pub fn every_collective_shared<T: Element>(
     let (rank, world) = (comm.rank(), comm.world_size());
     check_counts::<T>(counts, rank, world)?;
     for &count in counts {
-        let direct = |comm: &Communicator, what: &str, bytes: usize, op: ReduceOp| {
+        let direct = |comm: &Communicator, what: &str, kind: OpKind, bytes: usize, op: ReduceOp| {
             // Ranks joined by a shared arena run a 1 MiB all-reduce in it
             // (zero-copy between threads, two-shot across processes).
             let arena = matches!(
@@ -419,7 +422,11 @@ pub fn every_collective_shared<T: Element>(
             // is zero-copy).
             let threads = comm.algorithm_for::<T>(OpKind::AllReduce, 1 << 20) == "zerocopy";
             let scaled_copy = op == ReduceOp::Avg && T::AVG_PREMULTIPLIES && world > 1;
-            let expect = arena && bytes >= 2048 && (threads || !scaled_copy);
+            let expect = if threads {
+                comm.algorithm_for_reduction::<T>(kind, op, bytes) == "zerocopy"
+            } else {
+                arena && bytes >= 2048 && !scaled_copy
+            };
             let ran = comm.last_direct_algorithm();
             ensure(usize::from(expect && ran != Some("zerocopy")), || {
                 format!("{what} count {count} on alloc_shared buffers ran {ran:?}, not zero-copy")
@@ -443,12 +450,12 @@ pub fn every_collective_shared<T: Element>(
             ensure(count_wrong_reduced(&recv, world, 0, op), || {
                 format!("all_reduce {}", ctx())
             })?;
-            direct(comm, "all_reduce", bytes, op)?;
+            direct(comm, "all_reduce", OpKind::AllReduce, bytes, op)?;
             comm.all_reduce_in_place(&mut send, op)?;
             ensure(count_wrong_reduced(&send, world, 0, op), || {
                 format!("all_reduce in place {}", ctx())
             })?;
-            direct(comm, "all_reduce in place", bytes, op)?;
+            direct(comm, "all_reduce in place", OpKind::AllReduce, bytes, op)?;
 
             let mut full = comm.alloc_shared::<T>(count * world)?;
             fill(&mut full, rank, 0, op);
@@ -466,7 +473,13 @@ pub fn every_collective_shared<T: Element>(
                 ),
                 || format!("reduce_scatter in place {}", ctx()),
             )?;
-            direct(comm, "reduce_scatter in place", bytes * world, op)?;
+            direct(
+                comm,
+                "reduce_scatter in place",
+                OpKind::ReduceScatter,
+                bytes * world,
+                op,
+            )?;
 
             fill(&mut send, rank, 0, op);
             comm.reduce_in_place(&mut send, op, world - 1)?;
@@ -490,7 +503,13 @@ pub fn every_collective_shared<T: Element>(
             } else {
                 comm.reduce(&send, &mut [], op, root)?;
             }
-            direct(comm, "reduce, empty output off the root", bytes, op)?;
+            direct(
+                comm,
+                "reduce, empty output off the root",
+                OpKind::Reduce,
+                bytes,
+                op,
+            )?;
             // The same with the root's output in an allocation the others
             // have dropped, and forgotten by allocating again: every rank
             // must still take the same path (they hung, the root zero-copy
@@ -510,6 +529,7 @@ pub fn every_collective_shared<T: Element>(
             direct(
                 comm,
                 "reduce into an allocation only the root kept",
+                OpKind::Reduce,
                 bytes,
                 op,
             )?;
@@ -522,7 +542,13 @@ pub fn every_collective_shared<T: Element>(
         ensure(count_wrong_input(&gathered, 0, 0, op), || {
             format!("all_gather count {count} (alloc_shared)")
         })?;
-        direct(comm, "all_gather", bytes * world, ReduceOp::Sum)?;
+        direct(
+            comm,
+            "all_gather",
+            OpKind::AllGather,
+            bytes * world,
+            ReduceOp::Sum,
+        )?;
         gathered.fill(T::zeroed());
         gathered[rank * count..(rank + 1) * count].copy_from_slice(&mine);
         comm.all_gather_in_place(&mut gathered)?;
@@ -538,7 +564,13 @@ pub fn every_collective_shared<T: Element>(
             ensure(count_wrong_input(&buf, root, 0, op), || {
                 format!("broadcast in place root {root} count {count} (alloc_shared)")
             })?;
-            direct(comm, "broadcast in place", bytes, ReduceOp::Sum)?;
+            direct(
+                comm,
+                "broadcast in place",
+                OpKind::Broadcast,
+                bytes,
+                ReduceOp::Sum,
+            )?;
 
             // Out of place with an empty input off the root (ignored there,
             // as in ncclBroadcast): still zero-copy.
@@ -556,6 +588,7 @@ pub fn every_collective_shared<T: Element>(
             direct(
                 comm,
                 "broadcast, empty input off the root",
+                OpKind::Broadcast,
                 bytes,
                 ReduceOp::Sum,
             )?;
@@ -575,6 +608,7 @@ pub fn every_collective_shared<T: Element>(
             direct(
                 comm,
                 "broadcast from one allocation, empty input off the root",
+                OpKind::Broadcast,
                 bytes,
                 ReduceOp::Sum,
             )?;

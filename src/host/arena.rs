@@ -124,6 +124,23 @@ const DIRECT_SCRATCH_BYTES: usize = 256 * 1024;
 /// write each other's buffers directly (two synchronisations instead of a
 /// copy per byte). Below it the one-round staged path is faster.
 const ZERO_COPY_MIN_BYTES: usize = 2 * 1024;
+/// Between threads with more ranks than CPUs ([`Arena::oversubscribed`]),
+/// broadcasts of at least this many bytes run zero copy; the others from
+/// just above [`LANE_MAX_BYTES`], the lanes taking everything up to it.
+/// Zero copy ends with every rank waiting for every rank, and each of its
+/// two synchronisations needs all of them running; a lane call needs one,
+/// and a staged broadcast's root posts and returns. 4 threads on the
+/// 2-vCPU Zen 4 VM, µs out of place / in place, zero copy against the
+/// lanes or staging, both slot-store modes, three to six rounds:
+/// broadcast 4 KiB 8.4–9.2 against 3.0–4.7, 8 KiB 8.3–14.1 against
+/// 3.0–4.9, 16 KiB 8.8–14.8 against 4.1–6.4, 32 KiB even (9.5–21.3
+/// against 6.3–23.9), zero copy ahead from 40 KiB (10.2–21.5 against
+/// 9.7–29.5) to 60 KiB (10.9–13.2 against 10.5–16.3); all-reduce 2 KiB
+/// 17.8–18.6 against 6.4–8.9 in the lanes, but 8 KiB 7.4–16.1 against
+/// 6.5–11.8 staged, and zero copy ahead from 16 KiB in two rounds of
+/// three; reduce-scatter 2 KiB 7.0–15.6 against 3.9–5.1 in the lanes,
+/// from 8 KiB either way by round.
+const OVERSUBSCRIBED_BROADCAST_ZERO_COPY_MIN_BYTES: usize = 32 * 1024;
 /// Across processes, all-gather and broadcast of at least this many bytes
 /// read the peers' buffers with one `process_vm_readv` (Linux CMA, as Open
 /// MPI's vader does) instead of staging through the slots: one copy and a
@@ -547,8 +564,8 @@ pub(crate) struct Arena {
     lane_calls: u64,
     /// The largest all-reduce (bytes) that runs in the lanes: below
     /// [`ZERO_COPY_MIN_BYTES`] where zero copy may run from there
-    /// (threads; processes once `alloc_shared` ran), else
-    /// [`LANE_MAX_BYTES`]. Equal on every rank.
+    /// (threads, unless oversubscribed; processes once `alloc_shared`
+    /// ran), else [`LANE_MAX_BYTES`]. Equal on every rank.
     lane_max_bytes: usize,
     /// Peer process ids to watch (`None` for threads of this process).
     watch_pids: bool,
@@ -708,7 +725,7 @@ impl Arena {
                     timeout,
                 );
                 if n > cpus as usize {
-                    arena.spin = Duration::ZERO;
+                    arena.mark_oversubscribed();
                 }
                 arena
             })
@@ -758,7 +775,7 @@ impl Arena {
         );
         arena.cma = arena.probe_cma()?;
         if arena.probe_oversubscribed()? {
-            arena.spin = Duration::ZERO;
+            arena.mark_oversubscribed();
         }
         arena.probe_stores(stores, None)?;
         Ok(arena)
@@ -1116,6 +1133,28 @@ impl Arena {
     /// children inherit it. Equal on every rank.
     fn oversubscribed(&self) -> bool {
         self.spin.is_zero()
+    }
+
+    /// Records that the ranks outnumber their CPUs (every rank alike):
+    /// waits yield at once, and threads' lanes reach [`LANE_MAX_BYTES`] as
+    /// processes' do (see [`OVERSUBSCRIBED_BROADCAST_ZERO_COPY_MIN_BYTES`]).
+    fn mark_oversubscribed(&mut self) {
+        self.spin = Duration::ZERO;
+        if !self.watch_pids {
+            self.lane_max_bytes = LANE_MAX_BYTES;
+        }
+    }
+
+    /// The smallest call of `op` (bytes in its largest buffer) that runs
+    /// zero copy between threads: [`ZERO_COPY_MIN_BYTES`], or with more
+    /// ranks than CPUs what [`OVERSUBSCRIBED_BROADCAST_ZERO_COPY_MIN_BYTES`]
+    /// says. Equal on every rank.
+    fn thread_zero_copy_min_bytes(&self, op: OpKind) -> usize {
+        match op {
+            _ if !self.oversubscribed() => ZERO_COPY_MIN_BYTES,
+            OpKind::Broadcast => OVERSUBSCRIBED_BROADCAST_ZERO_COPY_MIN_BYTES,
+            _ => LANE_MAX_BYTES + 1,
+        }
     }
 
     fn peer_pid(&self, rank: Rank) -> libc::pid_t {
@@ -3196,7 +3235,9 @@ impl Arena {
             self.timeout,
         );
         child.cma = self.cma;
-        child.spin = self.spin;
+        if self.oversubscribed() {
+            child.mark_oversubscribed();
+        }
         child.streaming_slots = self.streaming_slots;
         Ok(Some(child))
     }
@@ -3232,7 +3273,12 @@ impl Arena {
             }
             OpKind::AllGather if self.lane_fits(bytes / self.world()) => "lane",
             OpKind::Barrier => "lane",
-            _ if zero_copy_op && !self.watch_pids && bytes >= ZERO_COPY_MIN_BYTES => "zerocopy",
+            _ if zero_copy_op
+                && !self.watch_pids
+                && bytes >= self.thread_zero_copy_min_bytes(op) =>
+            {
+                "zerocopy"
+            }
             OpKind::Broadcast if bytes > 0 && bytes <= MAILBOX_MAX_BYTES && self.world() > 1 => {
                 "mailbox"
             }
@@ -3282,8 +3328,9 @@ impl Arena {
     /// Decides whether a call of `elements` (its largest buffer) reaches
     /// the peers' buffers directly, and if so enters it (posting this
     /// rank's buffers, awaiting everyone's): threads from
-    /// [`ZERO_COPY_MIN_BYTES`]; across processes, zero-copy from the same
-    /// size when the inputs and outputs the call touches (`touches`) lie
+    /// [`thread_zero_copy_min_bytes`](Self::thread_zero_copy_min_bytes);
+    /// across processes, zero-copy from [`ZERO_COPY_MIN_BYTES`] when the
+    /// inputs and outputs the call touches (`touches`) lie
     /// in one shared allocation each
     /// ([`all_in_one_allocation`](Self::all_in_one_allocation)), else CMA
     /// when the caller says it suits (`cma_ok`: all-gather and broadcast,
@@ -3321,7 +3368,7 @@ impl Arena {
         self.root_pushes_all = false;
         if !self.watch_pids {
             self.direct = Direct::Local;
-            return if bytes >= ZERO_COPY_MIN_BYTES {
+            return if bytes >= self.thread_zero_copy_min_bytes(call.op) {
                 self.enter(call, sig, bufs, lens).map(Some)
             } else {
                 Ok(None)
@@ -3695,7 +3742,12 @@ impl Arena {
         }
         self.allocation_bytes[number] = Some(bytes);
         self.shared_ever = true;
-        self.lane_max_bytes = self.lane_max_bytes.min(ZERO_COPY_MIN_BYTES - 1);
+        // Across processes, calls on these buffers run zero copy from
+        // ZERO_COPY_MIN_BYTES: the lanes stop below it. Between threads
+        // any buffer already could, and the lanes keep their reach.
+        if self.watch_pids {
+            self.lane_max_bytes = self.lane_max_bytes.min(ZERO_COPY_MIN_BYTES - 1);
+        }
         Ok(region)
     }
 
@@ -4433,6 +4485,22 @@ mod tests {
                 .stores_description()
                 .contains("waits yield at once"));
             assert_eq!(alone[0].spin, SPIN);
+            // Crowded threads stay off zero copy's two synchronisations
+            // where one does: the lanes up to LANE_MAX_BYTES, staged
+            // broadcasts below OVERSUBSCRIBED_BROADCAST_ZERO_COPY_MIN_BYTES.
+            let name = |op, bytes| crowded[0].algorithm_name(op, bytes, 4);
+            assert_eq!(name(OpKind::AllReduce, LANE_MAX_BYTES), "lane");
+            assert_eq!(name(OpKind::AllReduce, LANE_MAX_BYTES + 4), "zerocopy");
+            assert_eq!(name(OpKind::ReduceScatter, LANE_MAX_BYTES), "lane");
+            let staged_broadcast = OVERSUBSCRIBED_BROADCAST_ZERO_COPY_MIN_BYTES - 4;
+            assert_eq!(name(OpKind::Broadcast, staged_broadcast), "direct");
+            assert_eq!(
+                name(
+                    OpKind::Broadcast,
+                    OVERSUBSCRIBED_BROADCAST_ZERO_COPY_MIN_BYTES
+                ),
+                "zerocopy"
+            );
         }
     }
 
