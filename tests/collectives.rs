@@ -74,6 +74,53 @@ fn every_collective_direct_many_pieces() {
     }
 }
 
+/// With more threads than CPUs the arena keeps small calls off zero copy:
+/// the lanes reach 4 KiB and broadcasts stage below 32 KiB. Pinned to one
+/// CPU (the group counts the creating thread's CPUs, and its threads
+/// inherit the mask), groups of two and three run every collective across
+/// those bounds, whatever the host's CPU count.
+#[test]
+fn crowded_threads_run_every_collective_across_the_lane_and_staging_bounds() {
+    use oxccl::check::every_collective;
+    // SAFETY: cpu_set_t is plain data; the calls read or set this test
+    // thread's affinity only, restored below.
+    let (before, size) = unsafe {
+        let mut before: libc::cpu_set_t = std::mem::zeroed();
+        let size = std::mem::size_of::<libc::cpu_set_t>();
+        assert_eq!(libc::sched_getaffinity(0, size, &mut before), 0);
+        let first = (0..libc::CPU_SETSIZE as usize)
+            .find(|&c| libc::CPU_ISSET(c, &before))
+            .expect("some CPU");
+        let mut one: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(first, &mut one);
+        assert_eq!(libc::sched_setaffinity(0, size, &one), 0);
+        (before, size)
+    };
+    let result = (|| {
+        for world in [2, 3] {
+            let builder = Communicator::builder().timeout(Duration::from_secs(30));
+            run_ranks_with(world, builder, move |comm| {
+                let names = [
+                    comm.algorithm_for::<f32>(oxccl::OpKind::AllReduce, 4096),
+                    comm.algorithm_for::<f32>(oxccl::OpKind::Broadcast, 16 * 1024),
+                ];
+                if names != ["lane", "direct"] {
+                    return Err(fail(format!("not crowded: {names:?}")));
+                }
+                // f32: 4 KiB, just above; 32 KiB, just below and at it.
+                every_collective::<f32>(comm, &[1024, 1025, 8191, 8192])
+                    .and_then(|()| every_collective::<u8>(comm, &[4095, 4097, 32_769]))
+                    .map_err(|e| fail(e.to_string()))
+            })
+            .map_err(|e| format!("world {world}: {e}"))?;
+        }
+        Ok::<(), String>(())
+    })();
+    // SAFETY: as above.
+    unsafe { libc::sched_setaffinity(0, size, &before) };
+    result.unwrap();
+}
+
 /// Small broadcasts from every root in turn wrap the arena's mailboxes
 /// (`oxccl::check::broadcast_burst`).
 #[test]

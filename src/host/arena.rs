@@ -122,7 +122,10 @@ const DIRECT_SCRATCH_BYTES: usize = 256 * 1024;
 /// In one process, calls of at least this many bytes (the largest buffer)
 /// skip the slots: ranks exchange buffer addresses and read, reduce and
 /// write each other's buffers directly (two synchronisations instead of a
-/// copy per byte). Below it the one-round staged path is faster.
+/// copy per byte). Below it the one-round staged path is faster. With more
+/// threads than CPUs zero copy starts later
+/// ([`OVERSUBSCRIBED_BROADCAST_ZERO_COPY_MIN_BYTES`]); across processes
+/// it runs on `alloc_shared` buffers from here.
 const ZERO_COPY_MIN_BYTES: usize = 2 * 1024;
 /// Between threads with more ranks than CPUs ([`Arena::oversubscribed`]),
 /// broadcasts of at least this many bytes run zero copy; the others from
@@ -131,7 +134,8 @@ const ZERO_COPY_MIN_BYTES: usize = 2 * 1024;
 /// two synchronisations needs all of them running; a lane call needs one,
 /// and a staged broadcast's root posts and returns. 4 threads on the
 /// 2-vCPU Zen 4 VM, µs out of place / in place, zero copy against the
-/// lanes or staging, both slot-store modes, three to six rounds:
+/// lanes or staging, three to six rounds (threads always use cached slot
+/// stores):
 /// broadcast 4 KiB 8.4–9.2 against 3.0–4.7, 8 KiB 8.3–14.1 against
 /// 3.0–4.9, 16 KiB 8.8–14.8 against 4.1–6.4, 32 KiB even (9.5–21.3
 /// against 6.3–23.9), zero copy ahead from 40 KiB (10.2–21.5 against
@@ -139,7 +143,8 @@ const ZERO_COPY_MIN_BYTES: usize = 2 * 1024;
 /// 17.8–18.6 against 6.4–8.9 in the lanes, but 8 KiB 7.4–16.1 against
 /// 6.5–11.8 staged, and zero copy ahead from 16 KiB in two rounds of
 /// three; reduce-scatter 2 KiB 7.0–15.6 against 3.9–5.1 in the lanes,
-/// from 8 KiB either way by round.
+/// from 8 KiB either way by round. So those (and reduce, not measured
+/// apart) go from the lanes straight to zero copy, with no staged range.
 const OVERSUBSCRIBED_BROADCAST_ZERO_COPY_MIN_BYTES: usize = 32 * 1024;
 /// Across processes, all-gather and broadcast of at least this many bytes
 /// read the peers' buffers with one `process_vm_readv` (Linux CMA, as Open
@@ -1153,7 +1158,9 @@ impl Arena {
         match op {
             _ if !self.oversubscribed() => ZERO_COPY_MIN_BYTES,
             OpKind::Broadcast => OVERSUBSCRIBED_BROADCAST_ZERO_COPY_MIN_BYTES,
-            _ => LANE_MAX_BYTES + 1,
+            // Right above the lanes (`mark_oversubscribed` set them to
+            // LANE_MAX_BYTES): no staged range between.
+            _ => self.lane_max_bytes + 1,
         }
     }
 
