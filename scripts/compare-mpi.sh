@@ -121,9 +121,13 @@ while [ "$s" -le "$MAX_BYTES" ]; do SIZES="$SIZES,$s"; s=$((s * 4)); done
 # oxccl-perf times a fixed number of iterations per size, so the sizes run
 # in three groups, each with enough iterations to last milliseconds (Open
 # MPI's benchmark times batches of at least 2 ms for --budget seconds).
-SMALL=$(echo "$SIZES" | tr , '\n' | awk '$1 <= 65536' | paste -sd,)
-MEDIUM=$(echo "$SIZES" | tr , '\n' | awk '$1 > 65536 && $1 <= 4194304' | paste -sd,)
-LARGE=$(echo "$SIZES" | tr , '\n' | awk '$1 > 4194304' | paste -sd,)
+# The table below reads the same bounds (its group_of).
+SMALL_MAX_BYTES=65536
+MEDIUM_MAX_BYTES=4194304
+SMALL=$(echo "$SIZES" | tr , '\n' | awk -v s=$SMALL_MAX_BYTES '$1 <= s' | paste -sd,)
+MEDIUM=$(echo "$SIZES" | tr , '\n' |
+    awk -v s=$SMALL_MAX_BYTES -v m=$MEDIUM_MAX_BYTES '$1 > s && $1 <= m' | paste -sd,)
+LARGE=$(echo "$SIZES" | tr , '\n' | awk -v m=$MEDIUM_MAX_BYTES '$1 > m' | paste -sd,)
 # Iterations (-n), samples (--samples) and warm-up (-w) per group. 20000
 # small calls last 2–200 ms (2000 lasted 0.2 ms at 8 B, short enough for
 # one scheduler tick or placement change to move the median). With
@@ -157,12 +161,20 @@ oxccl_name() {  # mpi_coll_bench's collective name -> oxccl-perf's
     case "$1" in allreduce) echo all_reduce ;; allgather) echo all_gather ;; *) echo "$1" ;; esac
 }
 
-# run_mpi REP COLLECTIVE
+# Open MPI's benchmark for one size group: run_mpi REP COLLECTIVE GROUP.
+# It always starts at 8 B, so it runs every size up to the group's largest
+# (the smaller groups' sizes again, about a second each group); the table
+# takes from raw/mpi-REP-COLL-GROUP.txt only the group's own sizes.
 run_mpi() {
-    COLLS="$2" "${MPIRUN[@]}" "$OUT/bin/mpi_coll_bench" "ompi-$TRANSPORT" "$MAX_BYTES" "$BUDGET" \
-        >"$OUT/raw/mpi-$1-$2.txt" 2>"$OUT/raw/mpi-$1-$2.err" || {
-        echo "compare-mpi.sh: Open MPI's benchmark failed (repetition $1, $2); its errors:" >&2
-        tail -n 15 "$OUT/raw/mpi-$1-$2.err" >&2
+    local sizes=${GROUP_SIZES[$3]} max
+    [ -n "$sizes" ] || return 0
+    max=${sizes##*,}
+    # Its largest size must be at least its first step (4 KiB).
+    [ "$max" -ge 4096 ] || max=4096
+    COLLS="$2" "${MPIRUN[@]}" "$OUT/bin/mpi_coll_bench" "ompi-$TRANSPORT" "$max" "$BUDGET" \
+        >"$OUT/raw/mpi-$1-$2-$3.txt" 2>"$OUT/raw/mpi-$1-$2-$3.err" || {
+        echo "compare-mpi.sh: Open MPI's benchmark failed (repetition $1, $2, $3 sizes); its errors:" >&2
+        tail -n 15 "$OUT/raw/mpi-$1-$2-$3.err" >&2
         exit 1
     }
 }
@@ -219,23 +231,33 @@ run_perf() {
     echo "$label after $(placement)" >>"$OUT/raw/groups-$rep.txt"
 }
 
-# run_oxccl REP COLLECTIVE
+# oxccl-perf for one size group: run_oxccl REP COLLECTIVE GROUP
 run_oxccl() {
     local name
     name=$(oxccl_name "$2")
-    run_perf "$1" "$2-small" "$SMALL" "${SMALL_ITERS[@]}" -- --collective "$name"
-    run_perf "$1" "$2-medium" "$MEDIUM" "${MEDIUM_ITERS[@]}" -- --collective "$name"
-    run_perf "$1" "$2-large" "$LARGE" "${LARGE_ITERS[@]}" -- --collective "$name"
-    # All-reduce on buffers from Communicator::alloc_shared (zero copy across
-    # processes), the counterpart of the ceiling's variant (a).
-    if [ "$2" = allreduce ] && [ "$TRANSPORT" = shm ] && [ -n "$SHARED" ]; then
+    case "$3" in
+    small) run_perf "$1" "$2-small" "$SMALL" "${SMALL_ITERS[@]}" -- --collective "$name" ;;
+    medium) run_perf "$1" "$2-medium" "$MEDIUM" "${MEDIUM_ITERS[@]}" -- --collective "$name" ;;
+    large) run_perf "$1" "$2-large" "$LARGE" "${LARGE_ITERS[@]}" -- --collective "$name" ;;
+    esac
+}
+
+# All-reduce on buffers from Communicator::alloc_shared (zero copy across
+# processes), the counterpart of the ceiling's variant (a): run_shared REP
+run_shared() {
+    if [ "$TRANSPORT" = shm ] && [ -n "$SHARED" ]; then
         local mid big
-        mid=$(echo "$SHARED" | tr , '\n' | awk '$1 <= 4194304' | paste -sd,)
-        big=$(echo "$SHARED" | tr , '\n' | awk '$1 > 4194304' | paste -sd,)
+        mid=$(echo "$SHARED" | tr , '\n' | awk -v m=$MEDIUM_MAX_BYTES '$1 <= m' | paste -sd,)
+        big=$(echo "$SHARED" | tr , '\n' | awk -v m=$MEDIUM_MAX_BYTES '$1 > m' | paste -sd,)
         run_perf "$1" allreduce_shared-medium "$mid" "${SHARED_MEDIUM_ITERS[@]}" -- --shared
         run_perf "$1" allreduce_shared-large "$big" "${LARGE_ITERS[@]}" -- --shared
     fi
 }
+
+# The three size groups, each run by both sides before the next: a pair
+# lasts seconds (a large group at 256 MiB, under a minute), not the
+# minutes of a whole collective, so fewer pairs straddle a placement move.
+declare -A GROUP_SIZES=([small]="$SMALL" [medium]="$MEDIUM" [large]="$LARGE")
 
 # The placement of the two vCPUs: the ceiling's one-way cache-line latency
 # between its two processes (≈ 40–60 ns "near", ≈ 200 ns "far" on the VMs
@@ -251,24 +273,26 @@ echo "# ranks $RANKS, transport $TRANSPORT, sizes $SIZES, $REPS alternating repe
 for rep in $(seq 1 "$REPS"); do
     echo "# repetition $rep: core-to-core latency before: $(placement)"
     # Alternate the order between repetitions, so drift hits everyone alike.
-    # Collective by collective, so oxccl and Open MPI run within a minute
-    # or two of each other (the vCPU placement can change between).
+    # Collective by collective and size group by size group, so oxccl and
+    # Open MPI run seconds apart (the vCPU placement can change between).
     # The placement before, between and after each pair goes to
-    # raw/placement-REP-COLL.txt: the per-repetition ratios leave out
-    # pairs whose placement changed on the way.
-    if [ $((rep % 2)) = 1 ]; then
-        for c in ${COLLS//,/ }; do
-            p1=$(placement); run_oxccl "$rep" "$c"; p2=$(placement); run_mpi "$rep" "$c"
-            echo "$p1 $p2 $(placement)" | tr -d 'ns' >"$OUT/raw/placement-$rep-$c.txt"
+    # raw/placement-REP-COLL-GROUP.txt: the per-repetition ratios leave
+    # out pairs whose placement changed on the way.
+    [ $((rep % 2)) = 1 ] || run_ceiling "$rep"
+    for c in ${COLLS//,/ }; do
+        for group in small medium large; do
+            [ -n "${GROUP_SIZES[$group]}" ] || continue
+            p1=$(placement)
+            if [ $((rep % 2)) = 1 ]; then
+                run_oxccl "$rep" "$c" "$group"; p2=$(placement); run_mpi "$rep" "$c" "$group"
+            else
+                run_mpi "$rep" "$c" "$group"; p2=$(placement); run_oxccl "$rep" "$c" "$group"
+            fi
+            echo "$p1 $p2 $(placement)" | tr -d 'ns' >"$OUT/raw/placement-$rep-$c-$group.txt"
         done
-        run_ceiling "$rep"
-    else
-        run_ceiling "$rep"
-        for c in ${COLLS//,/ }; do
-            p1=$(placement); run_mpi "$rep" "$c"; p2=$(placement); run_oxccl "$rep" "$c"
-            echo "$p1 $p2 $(placement)" | tr -d 'ns' >"$OUT/raw/placement-$rep-$c.txt"
-        done
-    fi
+        [ "$c" != allreduce ] || run_shared "$rep"
+    done
+    [ $((rep % 2)) = 0 ] || run_ceiling "$rep"
     echo "# repetition $rep done; core-to-core latency after: $(placement)"
     # Which slot stores oxccl's arena chose at each run's set-up (they
     # follow the placement; oxccl-perf's header has the measurement), and
@@ -284,7 +308,7 @@ for rep in $(seq 1 "$REPS"); do
     [ -z "$stores" ] || echo "# repetition $rep: oxccl's slot stores: $stores; runs that measured again after a move: $moved"
 done
 
-python3 - "$OUT" "$COLLS" "$TRANSPORT" "$STAT" <<'PY' | tee "$OUT/table.md"
+python3 - "$OUT" "$COLLS" "$TRANSPORT" "$STAT" "$SMALL_MAX_BYTES" "$MEDIUM_MAX_BYTES" <<'PY' | tee "$OUT/table.md"
 import glob, json, os, re, statistics, sys
 out, colls, transport, stat = sys.argv[1], sys.argv[2].split(","), sys.argv[3], sys.argv[4]
 ox, mpi, ceil = {}, {}, {}
@@ -315,11 +339,21 @@ for path in glob.glob(os.path.join(out, "raw", "oxccl-*.json")):
         ox[key]["time_oop"].append(row["time_us"])
         if row["wrong"] or row["wrong_ip"]:
             sys.exit(f"oxccl-perf reported wrong values in {path}")
+# The size groups of both sides' runs (oxccl-perf's -small, -medium,
+# -large; the script's SMALL, MEDIUM and LARGE).
+SMALL_MAX, MEDIUM_MAX = int(sys.argv[5]), int(sys.argv[6])
+def group_of(b):
+    return "small" if b <= SMALL_MAX else "medium" if b <= MEDIUM_MAX else "large"
 for path in glob.glob(os.path.join(out, "raw", "mpi-*.txt")):
-    rep = int(re.match(r"mpi-(\d+)-", os.path.basename(path)).group(1))
+    name = re.match(r"mpi-(\d+)-\w+-(small|medium|large)\.txt", os.path.basename(path))
+    rep, group = int(name.group(1)), name.group(2)
     for line in open(path):
         if line.startswith("RESULT,"):
             f = line.strip().split(",")
+            # A group's run starts at 8 B: the smaller groups' sizes in it
+            # belong to their own groups' runs.
+            if group_of(int(f[3])) != group:
+                continue
             # Field 11: the benchmark's own check of its first call.
             if f[11] != "ok":
                 sys.exit(f"Open MPI's benchmark failed its check in {path}: {line.strip()}")
@@ -346,15 +380,10 @@ for path in glob.glob(os.path.join(out, "raw", "ceiling-*.txt")):
             ceil_rep.setdefault(key, {})[rep] = {
                 "busbw": float(m.group(4)), "time": float(m.group(3)),
                 "c2c": [float(c2c.group(1)), float(c2c.group(2))] if c2c else []}
-# (rep, coll) -> whether the placement held through that pair: the
-# core-to-core latencies before, between and after it within 1.6× of
-# each other ("near" and "far" differ 3-5× on the VMs measured). The
-# small sizes (up to SMALL_MAX, oxccl's first group; Open MPI's first
-# sizes too, a fraction of a second each) run in the first seconds of
-# either side's run: for them the pair held when the latencies read as
-# each side started (before and between) agree, whatever came later.
-SMALL_MAX = 65536
-steady, steady_start, placements = {}, {}, {}
+# (rep, coll, group) -> whether the placement held through that pair of
+# runs: the core-to-core latencies before, between and after it within
+# 1.6× of each other ("near" and "far" differ 3-5× on the VMs measured).
+steady = {}
 for path in glob.glob(os.path.join(out, "raw", "groups-*.txt")):
     rep = int(re.match(r"groups-(\d+)\.txt", os.path.basename(path)).group(1))
     for line in open(path):
@@ -364,15 +393,13 @@ for path in glob.glob(os.path.join(out, "raw", "groups-*.txt")):
         except (IndexError, ValueError):
             continue
 for path in glob.glob(os.path.join(out, "raw", "placement-*.txt")):
-    m = re.match(r"placement-(\d+)-(\w+)\.txt", os.path.basename(path))
+    m = re.match(r"placement-(\d+)-(\w+)-(small|medium|large)\.txt", os.path.basename(path))
     try:
         lat = [float(x) for x in open(path).read().split()]
     except ValueError:
         continue
     if len(lat) == 3 and min(lat) > 0:
-        steady[(int(m.group(1)), m.group(2))] = max(lat) / min(lat) < 1.6
-        steady_start[(int(m.group(1)), m.group(2))] = max(lat[:2]) / min(lat[:2]) < 1.6
-        placements[(int(m.group(1)), m.group(2))] = lat
+        steady[(int(m.group(1)), m.group(2), m.group(3))] = max(lat) / min(lat) < 1.6
 med = lambda xs: statistics.median(xs) if xs else None
 def size(b):
     for unit, shift in (("MiB", 20), ("KiB", 10)):
@@ -407,9 +434,8 @@ def paired(key, placement, small):
     many of the n pairs counted when some were left out."""
     # A placement not read (the probe printed nothing) is not known to
     # have held.
-    rule = steady_start if key[1] <= SMALL_MAX else steady
     return within_repetitions(key, placement, small, mpi_rep.get(key, {}),
-                              lambda rep: rule.get((rep, key[0]), False))
+                              lambda rep: steady.get((rep, key[0], group_of(key[1])), False))
 def within_repetitions(key, placement, small, theirs, held_in):
     """oxccl's figures (`key`, `placement`) over `theirs` ({rep: figures})
     within each repetition, summarised by `held_median` over the
@@ -437,24 +463,15 @@ def held_median(values, held):
     return f"{statistics.median(kept):.2f}×{note}"
 def oxccl_window(rep, key):
     """The latencies read around oxccl's run that measured `key` in
-    repetition `rep`: before and after its size group (raw/groups-REP.txt,
-    since stop 36), only before it up to SMALL_MAX. Runs without those
-    readings fall back to the readings around all of oxccl's all-reduce
-    runs (first in odd repetitions, second in even ones): for the plain
-    buffers' small sizes, the first group run, the one read as they
-    started; the alloc_shared runs come last."""
+    repetition `rep`: before and after its size group (raw/groups-REP.txt),
+    only before it up to SMALL_MAX (those sizes run in its first
+    seconds)."""
     group = group_lat.get((rep, ox_group.get((rep,) + key, "")), {})
-    if "before" in group:
-        if key[1] <= SMALL_MAX or "after" not in group:
-            return [group["before"]]
-        return [group["before"], group["after"]]
-    lat = placements.get((rep, "allreduce"))
-    if not lat:
+    if "before" not in group:
         return []
-    start, end = (0, 1) if rep % 2 == 1 else (1, 2)
-    if key[0] == "allreduce" and key[1] <= SMALL_MAX:
-        return lat[start:start + 1]
-    return lat[start:end + 1]
+    if key[1] <= SMALL_MAX or "after" not in group:
+        return [group["before"]]
+    return [group["before"], group["after"]]
 def against_ceiling(key, variant, placement, small):
     """oxccl (`key`, `placement`) against the ceiling's `variant` at the
     same size, as the median over repetitions of the ratio within each
@@ -508,11 +525,11 @@ for coll in colls:
     print()
 print("Ratios above 1× mean oxccl is ahead (for times: the other takes longer).")
 print("`oxccl / MPI per repetition` is the median of the ratios taken within each")
-print("repetition, where the two ran within a minute, over the pairs whose vCPU")
-print("placement held (core-to-core latency before, between and after the pair")
-print("within 1.6×; up to 64 KiB, which run in the first seconds of each side's")
-print("run, the latencies read as each side started; \"(k/n)\": k of n pairs")
-print("held); the columns before it divide medians taken over all repetitions.")
+print("repetition, where the two ran seconds apart (size group by size group:")
+print("up to 64 KiB, 256 KiB–4 MiB, larger), over the pairs whose vCPU placement")
+print("held (core-to-core latency before, between and after the pair within")
+print("1.6×; \"(k/n)\": k of n pairs held); the columns before it divide medians")
+print("taken over all repetitions.")
 print("Within a repetition Open MPI's figure is the median over its samples")
 print("(batches) of the slowest rank's time, and")
 if stat == "median":
