@@ -3263,6 +3263,13 @@ impl Arena {
     /// Which algorithm a call of `op` with `bytes` in its largest buffer
     /// (elements of `elem` bytes) uses, for reports.
     pub fn algorithm_name(&self, op: OpKind, bytes: usize, elem: usize) -> &'static str {
+        // A split exchanges its colours and keys as an all-gather (see
+        // `comm.rs`'s arena dispatch), and takes the same path.
+        let op = if op == OpKind::Split {
+            OpKind::AllGather
+        } else {
+            op
+        };
         let zero_copy_op = matches!(
             op,
             OpKind::AllReduce
@@ -4499,6 +4506,12 @@ mod tests {
             assert_eq!(name(OpKind::AllReduce, LANE_MAX_BYTES), "lane");
             assert_eq!(name(OpKind::AllReduce, LANE_MAX_BYTES + 4), "zerocopy");
             assert_eq!(name(OpKind::ReduceScatter, LANE_MAX_BYTES), "lane");
+            // A split is an all-gather of colours and keys.
+            for bytes in [2 * LANE_MAX_BYTES, 2 * LANE_MAX_BYTES + 8] {
+                assert_eq!(name(OpKind::Split, bytes), name(OpKind::AllGather, bytes));
+            }
+            assert_eq!(name(OpKind::Split, 2 * LANE_MAX_BYTES), "lane");
+            assert_eq!(name(OpKind::Split, 2 * LANE_MAX_BYTES + 8), "zerocopy");
             let staged_broadcast = OVERSUBSCRIBED_BROADCAST_ZERO_COPY_MIN_BYTES - 4;
             assert_eq!(name(OpKind::Broadcast, staged_broadcast), "direct");
             assert_eq!(
