@@ -22,6 +22,8 @@
 #   --colls LIST        allreduce,allgather,reduce_scatter,broadcast (default: all four)
 #   --ranks N           ranks (default 2; the ceiling exists for 2 only)
 #   --transport shm|tcp oxccl's OXCCL_TRANSPORT and Open MPI's btl (default shm)
+#   --transport threads oxccl's ranks as threads of one process (oxccl-perf -t)
+#                       against the ceiling alone: Open MPI does not run
 #   --anchors DIR       where the C programs are (default ../shared/anchors)
 #   --out DIR           raw outputs and the table (default target/compare-mpi)
 #   --budget SECONDS    Open MPI's timed seconds per size (default 0.3)
@@ -31,7 +33,7 @@
 #                       Open MPI's; mean: nccl-tests' mean over all calls)
 #
 # Needs gcc, Open MPI (mpicc, mpirun; installed with apt-get when missing and
-# run as root), python3 and cargo. Takes about REPS × 1–3 minutes at 256 MiB.
+# run as root; not with --transport threads), python3 and cargo. Takes about REPS × 1–3 minutes at 256 MiB.
 set -euo pipefail
 
 REPS=3
@@ -56,11 +58,11 @@ while [ $# -gt 0 ]; do
     --out) OUT="$2"; shift 2 ;;
     --budget) BUDGET="$2"; shift 2 ;;
     --stat) STAT="$2"; shift 2 ;;
-    -h|--help) sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "compare-mpi.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
 done
-case "$TRANSPORT" in shm|tcp) ;; *) echo "compare-mpi.sh: --transport shm or tcp" >&2; exit 2 ;; esac
+case "$TRANSPORT" in shm|tcp|threads) ;; *) echo "compare-mpi.sh: --transport shm, tcp or threads" >&2; exit 2 ;; esac
 case "$STAT" in median|mean) ;; *) echo "compare-mpi.sh: --stat median or mean" >&2; exit 2 ;; esac
 # A size with a K/M/G suffix in bytes; mpi_coll_bench reads digits only
 # (strtoull: "64M" was 64 bytes, and its buffers overflowed at 1 KiB).
@@ -82,7 +84,7 @@ for f in mpi_coll_bench.c shm_ceiling.c; do
     [ -f "$ANCHORS/$f" ] || { echo "compare-mpi.sh: $ANCHORS/$f not found (use --anchors DIR)" >&2; exit 2; }
 done
 
-if ! command -v mpicc >/dev/null || ! command -v mpirun >/dev/null; then
+if [ "$TRANSPORT" != threads ] && { ! command -v mpicc >/dev/null || ! command -v mpirun >/dev/null; }; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
         echo "# installing Open MPI (apt-get)"
         apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin libopenmpi-dev >/dev/null
@@ -109,7 +111,7 @@ esac
 mkdir -p "$OUT/bin" "$OUT/raw"
 # Earlier runs' curves must not reappear in this run's plots.
 rm -rf "$OUT"/raw/* "$OUT/plot"
-mpicc -O2 -o "$OUT/bin/mpi_coll_bench" "$ANCHORS/mpi_coll_bench.c" -lm
+[ "$TRANSPORT" = threads ] || mpicc -O2 -o "$OUT/bin/mpi_coll_bench" "$ANCHORS/mpi_coll_bench.c" -lm
 gcc -O3 -march=native -Wall -o "$OUT/bin/shm_ceiling" "$ANCHORS/shm_ceiling.c" -lpthread -lm
 (cd "$ROOT" && cargo build --release --quiet --bin oxccl-perf)
 PERF="$ROOT/target/release/oxccl-perf"
@@ -143,6 +145,10 @@ LARGE_ITERS=(-n 10 --samples "$(samples 10)" -w 3)
 # calls lasted 0.1–0.2 ms and one repetition's 64 KiB figure ranged over
 # 0.83–1.97 µs (stop 23's run); 2000 last 2–100 ms.
 SHARED_MEDIUM_ITERS=(-n 2000 --samples "$(samples 10)" -w 200)
+# Threads run the same batches: at 256 KiB and 1 MiB in place, five
+# alternating rounds of batches of 10 calls (as here) read 62–77 and
+# 59–88 GB/s, of 400 calls 61–95 and 57–76 (stop 38), so the barrier
+# before each batch does not weigh.
 # alloc_shared runs from 64 KiB, where the targets against (a) start.
 SHARED=$(echo "$SIZES" | tr , '\n' | awk '$1 >= 65536' | paste -sd,)
 
@@ -167,7 +173,7 @@ oxccl_name() {  # mpi_coll_bench's collective name -> oxccl-perf's
 # takes from raw/mpi-REP-COLL-GROUP.txt only the group's own sizes.
 run_mpi() {
     local sizes=${GROUP_SIZES[$3]} max
-    [ -n "$sizes" ] || return 0
+    [ -n "$sizes" ] && [ "$TRANSPORT" != threads ] || return 0
     max=${sizes##*,}
     # Its largest size must be at least its first step (4 KiB).
     [ "$max" -ge 4096 ] || max=4096
@@ -187,7 +193,7 @@ run_mpi() {
 # largest size, if smaller), larger ones with buffers of MAX_BYTES.
 CEILING_SPLIT=$((128 << 20))
 run_ceiling() {
-    if [ "$TRANSPORT" = shm ] && [ "$RANKS" = 2 ]; then
+    if [ "$TRANSPORT" != tcp ] && [ "$RANKS" = 2 ]; then
         local low high low_max
         low=$(echo "$SIZES" | tr , '\n' | awk -v s=$CEILING_SPLIT '$1 <= s' | paste -sd,)
         high=$(echo "$SIZES" | tr , '\n' | awk -v s=$CEILING_SPLIT '$1 > s' | paste -sd,)
@@ -222,7 +228,11 @@ run_perf() {
     # raw/groups-REP.txt: a group lasts seconds where a collective's runs
     # last minutes, so the ratios against the ceiling pair by group.
     echo "$label before $(placement)" >>"$OUT/raw/groups-$rep.txt"
-    OXCCL_TRANSPORT=$TRANSPORT "$PERF" -np "$RANKS" "$@" --sizes "$sizes" "${iters[@]}" -c 1 -a 3 \
+    # Threads: oxccl-perf -t, with no OXCCL_TRANSPORT (it names the links
+    # between processes; an empty one is refused).
+    local ranks=(-np "$RANKS") transport=(OXCCL_TRANSPORT="$TRANSPORT")
+    if [ "$TRANSPORT" = threads ]; then ranks=(-t "$RANKS"); transport=(); fi
+    env "${transport[@]}" "$PERF" "${ranks[@]}" "$@" --sizes "$sizes" "${iters[@]}" -c 1 -a 3 \
         -J "$OUT/raw/oxccl-$rep-$label.json" >"$OUT/raw/oxccl-$rep-$label.txt" 2>&1 || {
         echo "compare-mpi.sh: oxccl-perf failed (repetition $rep, $label); its output:" >&2
         tail -n 15 "$OUT/raw/oxccl-$rep-$label.txt" >&2
@@ -411,6 +421,8 @@ def fmt(x, unit=""):
 def ratio(a, b):
     return "—" if a is None or b in (None, 0) else f"{a / b:.2f}×"
 print(f"\n## oxccl vs Open MPI ({transport}) and the shared-memory ceiling — busbw GB/s (time in µs up to 1 KiB), medians\n")
+if transport == "threads":
+    print("oxccl's ranks are threads of one process; Open MPI does not run (its columns stay empty).\n")
 print("`oxccl` is the placement of Open MPI's call (out of place; broadcast in place, as")
 print("`MPI_Bcast`), `other` the other placement. The ceiling's variants run in place.\n")
 # Open MPI's benchmark calls MPI_Allreduce, MPI_Allgather and
@@ -558,10 +570,11 @@ for coll in colls:
     dump(f"{coll}-oxccl.json", f"oxccl {coll} ({transport})",
          [(b, med(ox[(coll, b)]["oop"]), med(ox[(coll, b)]["ip"])) for b in sizes])
     msizes = sorted(b for c, b in mpi if c == coll)
-    dump(f"{coll}-ompi.json", f"Open MPI {coll} ({transport})",
-         # MPI_Bcast runs in place, the others out of place.
-         [(b, None, med(mpi[(coll, b)]["busbw"])) if coll == "broadcast"
-          else (b, med(mpi[(coll, b)]["busbw"]), None) for b in msizes])
+    if msizes:  # none with --transport threads
+        dump(f"{coll}-ompi.json", f"Open MPI {coll} ({transport})",
+             # MPI_Bcast runs in place, the others out of place.
+             [(b, None, med(mpi[(coll, b)]["busbw"])) if coll == "broadcast"
+              else (b, med(mpi[(coll, b)]["busbw"]), None) for b in msizes])
     if coll == "allreduce":
         ssizes = sorted(b for c, b in ox if c == "allreduce_shared")
         if ssizes:
