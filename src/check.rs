@@ -395,9 +395,12 @@ pub fn every_collective<T: Element>(
 /// operator, with each result checked. Where the communicator has a shared
 /// arena and a call is large enough, it must have run zero-copy
 /// (`last_direct_algorithm() == Some("zerocopy")`); the error says
-/// otherwise. Large enough: across processes 2 KiB; between threads what
-/// `algorithm_for_reduction` names zero copy (from 2 KiB, later with
-/// more ranks than CPUs: the lanes and staged broadcasts go further).
+/// otherwise. Large enough: across processes the arena's bound
+/// (`zero_copy_min_bytes`: 2 KiB; 32 KiB for broadcasts with more ranks
+/// than CPUs, and those from 2 KiB up to it must have been staged);
+/// between threads what `algorithm_for_reduction` names zero copy (from
+/// 2 KiB, later with more ranks than CPUs: the lanes and staged
+/// broadcasts go further).
 ///
 /// # Errors
 ///
@@ -422,15 +425,25 @@ pub fn every_collective_shared<T: Element>(
             // is zero-copy).
             let threads = comm.algorithm_for::<T>(OpKind::AllReduce, 1 << 20) == "zerocopy";
             let scaled_copy = op == ReduceOp::Avg && T::AVG_PREMULTIPLIES && world > 1;
+            // Across processes, calls from 2 KiB reach the direct paths'
+            // decision (smaller ones the lanes or the mailbox, which leave
+            // the last direct algorithm as it was).
+            let decided = !threads && arena && bytes >= 2048;
             let expect = if threads {
                 comm.algorithm_for_reduction::<T>(kind, op, bytes) == "zerocopy"
             } else {
-                arena && bytes >= 2048 && !scaled_copy
+                decided && bytes >= comm.zero_copy_min_bytes(kind).unwrap_or(2048) && !scaled_copy
             };
             let ran = comm.last_direct_algorithm();
             ensure(usize::from(expect && ran != Some("zerocopy")), || {
                 format!("{what} count {count} on alloc_shared buffers ran {ran:?}, not zero-copy")
-            })
+            })?;
+            ensure(
+                usize::from(decided && !expect && ran == Some("zerocopy")),
+                || {
+                    format!("{what} count {count} on alloc_shared buffers ran zero-copy below its bound")
+                },
+            )
         };
         let bytes = count * std::mem::size_of::<T>();
         for op in ReduceOp::ALL

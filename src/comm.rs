@@ -1302,6 +1302,16 @@ impl Communicator {
         self.arena.as_ref().and_then(Arena::last_direct_name)
     }
 
+    /// The smallest call of `op` (bytes in its largest buffer) that the
+    /// shared arena runs zero copy: between threads on any buffers, across
+    /// processes on [`alloc_shared`](Self::alloc_shared) ones; `None`
+    /// without an arena. For the checks in [`crate::check`].
+    pub(crate) fn zero_copy_min_bytes(&self, op: OpKind) -> Option<usize> {
+        self.arena
+            .as_ref()
+            .map(|arena| arena.zero_copy_min_bytes(op))
+    }
+
     /// The schedule family for a call over the links: forced by
     /// `OXCCL_ALGO`, else from the table by size and world size.
     fn plan_family(&self, desc: &CollectiveDesc) -> schedule::Family {

@@ -127,9 +127,11 @@ const DIRECT_SCRATCH_BYTES: usize = 256 * 1024;
 /// ([`OVERSUBSCRIBED_BROADCAST_ZERO_COPY_MIN_BYTES`]); across processes
 /// it runs on `alloc_shared` buffers from here.
 const ZERO_COPY_MIN_BYTES: usize = 2 * 1024;
-/// Between threads with more ranks than CPUs ([`Arena::oversubscribed`]),
-/// broadcasts of at least this many bytes run zero copy; the others from
-/// just above [`LANE_MAX_BYTES`], the lanes taking everything up to it.
+/// With more ranks than CPUs ([`Arena::oversubscribed`]), broadcasts of at
+/// least this many bytes run zero copy, between threads and across
+/// processes on `alloc_shared` buffers; the others from just above the
+/// lanes (between threads [`LANE_MAX_BYTES`], across processes on shared
+/// buffers [`ZERO_COPY_MIN_BYTES`]).
 /// Zero copy ends with every rank waiting for every rank, and each of its
 /// two synchronisations needs all of them running; a lane call needs one,
 /// and a staged broadcast's root posts and returns. 4 threads on the
@@ -145,6 +147,13 @@ const ZERO_COPY_MIN_BYTES: usize = 2 * 1024;
 /// three; reduce-scatter 2 KiB 7.0–15.6 against 3.9–5.1 in the lanes,
 /// from 8 KiB either way by round. So those (and reduce, not measured
 /// apart) go from the lanes straight to zero copy, with no staged range.
+/// 4 processes on `alloc_shared` buffers, four alternating rounds, algbw
+/// GB/s out of place / in place, mapped zero copy against staging:
+/// broadcast 2 KiB 0.14–0.22 / 0.13–0.22 against 0.49–0.82 / 0.47–0.85,
+/// 8 KiB 0.45–0.83 / 0.80–0.87 against 1.65–2.41 / 1.75–2.61, 16 KiB
+/// 1.53–1.76 / 1.60–1.76 against 2.67–3.55 / 2.86–4.02; stop 37 saw
+/// all-reduce lose by staging (lanes and one-shot 14–27 µs against 12–23
+/// zero copy).
 const OVERSUBSCRIBED_BROADCAST_ZERO_COPY_MIN_BYTES: usize = 32 * 1024;
 /// Across processes, all-gather and broadcast of at least this many bytes
 /// read the peers' buffers with one `process_vm_readv` (Linux CMA, as Open
@@ -1151,15 +1160,18 @@ impl Arena {
     }
 
     /// The smallest call of `op` (bytes in its largest buffer) that runs
-    /// zero copy between threads: [`ZERO_COPY_MIN_BYTES`], or with more
-    /// ranks than CPUs what [`OVERSUBSCRIBED_BROADCAST_ZERO_COPY_MIN_BYTES`]
+    /// zero copy: between threads on any buffers, across processes on
+    /// `alloc_shared` ones. [`ZERO_COPY_MIN_BYTES`], or with more ranks
+    /// than CPUs what [`OVERSUBSCRIBED_BROADCAST_ZERO_COPY_MIN_BYTES`]
     /// says. Equal on every rank.
-    fn thread_zero_copy_min_bytes(&self, op: OpKind) -> usize {
+    pub(crate) fn zero_copy_min_bytes(&self, op: OpKind) -> usize {
         match op {
             _ if !self.oversubscribed() => ZERO_COPY_MIN_BYTES,
             OpKind::Broadcast => OVERSUBSCRIBED_BROADCAST_ZERO_COPY_MIN_BYTES,
-            // Right above the lanes (`mark_oversubscribed` set them to
-            // LANE_MAX_BYTES): no staged range between.
+            // Right above the lanes, with no staged range between: threads'
+            // reach LANE_MAX_BYTES (`mark_oversubscribed`), processes'
+            // stop below ZERO_COPY_MIN_BYTES once they allocate shared
+            // buffers (`alloc_shared`), the only ones they reach directly.
             _ => self.lane_max_bytes + 1,
         }
     }
@@ -3287,10 +3299,7 @@ impl Arena {
             }
             OpKind::AllGather if self.lane_fits(bytes / self.world()) => "lane",
             OpKind::Barrier => "lane",
-            _ if zero_copy_op
-                && !self.watch_pids
-                && bytes >= self.thread_zero_copy_min_bytes(op) =>
-            {
+            _ if zero_copy_op && !self.watch_pids && bytes >= self.zero_copy_min_bytes(op) => {
                 "zerocopy"
             }
             OpKind::Broadcast if bytes > 0 && bytes <= MAILBOX_MAX_BYTES && self.world() > 1 => {
@@ -3342,8 +3351,8 @@ impl Arena {
     /// Decides whether a call of `elements` (its largest buffer) reaches
     /// the peers' buffers directly, and if so enters it (posting this
     /// rank's buffers, awaiting everyone's): threads from
-    /// [`thread_zero_copy_min_bytes`](Self::thread_zero_copy_min_bytes);
-    /// across processes, zero-copy from [`ZERO_COPY_MIN_BYTES`] when the
+    /// [`zero_copy_min_bytes`](Self::zero_copy_min_bytes);
+    /// across processes, zero-copy from there too when the
     /// inputs and outputs the call touches (`touches`) lie
     /// in one shared allocation each
     /// ([`all_in_one_allocation`](Self::all_in_one_allocation)), else CMA
@@ -3382,13 +3391,13 @@ impl Arena {
         self.root_pushes_all = false;
         if !self.watch_pids {
             self.direct = Direct::Local;
-            return if bytes >= self.thread_zero_copy_min_bytes(call.op) {
+            return if bytes >= self.zero_copy_min_bytes(call.op) {
                 self.enter(call, sig, bufs, lens).map(Some)
             } else {
                 Ok(None)
             };
         }
-        let want_mapped = self.shared_ever && bytes >= ZERO_COPY_MIN_BYTES;
+        let want_mapped = self.shared_ever && bytes >= self.zero_copy_min_bytes(call.op);
         let want_cma = cma_ok;
         if !want_mapped && !want_cma {
             return Ok(None);
