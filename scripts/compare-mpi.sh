@@ -80,7 +80,9 @@ if [ "$MAX_BYTES" -lt 4096 ]; then
     echo "compare-mpi.sh: --max-bytes must be at least 4K (the sizes start at 8 B, 1 KiB, 4 KiB)" >&2
     exit 2
 fi
-for f in mpi_coll_bench.c shm_ceiling.c; do
+NEEDED=(mpi_coll_bench.c shm_ceiling.c)
+[ "$TRANSPORT" != threads ] || NEEDED=(shm_ceiling.c)
+for f in "${NEEDED[@]}"; do
     [ -f "$ANCHORS/$f" ] || { echo "compare-mpi.sh: $ANCHORS/$f not found (use --anchors DIR)" >&2; exit 2; }
 done
 
@@ -100,7 +102,7 @@ fi
 # count that does not divide a size moves fewer bytes than it reports.
 case ",$COLLS," in
     *,allgather,*|*,reduce_scatter,*)
-        if [ "$RANKS" -gt 2 ]; then
+        if [ "$RANKS" -gt 2 ] && [ "$TRANSPORT" != threads ]; then
             echo "compare-mpi.sh: --ranks $RANKS with allgather or reduce_scatter: Open MPI's benchmark" \
                 "cannot split 8 B over more than 2 ranks; use --colls allreduce,broadcast," \
                 "or oxccl-perf alone (docs/performance.md, 4 ranks on 2 cores)" >&2
@@ -230,9 +232,9 @@ run_perf() {
     echo "$label before $(placement)" >>"$OUT/raw/groups-$rep.txt"
     # Threads: oxccl-perf -t, with no OXCCL_TRANSPORT (it names the links
     # between processes; an empty one is refused).
-    local ranks=(-np "$RANKS") transport=(OXCCL_TRANSPORT="$TRANSPORT")
-    if [ "$TRANSPORT" = threads ]; then ranks=(-t "$RANKS"); transport=(); fi
-    env "${transport[@]}" "$PERF" "${ranks[@]}" "$@" --sizes "$sizes" "${iters[@]}" -c 1 -a 3 \
+    local ranks=(-np "$RANKS") transport=OXCCL_TRANSPORT=$TRANSPORT
+    if [ "$TRANSPORT" = threads ]; then ranks=(-t "$RANKS"); transport=-uOXCCL_TRANSPORT; fi
+    env "$transport" "$PERF" "${ranks[@]}" "$@" --sizes "$sizes" "${iters[@]}" -c 1 -a 3 \
         -J "$OUT/raw/oxccl-$rep-$label.json" >"$OUT/raw/oxccl-$rep-$label.txt" 2>&1 || {
         echo "compare-mpi.sh: oxccl-perf failed (repetition $rep, $label); its output:" >&2
         tail -n 15 "$OUT/raw/oxccl-$rep-$label.txt" >&2
@@ -439,7 +441,7 @@ def faster(a, b, small):
     return ratio(b, a) if small else ratio(a, b)
 def paired(key, placement, small):
     """The median over repetitions of oxccl / Open MPI within each one:
-    the two ran within a minute of each other there, so a vCPU placement
+    the two ran the size's group seconds apart there, so a vCPU placement
     that changed between repetitions does not pair one side's near figure
     with the other's far one. Pairs whose placement changed on the way
     (see `steady`) are left out while others remain; "(k/n)" says how

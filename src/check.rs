@@ -425,10 +425,16 @@ pub fn every_collective_shared<T: Element>(
             // is zero-copy).
             let threads = comm.algorithm_for::<T>(OpKind::AllReduce, 1 << 20) == "zerocopy";
             let scaled_copy = op == ReduceOp::Avg && T::AVG_PREMULTIPLIES && world > 1;
-            // Across processes, calls from 2 KiB reach the direct paths'
-            // decision (smaller ones the lanes or the mailbox, which leave
-            // the last direct algorithm as it was).
-            let decided = !threads && arena && bytes >= 2048;
+            // Across processes with shared buffers the lanes stop below
+            // 2 KiB (an all-gather's: of its part), and calls from there
+            // reach the direct paths' decision; the lanes and the mailbox
+            // report no direct algorithm.
+            let lane_bytes = if kind == OpKind::AllGather {
+                bytes / world
+            } else {
+                bytes
+            };
+            let decided = !threads && arena && lane_bytes >= 2048;
             let expect = if threads {
                 comm.algorithm_for_reduction::<T>(kind, op, bytes) == "zerocopy"
             } else {

@@ -122,10 +122,9 @@ const DIRECT_SCRATCH_BYTES: usize = 256 * 1024;
 /// In one process, calls of at least this many bytes (the largest buffer)
 /// skip the slots: ranks exchange buffer addresses and read, reduce and
 /// write each other's buffers directly (two synchronisations instead of a
-/// copy per byte). Below it the one-round staged path is faster. With more
-/// threads than CPUs zero copy starts later
-/// ([`OVERSUBSCRIBED_BROADCAST_ZERO_COPY_MIN_BYTES`]); across processes
-/// it runs on `alloc_shared` buffers from here.
+/// copy per byte). Below it the one-round staged path is faster. Across
+/// processes it runs on `alloc_shared` buffers from here. With more ranks
+/// than CPUs it starts later ([`Arena::zero_copy_min_bytes`]).
 const ZERO_COPY_MIN_BYTES: usize = 2 * 1024;
 /// With more ranks than CPUs ([`Arena::oversubscribed`]), broadcasts of at
 /// least this many bytes run zero copy, between threads and across
