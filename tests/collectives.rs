@@ -82,21 +82,7 @@ fn every_collective_direct_many_pieces() {
 #[test]
 fn crowded_threads_run_every_collective_across_the_lane_and_staging_bounds() {
     use oxccl::check::every_collective;
-    // SAFETY: cpu_set_t is plain data; the calls read or set this test
-    // thread's affinity only, restored below.
-    let (before, size) = unsafe {
-        let mut before: libc::cpu_set_t = std::mem::zeroed();
-        let size = std::mem::size_of::<libc::cpu_set_t>();
-        assert_eq!(libc::sched_getaffinity(0, size, &mut before), 0);
-        let first = (0..libc::CPU_SETSIZE as usize)
-            .find(|&c| libc::CPU_ISSET(c, &before))
-            .expect("some CPU");
-        let mut one: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(first, &mut one);
-        assert_eq!(libc::sched_setaffinity(0, size, &one), 0);
-        (before, size)
-    };
-    let result = (|| {
+    let result = || {
         for world in [2, 3] {
             let builder = Communicator::builder().timeout(Duration::from_secs(30));
             run_ranks_with(world, builder, move |comm| {
@@ -115,10 +101,8 @@ fn crowded_threads_run_every_collective_across_the_lane_and_staging_bounds() {
             .map_err(|e| format!("world {world}: {e}"))?;
         }
         Ok::<(), String>(())
-    })();
-    // SAFETY: as above.
-    unsafe { libc::sched_setaffinity(0, size, &before) };
-    result.unwrap();
+    };
+    common::on_one_cpu(result).unwrap();
 }
 
 /// Small broadcasts from every root in turn wrap the arena's mailboxes

@@ -484,28 +484,9 @@ fn collectives_on_alloc_shared_buffers_across_processes() {
 /// copy on the wrong side of its bound.
 #[test]
 fn crowded_processes_stage_small_broadcasts_on_alloc_shared_buffers() {
-    // SAFETY: cpu_set_t is plain data; the calls read or set this test
-    // thread's affinity only (the launcher and its ranks inherit it),
-    // restored below.
-    let (before, size) = unsafe {
-        let mut before: libc::cpu_set_t = std::mem::zeroed();
-        let size = std::mem::size_of::<libc::cpu_set_t>();
-        assert_eq!(libc::sched_getaffinity(0, size, &mut before), 0);
-        let first = (0..libc::CPU_SETSIZE as usize)
-            .find(|&c| libc::CPU_ISSET(c, &before))
-            .expect("some CPU");
-        let mut one: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(first, &mut one);
-        assert_eq!(libc::sched_setaffinity(0, size, &one), 0);
-        (before, size)
-    };
     // f32: 16 KiB (staged), 32 KiB + 16 B (zero copy).
-    let result = std::panic::catch_unwind(|| {
-        launched_with(2, "shm", &["--shared", "--counts", "1,4099,8196"])
-    });
-    // SAFETY: as above.
-    unsafe { libc::sched_setaffinity(0, size, &before) };
-    let out = result.unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+    let out =
+        common::on_one_cpu(|| launched_with(2, "shm", &["--shared", "--counts", "1,4099,8196"]));
     // The ranks knew they were crowded (the transport line says so), so
     // the check held them to the crowded bound.
     assert!(out.contains("waits yield at once"), "not crowded:\n{out}");

@@ -160,3 +160,28 @@ pub fn free_port() -> u16 {
     }
     panic!("no free port in {LOWEST}..{ephemeral_low}");
 }
+
+/// Runs `body` with this thread pinned to the first CPU it may use, then
+/// restores its mask (also when `body` panics, before the panic goes on).
+/// Threads it starts and processes it spawns inherit the one-CPU mask, so
+/// ranks there outnumber their CPUs on any host.
+pub fn on_one_cpu<R>(body: impl FnOnce() -> R) -> R {
+    // SAFETY: cpu_set_t is plain data; the calls read or set this thread's
+    // affinity only.
+    let (before, size) = unsafe {
+        let mut before: libc::cpu_set_t = std::mem::zeroed();
+        let size = std::mem::size_of::<libc::cpu_set_t>();
+        assert_eq!(libc::sched_getaffinity(0, size, &mut before), 0);
+        let first = (0..libc::CPU_SETSIZE as usize)
+            .find(|&c| libc::CPU_ISSET(c, &before))
+            .expect("some CPU");
+        let mut one: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(first, &mut one);
+        assert_eq!(libc::sched_setaffinity(0, size, &one), 0);
+        (before, size)
+    };
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(body));
+    // SAFETY: as above.
+    unsafe { libc::sched_setaffinity(0, size, &before) };
+    result.unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+}
