@@ -1822,7 +1822,7 @@ unsafe fn copy_out<T: Copy>(stream: bool, src: *const T, dst: *mut T, len: usize
     if stream {
         stream::copy_streaming(src, dst, len);
     } else {
-        std::ptr::copy_nonoverlapping(src, dst, len);
+        stream::copy_cached(src, dst, len);
     }
 }
 
@@ -2125,12 +2125,12 @@ impl Arena {
                 if stream_slot {
                     stream::copy_streaming_unfenced(block.as_ptr(), slot_part.add(at), block.len());
                 } else {
-                    std::ptr::copy_nonoverlapping(block.as_ptr(), slot_part.add(at), block.len());
+                    stream::copy_cached(block.as_ptr(), slot_part.add(at), block.len());
                 }
                 if stream {
                     stream::copy_streaming_unfenced(block.as_ptr(), out_part.add(at), block.len());
                 } else {
-                    std::ptr::copy_nonoverlapping(block.as_ptr(), out_part.add(at), block.len());
+                    stream::copy_cached(block.as_ptr(), out_part.add(at), block.len());
                 }
             },
         );
@@ -3962,7 +3962,7 @@ impl Arena {
                         if stream {
                             stream::copy_streaming_unfenced(out.as_ptr(), output.add(at), n);
                         } else if p != self.rank {
-                            std::ptr::copy_nonoverlapping(out.as_ptr(), output.add(at), n);
+                            stream::copy_cached(out.as_ptr(), output.add(at), n);
                         }
                     }
                 }
