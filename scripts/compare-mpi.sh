@@ -31,6 +31,16 @@
 #                       each after a barrier, the slowest rank's time per
 #                       batch, the median batch, as mpi_coll_bench takes
 #                       Open MPI's; mean: nccl-tests' mean over all calls)
+#   --paired-budget S   seconds per size of the paired run (default 0.5; 0:
+#                       no paired run). After the repetitions, Open MPI and
+#                       oxccl run in the same two processes
+#                       (examples/mpi_side_by_side.rs), a batch of each in
+#                       turn, milliseconds apart, so every pair shares the
+#                       vCPU placement; the table's second part is the median
+#                       of those pairs' ratios (shm and tcp only)
+#   --offset BYTES      where the paired run's buffers start within a cache
+#                       line (default 0, as oxccl-perf's and PyTorch's; 16 is
+#                       where malloc puts a large Vec or mpi_coll_bench's)
 #
 # Needs gcc, Open MPI (mpicc, mpirun; installed with apt-get when missing and
 # run as root; not with --transport threads), python3 and cargo. Takes about REPS × 1–3 minutes at 256 MiB.
@@ -43,6 +53,8 @@ RANKS=2
 TRANSPORT=shm
 BUDGET=0.3
 STAT=median
+PAIRED_BUDGET=0.5
+OFFSET=0
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 ANCHORS="$ROOT/../shared/anchors"
 OUT="$ROOT/target/compare-mpi"
@@ -58,6 +70,8 @@ while [ $# -gt 0 ]; do
     --out) OUT="$2"; shift 2 ;;
     --budget) BUDGET="$2"; shift 2 ;;
     --stat) STAT="$2"; shift 2 ;;
+    --paired-budget) PAIRED_BUDGET="$2"; shift 2 ;;
+    --offset) OFFSET="$2"; shift 2 ;;
     -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "compare-mpi.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
@@ -595,4 +609,54 @@ for c in ${COLLS//,/ }; do
     "$PERF" --plot "$OUT/$c.svg" --plot-only "${args[@]}" >/dev/null
 done
 echo "# plots: $OUT/<collective>.svg (busbw against size, oxccl beside Open MPI and the ceiling)"
+
+# Open MPI and oxccl in the same two processes, batch against batch: the
+# pairs above run seconds apart and many straddle a placement move; these
+# run milliseconds apart on the same buffers (examples/mpi_side_by_side.rs
+# has the method).
+if [ "$TRANSPORT" != threads ] && [ "$PAIRED_BUDGET" != 0 ]; then
+    (cd "$ROOT" && cargo build --release --quiet --example mpi_side_by_side)
+    port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    OXCCL_TRANSPORT=$TRANSPORT MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+        "${MPIRUN[@]}" -x OXCCL_TRANSPORT -x MASTER_ADDR -x MASTER_PORT \
+        "$ROOT/target/release/examples/mpi_side_by_side" --colls "$COLLS" --sizes "$SIZES" \
+        --budget "$PAIRED_BUDGET" --offset "$OFFSET" >"$OUT/raw/paired.txt" 2>"$OUT/raw/paired.err" || {
+        echo "compare-mpi.sh: the paired run failed; its errors:" >&2
+        tail -n 15 "$OUT/raw/paired.err" >&2
+        exit 1
+    }
+    python3 - "$OUT/raw/paired.txt" "$COLLS" "$TRANSPORT" "$OFFSET" <<'PY' | tee -a "$OUT/table.md"
+import sys
+path, colls, transport, offset = sys.argv[1], sys.argv[2].split(","), sys.argv[3], sys.argv[4]
+cells, header = {}, []
+for line in open(path):
+    if line.startswith("# ") and not line.startswith("# PAIRED"):
+        header.append(line[2:].strip())
+    if not line.startswith("PAIRED,"):
+        continue
+    _, coll, size, batch, pairs, mpi_us, ox_us, ratio, q1, q3, check = line.strip().split(",")
+    if check != "ok":
+        sys.exit(f"the paired run reported wrong values: {line.strip()}")
+    cells[(coll, int(size))] = (float(ratio), float(q1), float(q3), int(pairs), float(mpi_us), float(ox_us))
+def size_name(b):
+    for unit, s in (("MiB", 20), ("KiB", 10)):
+        if b >= 1 << s and b % (1 << s) == 0:
+            return f"{b >> s} {unit}"
+    return f"{b} B"
+print(f"\n### Open MPI and oxccl in the same processes ({transport}, buffers {offset} bytes past a cache line)\n")
+for h in header:
+    print(f"- {h}")
+print("\nOpen MPI's time / oxccl's per pair of batches run back to back on the same buffers,")
+print("median over the pairs (quartiles); above 1× oxccl is ahead. oxccl out of place,")
+print("broadcast in place (as MPI_Bcast).\n")
+print("| size | " + " | ".join(colls) + " |")
+print("|---:|" + "---:|" * len(colls))
+for size in sorted({b for _, b in cells}):
+    row = []
+    for c in colls:
+        v = cells.get((c, size))
+        row.append("" if v is None else f"{v[0]:.2f}× ({v[1]:.2f}–{v[2]:.2f})")
+    print(f"| {size_name(size)} | " + " | ".join(row) + " |")
+PY
+fi
 echo "# table written to $OUT/table.md; raw outputs in $OUT/raw"
