@@ -24,6 +24,7 @@
 //! (acquire) and releases space with a release store of `head`. Each counter
 //! has one writer and sits on its own cache line.
 
+use crate::host::stream::copy_cached;
 use std::ffi::CString;
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -490,8 +491,8 @@ impl ShmLink {
         // (n <= cap, checked above), and the consumer does not read them
         // until `tail` is published below.
         unsafe {
-            std::ptr::copy_nonoverlapping(data.as_ptr(), r.data.add(at), first);
-            std::ptr::copy_nonoverlapping(data.as_ptr().add(first), r.data, n - first);
+            copy_cached(data.as_ptr(), r.data.add(at), first);
+            copy_cached(data.as_ptr().add(first), r.data, n - first);
         }
         tail.store(t.wrapping_add(n as u64), Ordering::Release);
         Ok(n)
@@ -522,8 +523,8 @@ impl ShmLink {
         // will not overwrite them until `head` moves past them; n <= cap
         // (checked above), so both ranges lie in the ring's data.
         unsafe {
-            std::ptr::copy_nonoverlapping(r.data.add(at), buf.as_mut_ptr(), first);
-            std::ptr::copy_nonoverlapping(r.data, buf.as_mut_ptr().add(first), n - first);
+            copy_cached(r.data.add(at), buf.as_mut_ptr(), first);
+            copy_cached(r.data, buf.as_mut_ptr().add(first), n - first);
         }
         head.store(h.wrapping_add(n as u64), Ordering::Release);
         Ok(n)
