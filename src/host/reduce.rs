@@ -159,7 +159,7 @@ unsafe fn fold_then_copy<T: Kernels>(
         };
         for d in [d0, d1] {
             if !std::ptr::eq(d, folded) {
-                std::ptr::copy_nonoverlapping(folded, d, n);
+                super::stream::copy_cached(folded, d, n);
             }
         }
     }

@@ -198,6 +198,12 @@ unsafe fn copy_bytes_streaming(src: *const u8, dst: *mut u8, bytes: usize) {
 /// As `std::ptr::copy_nonoverlapping`.
 pub(crate) unsafe fn copy_cached<T: Copy>(src: *const T, dst: *mut T, len: usize) {
     let bytes = len * std::mem::size_of::<T>();
+    // `copy_nonoverlapping`'s own debug check would only see the head and
+    // the tail of a copy that takes the loop below.
+    debug_assert!(
+        (src as usize) + bytes <= dst as usize || (dst as usize) + bytes <= src as usize,
+        "copy_cached: overlapping ranges"
+    );
     // SAFETY: the caller's contract, in bytes.
     unsafe { copy_bytes_cached(src.cast(), dst.cast(), bytes) }
 }
@@ -329,35 +335,45 @@ mod tests {
 
     #[test]
     fn cached_copies_match_at_every_alignment_and_length() {
-        let src: Vec<u8> = (0..20_000u32).map(|i| (i * 7 + 3) as u8).collect();
-        // Both below and above the size where the line-aligned loop takes
-        // over, with the two ends at equal and at different line offsets.
-        for (src_skew, dst_skew) in [(0, 0), (3, 3), (0, 16), (16, 0), (5, 40), (63, 1)] {
-            for len in [0, 1, 63, 64, 65, 4095, 4096, 4097, 4160, 9000, 19_000] {
-                let mut dst = vec![0xAAu8; 20_064];
-                // SAFETY: skew + len ≤ 20 000 in the source and ≤ 20 064 in
-                // the destination; distinct buffers.
-                unsafe {
-                    copy_cached(
-                        src.as_ptr().add(src_skew),
-                        dst.as_mut_ptr().add(dst_skew),
-                        len,
-                    )
-                };
-                let what = format!("skews {src_skew}/{dst_skew} len {len}");
-                assert_eq!(
-                    &dst[dst_skew..dst_skew + len],
-                    &src[src_skew..src_skew + len],
-                    "{what}"
-                );
-                assert!(
-                    dst[..dst_skew].iter().all(|&b| b == 0xAA),
-                    "wrote before: {what}"
-                );
-                assert!(
-                    dst[dst_skew + len..].iter().all(|&b| b == 0xAA),
-                    "wrote past: {what}"
-                );
+        // Line-aligned bases, so each (source, destination) offset pair is
+        // what it says: equal offsets take `memcpy`, the others the
+        // aligned-store loop, with every head (0–63 bytes) and tails
+        // around it.
+        #[repr(C, align(64))]
+        struct Lines([u8; 12_288]);
+        let mut src = Box::new(Lines([0; 12_288]));
+        for (i, b) in src.0.iter_mut().enumerate() {
+            *b = (i * 7 + 3) as u8;
+        }
+        let mut dst = Box::new(Lines([0; 12_288]));
+        for src_skew in [0, 1, 16, 40, 63] {
+            for dst_skew in 0..64 {
+                for len in [0, 1, 63, 64, 4095, 4096, 4097, 4160, 4200, 8191] {
+                    dst.0.fill(0xAA);
+                    // SAFETY: skew + len < 12 288 in both buffers, which
+                    // are distinct.
+                    unsafe {
+                        copy_cached(
+                            src.0.as_ptr().add(src_skew),
+                            dst.0.as_mut_ptr().add(dst_skew),
+                            len,
+                        )
+                    };
+                    let what = format!("skews {src_skew}/{dst_skew} len {len}");
+                    assert_eq!(
+                        &dst.0[dst_skew..dst_skew + len],
+                        &src.0[src_skew..src_skew + len],
+                        "{what}"
+                    );
+                    assert!(
+                        dst.0[..dst_skew].iter().all(|&b| b == 0xAA),
+                        "wrote before: {what}"
+                    );
+                    assert!(
+                        dst.0[dst_skew + len..].iter().all(|&b| b == 0xAA),
+                        "wrote past: {what}"
+                    );
+                }
             }
         }
     }
