@@ -36,8 +36,9 @@
 //!
 //! `PAIRED,coll,bytes,batch,pairs,mpi_us,oxccl_us,ratio,ratio_q1,ratio_q3,check`
 //!
-//! with each library's median time per call and the quartiles of the pairs'
-//! ratios Open MPI / oxccl (above 1: oxccl is ahead).
+//! with each library's median time per call, the quartiles of the pairs'
+//! ratios Open MPI / oxccl (above 1: oxccl is ahead), and `ok`, or which
+//! library's result was wrong on some rank (`WRONG-MPI`, `WRONG-OXCCL`).
 
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::time::Instant;
@@ -46,7 +47,10 @@ use oxccl::{Communicator, ReduceOp};
 
 type Handle = *mut c_void;
 
-type InitFn = unsafe extern "C" fn(*mut c_int, *mut *mut *mut c_char) -> c_int;
+/// `MPI_Init_thread`: argc, argv, required level, provided level.
+type InitThreadFn =
+    unsafe extern "C" fn(*mut c_int, *mut *mut *mut c_char, c_int, *mut c_int) -> c_int;
+type AbortFn = unsafe extern "C" fn(Handle, c_int) -> c_int;
 type FinalizeFn = unsafe extern "C" fn() -> c_int;
 type CommQueryFn = unsafe extern "C" fn(Handle, *mut c_int) -> c_int;
 type BarrierFn = unsafe extern "C" fn(Handle) -> c_int;
@@ -61,7 +65,8 @@ type VersionFn = unsafe extern "C" fn(*mut c_char, *mut c_int) -> c_int;
 
 /// The Open MPI entry points and predefined handles this program uses.
 struct Mpi {
-    init: InitFn,
+    init_thread: InitThreadFn,
+    abort: AbortFn,
     finalize: FinalizeFn,
     comm_rank: CommQueryFn,
     comm_size: CommQueryFn,
@@ -118,7 +123,10 @@ impl Mpi {
         // with exactly these C signatures (mpi.h, MPI-3).
         unsafe {
             Ok(Mpi {
-                init: std::mem::transmute::<*mut c_void, InitFn>(symbol("MPI_Init")?),
+                init_thread: std::mem::transmute::<*mut c_void, InitThreadFn>(symbol(
+                    "MPI_Init_thread",
+                )?),
+                abort: std::mem::transmute::<*mut c_void, AbortFn>(symbol("MPI_Abort")?),
                 finalize: std::mem::transmute::<*mut c_void, FinalizeFn>(symbol("MPI_Finalize")?),
                 comm_rank: std::mem::transmute::<*mut c_void, CommQueryFn>(symbol(
                     "MPI_Comm_rank",
@@ -344,7 +352,9 @@ fn measure(
 ) -> oxccl::Result<Option<String>> {
     let (rank, world) = (comm.rank(), comm.world_size());
     let count = bytes / 4;
-    if count == 0 || !count.is_multiple_of(world) || count > c_int::MAX as usize {
+    // All-gather and reduce-scatter give every rank count / world elements.
+    let splits = matches!(coll, Coll::AllGather | Coll::ReduceScatter);
+    if count == 0 || (splits && !count.is_multiple_of(world)) || count > c_int::MAX as usize {
         return Ok(None);
     }
     let mut case = Case {
@@ -358,11 +368,19 @@ fn measure(
     };
     case.fill();
     case.run_mpi();
-    let mut ok = case.correct();
+    let mpi_wrong = !case.correct();
     case.fill();
     case.run_oxccl(comm)?;
-    ok &= case.correct();
-    let all_ok = mpi.max_over_ranks(if ok { 0.0 } else { 1.0 }) == 0.0;
+    let oxccl_wrong = !case.correct();
+    // 1 for Open MPI wrong on some rank, 2 for oxccl, 3 for both.
+    let wrong = mpi.max_over_ranks(f64::from(u8::from(mpi_wrong)))
+        + 2.0 * mpi.max_over_ranks(f64::from(u8::from(oxccl_wrong)));
+    let check = match wrong as u8 {
+        0 => "ok",
+        1 => "WRONG-MPI",
+        2 => "WRONG-OXCCL",
+        _ => "WRONG-BOTH",
+    };
 
     // Warm up both, then estimate both (as mpi_coll_bench.c: 2 calls from
     // 64 MiB, 5 from 1 MiB, 50 below).
@@ -410,7 +428,7 @@ fn measure(
         quantile(&ratios, 0.5),
         quantile(&ratios, 0.25),
         quantile(&ratios, 0.75),
-        if all_ok { "ok" } else { "WRONG" }
+        check
     )))
 }
 
@@ -431,6 +449,13 @@ fn parse_args() -> Result<(Vec<Coll>, Vec<usize>, f64, usize), String> {
     let mut offset = 0;
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
+        if flag == "-h" || flag == "--help" {
+            println!(
+                "usage: mpirun -np N mpi_side_by_side [--colls LIST] [--sizes BYTES,...] \
+                 [--budget SECONDS] [--offset BYTES] (see the source's header)"
+            );
+            std::process::exit(0);
+        }
         let value = args.next().ok_or_else(|| format!("{flag} needs a value"))?;
         match flag.as_str() {
             "--colls" => {
@@ -468,8 +493,27 @@ fn main() {
         eprintln!("mpi_side_by_side: {e}");
         std::process::exit(1)
     });
-    // SAFETY: MPI_Init accepts null arguments (MPI-2); called once.
-    unsafe { (mpi.init)(std::ptr::null_mut(), std::ptr::null_mut()) };
+    // oxccl runs threads of its own (never calling MPI): FUNNELED.
+    const MPI_THREAD_FUNNELED: c_int = 1;
+    let mut provided = 0;
+    // SAFETY: MPI_Init_thread accepts null arguments (MPI-2); called once.
+    unsafe {
+        (mpi.init_thread)(
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            MPI_THREAD_FUNNELED,
+            &mut provided,
+        )
+    };
+    // Every failure after MPI_Init ends the whole job at once (a peer may
+    // be waiting in an MPI call), whatever the launcher does with a rank
+    // that exits.
+    let abort = |message: String| -> ! {
+        eprintln!("mpi_side_by_side: {message}");
+        // SAFETY: a predefined communicator; MPI_Abort does not return.
+        unsafe { (mpi.abort)(mpi.world, 1) };
+        std::process::exit(1)
+    };
     let (mut rank, mut world) = (0, 0);
     // SAFETY: predefined communicator, valid out pointers.
     unsafe {
@@ -479,12 +523,11 @@ fn main() {
     let result = (|| -> oxccl::Result<()> {
         let mut comm = Communicator::from_env()?;
         if (comm.rank(), comm.world_size()) != (rank as usize, world as usize) {
-            eprintln!(
-                "mpi_side_by_side: oxccl rank {}/{} is MPI rank {rank}/{world}",
+            abort(format!(
+                "oxccl rank {}/{} is MPI rank {rank}/{world}",
                 comm.rank(),
                 comm.world_size()
-            );
-            std::process::exit(1);
+            ));
         }
         if rank == 0 {
             let mut version = [0 as c_char; 8192];
@@ -521,8 +564,7 @@ fn main() {
         Ok(())
     })();
     if let Err(e) = result {
-        eprintln!("mpi_side_by_side: rank {rank}: {e}");
-        std::process::exit(1);
+        abort(format!("rank {rank}: {e}"));
     }
     // SAFETY: every MPI call of this process has returned.
     unsafe { (mpi.finalize)() };

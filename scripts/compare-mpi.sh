@@ -31,8 +31,8 @@
 #                       each after a barrier, the slowest rank's time per
 #                       batch, the median batch, as mpi_coll_bench takes
 #                       Open MPI's; mean: nccl-tests' mean over all calls)
-#   --paired-budget S   seconds per size of the paired run (default 0.5; 0:
-#                       no paired run). After the repetitions, Open MPI and
+#   --paired-budget S   seconds per size and collective of the paired run
+#                       (default 0.5; 0: no paired run). After the repetitions, Open MPI and
 #                       oxccl run in the same two processes
 #                       (examples/mpi_side_by_side.rs), a batch of each in
 #                       turn, milliseconds apart, so every pair shares the
@@ -78,6 +78,12 @@ while [ $# -gt 0 ]; do
 done
 case "$TRANSPORT" in shm|tcp|threads) ;; *) echo "compare-mpi.sh: --transport shm, tcp or threads" >&2; exit 2 ;; esac
 case "$STAT" in median|mean) ;; *) echo "compare-mpi.sh: --stat median or mean" >&2; exit 2 ;; esac
+# A number of seconds (0 skips the paired run, whatever way it is written).
+if ! awk -v b="$PAIRED_BUDGET" 'BEGIN { exit !(b ~ /^[0-9]*\.?[0-9]+$|^[0-9]+\.$/) }'; then
+    echo "compare-mpi.sh: --paired-budget takes seconds (0: no paired run)" >&2
+    exit 2
+fi
+PAIRED=$(awk -v b="$PAIRED_BUDGET" 'BEGIN { print (b + 0 > 0) ? 1 : 0 }')
 # A size with a K/M/G suffix in bytes; mpi_coll_bench reads digits only
 # (strtoull: "64M" was 64 bytes, and its buffers overflowed at 1 KiB).
 case "$MAX_BYTES" in
@@ -614,9 +620,10 @@ echo "# plots: $OUT/<collective>.svg (busbw against size, oxccl beside Open MPI 
 # pairs above run seconds apart and many straddle a placement move; these
 # run milliseconds apart on the same buffers (examples/mpi_side_by_side.rs
 # has the method).
-if [ "$TRANSPORT" != threads ] && [ "$PAIRED_BUDGET" != 0 ]; then
+if [ "$TRANSPORT" != threads ] && [ "$PAIRED" = 1 ]; then
     (cd "$ROOT" && cargo build --release --quiet --example mpi_side_by_side)
-    port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    # A port free on every address, where oxccl's store listens.
+    port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')
     OXCCL_TRANSPORT=$TRANSPORT MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
         "${MPIRUN[@]}" -x OXCCL_TRANSPORT -x MASTER_ADDR -x MASTER_PORT \
         "$ROOT/target/release/examples/mpi_side_by_side" --colls "$COLLS" --sizes "$SIZES" \
@@ -636,7 +643,7 @@ for line in open(path):
         continue
     _, coll, size, batch, pairs, mpi_us, ox_us, ratio, q1, q3, check = line.strip().split(",")
     if check != "ok":
-        sys.exit(f"the paired run reported wrong values: {line.strip()}")
+        sys.exit(f"compare-mpi.sh: the paired run reported wrong values ({check}): {line.strip()}")
     cells[(coll, int(size))] = (float(ratio), float(q1), float(q3), int(pairs), float(mpi_us), float(ox_us))
 def size_name(b):
     for unit, s in (("MiB", 20), ("KiB", 10)):
@@ -649,6 +656,8 @@ for h in header:
 print("\nOpen MPI's time / oxccl's per pair of batches run back to back on the same buffers,")
 print("median over the pairs (quartiles); above 1× oxccl is ahead. oxccl out of place,")
 print("broadcast in place (as MPI_Bcast).\n")
+if not cells:
+    print("(no size fits: all-gather and reduce-scatter need sizes the ranks divide)")
 print("| size | " + " | ".join(colls) + " |")
 print("|---:|" + "---:|" * len(colls))
 for size in sorted({b for _, b in cells}):
