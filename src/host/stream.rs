@@ -147,16 +147,30 @@ pub(crate) fn fence() {
 /// `src` valid for reads and `dst` for writes of `bytes`, not overlapping.
 #[cfg(target_arch = "x86_64")]
 unsafe fn copy_bytes_streaming(src: *const u8, dst: *mut u8, bytes: usize) {
-    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
-    // Head: up to the first 16-byte boundary of the destination.
-    let head = (dst.align_offset(16)).min(bytes);
+    // SAFETY: the caller's contract.
+    unsafe { copy_by_lines::<true>(src, dst, bytes) }
+}
+
+/// Copies `bytes` from `src` to `dst` 64 bytes per step: four unaligned
+/// 16-byte loads, four aligned stores — non-temporal when `STREAM` (the
+/// destination aligned to 16 bytes first), ordinary ones otherwise (to a
+/// whole cache line: the destination aligned to 64). `memcpy` takes the
+/// unaligned head and the tail.
+///
+/// # Safety
+/// `src` valid for reads and `dst` for writes of `bytes`, not overlapping.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn copy_by_lines<const STREAM: bool>(src: *const u8, dst: *mut u8, bytes: usize) {
+    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_store_si128, _mm_stream_si128};
+    let head = dst.align_offset(if STREAM { 16 } else { 64 }).min(bytes);
     // SAFETY: within both ranges (head ≤ bytes).
     unsafe { std::ptr::copy_nonoverlapping(src, dst, head) };
     let body = (bytes - head) / 64 * 64;
     let mut at = head;
     while at < head + body {
-        // SAFETY: `at + 64 ≤ bytes`; `dst + at` is 16-byte aligned (SSE2 is
-        // part of x86_64, so the intrinsics are always available).
+        // SAFETY: `at + 64 ≤ bytes`; `dst + at` is aligned for the stores
+        // (SSE2 is part of x86_64, so the intrinsics are always available).
         unsafe {
             let s = src.add(at) as *const __m128i;
             let d = dst.add(at) as *mut __m128i;
@@ -166,10 +180,17 @@ unsafe fn copy_bytes_streaming(src: *const u8, dst: *mut u8, bytes: usize) {
                 _mm_loadu_si128(s.add(2)),
                 _mm_loadu_si128(s.add(3)),
             );
-            _mm_stream_si128(d, a);
-            _mm_stream_si128(d.add(1), b);
-            _mm_stream_si128(d.add(2), c);
-            _mm_stream_si128(d.add(3), e);
+            if STREAM {
+                _mm_stream_si128(d, a);
+                _mm_stream_si128(d.add(1), b);
+                _mm_stream_si128(d.add(2), c);
+                _mm_stream_si128(d.add(3), e);
+            } else {
+                _mm_store_si128(d, a);
+                _mm_store_si128(d.add(1), b);
+                _mm_store_si128(d.add(2), c);
+                _mm_store_si128(d.add(3), e);
+            }
         }
         at += 64;
     }
@@ -212,37 +233,13 @@ pub(crate) unsafe fn copy_cached<T: Copy>(src: *const T, dst: *mut T, len: usize
 /// `src` valid for reads and `dst` for writes of `bytes`, not overlapping.
 #[cfg(target_arch = "x86_64")]
 unsafe fn copy_bytes_cached(src: *const u8, dst: *mut u8, bytes: usize) {
-    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_store_si128};
     if bytes < 4096 || (src as usize).wrapping_sub(dst as usize).is_multiple_of(64) {
         // SAFETY: the caller's contract.
         unsafe { std::ptr::copy_nonoverlapping(src, dst, bytes) };
-        return;
+    } else {
+        // SAFETY: the caller's contract.
+        unsafe { copy_by_lines::<false>(src, dst, bytes) };
     }
-    let head = dst.align_offset(64).min(bytes);
-    // SAFETY: within both ranges (head ≤ bytes).
-    unsafe { std::ptr::copy_nonoverlapping(src, dst, head) };
-    let body = (bytes - head) / 64 * 64;
-    let mut at = head;
-    while at < head + body {
-        // SAFETY: `at + 64 ≤ bytes`; `dst + at` is 64-byte aligned.
-        unsafe {
-            let s = src.add(at) as *const __m128i;
-            let d = dst.add(at) as *mut __m128i;
-            let (a, b, c, e) = (
-                _mm_loadu_si128(s),
-                _mm_loadu_si128(s.add(1)),
-                _mm_loadu_si128(s.add(2)),
-                _mm_loadu_si128(s.add(3)),
-            );
-            _mm_store_si128(d, a);
-            _mm_store_si128(d.add(1), b);
-            _mm_store_si128(d.add(2), c);
-            _mm_store_si128(d.add(3), e);
-        }
-        at += 64;
-    }
-    // SAFETY: the tail lies within both ranges.
-    unsafe { std::ptr::copy_nonoverlapping(src.add(at), dst.add(at), bytes - at) };
 }
 
 /// # Safety
