@@ -51,6 +51,8 @@ usage: oxccl-perf [options]
       --plot <file.svg>   plot busbw against size: this run, and every --compare run
       --compare <file>    a JSON file from an earlier -J run to draw on the same plot (repeatable)
       --plot-only         draw the --compare runs without running a benchmark
+      --offset <bytes>    start the host buffers this far past a 64-byte boundary
+                          (default 0; 16 is where malloc puts a large Vec)
       --shared            host buffers from Communicator::alloc_shared (peers in other
                           processes map them: zero copy); the algo column then says
                           what ran
@@ -233,6 +235,8 @@ struct Args {
     backend: String,
     /// `--shared`: host buffers from `Communicator::alloc_shared`.
     shared: bool,
+    /// `--offset`: where the host buffers start past a cache line (bytes).
+    offset: usize,
     /// `-T`: the communicators' wait limit, when given.
     timeout: Option<std::time::Duration>,
     /// `NCCL_TESTS_MIN_BW`: the average bus bandwidth (GB/s) a run must
@@ -297,6 +301,7 @@ fn parse_args() -> Result<Args, String> {
         plot_only: false,
         backend: "host".into(),
         shared: false,
+        offset: 0,
         timeout: None,
         min_busbw: None,
     };
@@ -386,6 +391,7 @@ fn parse_args() -> Result<Args, String> {
             "--label" => a.label = Some(value.clone()),
             "--plot" => a.plot = Some(value.clone()),
             "--compare" => a.compare.push(value.clone()),
+            "--offset" => a.offset = num()?,
             "--backend" => match value.as_str() {
                 "host" | "nccl" | "cuda-ring" => a.backend = value.clone(),
                 _ => {
@@ -411,6 +417,17 @@ fn parse_args() -> Result<Args, String> {
         (Some(_), None) => SizeStep::Bytes(1 << 20),
         (None, None) => SizeStep::Factor(2),
     };
+    if a.offset >= BUFFER_ALIGN || !a.offset.is_multiple_of(a.dtype.size()) {
+        return Err(format!(
+            "--offset takes bytes below {BUFFER_ALIGN}, a multiple of the element size ({})",
+            a.dtype.size()
+        ));
+    }
+    if a.offset != 0 && (a.shared || a.backend != "host") {
+        return Err(
+            "--offset places private host buffers (not with --shared or a GPU backend)".into(),
+        );
+    }
     if a.ranks == 0 || a.min_bytes > a.max_bytes || a.iters == 0 {
         return Err("need -t >= 1, -b <= -e and -n >= 1".into());
     }
@@ -483,6 +500,8 @@ const BUFFER_ALIGN: usize = 64;
 struct Aligned<T: Element> {
     ptr: std::ptr::NonNull<T>,
     len: usize,
+    /// Elements allocated before `ptr` (`--offset`).
+    skip: usize,
 }
 
 // SAFETY: it owns its elements, like a Vec<T>.
@@ -497,27 +516,40 @@ impl<T: Element> Aligned<T> {
             .expect("a buffer size that fits the address space")
     }
 
-    /// A copy of `values`, or an error when the system will not allocate it.
-    fn from_slice(values: &[T]) -> Result<Aligned<T>, String> {
-        let layout = Self::layout(values.len());
+    /// A copy of `values` starting `offset` bytes (a multiple of the
+    /// element size) past a [`BUFFER_ALIGN`] boundary, or an error when
+    /// the system will not allocate it.
+    fn from_slice(values: &[T], offset: usize) -> Result<Aligned<T>, String> {
+        let skip = offset / std::mem::size_of::<T>();
+        let layout = Self::layout(values.len() + skip);
         // SAFETY: the layout has a non-zero size.
         let raw = unsafe { std::alloc::alloc(layout) } as *mut T;
-        let Some(ptr) = std::ptr::NonNull::new(raw) else {
+        let Some(base) = std::ptr::NonNull::new(raw) else {
             return Err(format!("cannot allocate {} bytes", layout.size()));
         };
-        // SAFETY: a fresh allocation of values.len() elements.
+        // SAFETY: `skip` elements into an allocation of len + skip.
+        let ptr = unsafe { base.add(skip) };
+        // SAFETY: a fresh allocation with room for values.len() elements
+        // past `ptr`.
         unsafe { std::ptr::copy_nonoverlapping(values.as_ptr(), ptr.as_ptr(), values.len()) };
         Ok(Aligned {
             ptr,
             len: values.len(),
+            skip,
         })
     }
 }
 
 impl<T: Element> Drop for Aligned<T> {
     fn drop(&mut self) {
-        // SAFETY: allocated in from_slice with this layout.
-        unsafe { std::alloc::dealloc(self.ptr.as_ptr().cast(), Self::layout(self.len)) }
+        // SAFETY: allocated in from_slice with this layout, `skip`
+        // elements before `ptr`.
+        unsafe {
+            std::alloc::dealloc(
+                self.ptr.as_ptr().sub(self.skip).cast(),
+                Self::layout(self.len + self.skip),
+            )
+        }
     }
 }
 
@@ -565,7 +597,8 @@ struct Placed<T: Element> {
 /// allocation per buffer, so every rank must place the same buffers).
 fn place<T: Element>(comm: &mut Communicator, a: &Args, b: Bufs<T>) -> oxccl::Result<Placed<T>> {
     if !a.shared {
-        let aligned = |v: &[T]| Aligned::from_slice(v).map_err(|e| too_large(a, comm.rank(), e));
+        let aligned =
+            |v: &[T]| Aligned::from_slice(v, a.offset).map_err(|e| too_large(a, comm.rank(), e));
         return Ok(Placed {
             send: Storage::Plain(aligned(&b.send)?),
             recv: Storage::Plain(aligned(&b.recv)?),
