@@ -137,6 +137,7 @@ rm -rf "$OUT"/raw/* "$OUT/plot"
 gcc -O3 -march=native -Wall -o "$OUT/bin/shm_ceiling" "$ANCHORS/shm_ceiling.c" -lpthread -lm
 (cd "$ROOT" && cargo build --release --quiet --bin oxccl-perf)
 PERF="$ROOT/target/release/oxccl-perf"
+[ "$TRANSPORT" != tcp ] || (cd "$ROOT" && cargo build --release --quiet --example tcp_stream_probe)
 
 # The sizes of mpi_coll_bench: 8 B, 1 KiB, then 4 KiB × 4^k up to MAX_BYTES.
 SIZES="8,1024"
@@ -300,10 +301,26 @@ placement() {
     "$OUT/bin/shm_ceiling" 1 0.01 d 8 2>/dev/null | awk '/C2C/ {print $6 " ns"}' || true
 }
 
+# Loopback TCP runs in two regimes on the VM of docs/performance.md (stop
+# 40): every bulk transfer, a plain program's as much as oxccl's or Open
+# MPI's, takes about twice as long in the slow one, which comes and goes
+# every few seconds. A plain stream's time per 8 MiB message
+# (examples/tcp_stream_probe.rs: about 2-3 ms fast, 4.5-6 ms slow there),
+# read before and after each repetition and the paired run, tells which
+# regime TCP figures came from.
+tcp_stream_us() {
+    "$ROOT/target/release/examples/tcp_stream_probe" 8388608 10 3 2>/dev/null |
+        awk -F, '{printf "%.0f", $5}' || true
+}
+tcp_regime() {
+    [ "$TRANSPORT" = tcp ] || return 0
+    echo "; plain TCP stream $(tcp_stream_us) µs per 8 MiB message"
+}
+
 echo "# compare-mpi: $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -n), $(nproc) CPUs, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')"
 echo "# ranks $RANKS, transport $TRANSPORT, sizes $SIZES, $REPS alternating repetitions"
 for rep in $(seq 1 "$REPS"); do
-    echo "# repetition $rep: core-to-core latency before: $(placement)"
+    echo "# repetition $rep: core-to-core latency before: $(placement)$(tcp_regime)"
     # Alternate the order between repetitions, so drift hits everyone alike.
     # Collective by collective and size group by size group, so oxccl and
     # Open MPI run seconds apart (the vCPU placement can change between).
@@ -325,7 +342,7 @@ for rep in $(seq 1 "$REPS"); do
         [ "$c" != allreduce ] || run_shared "$rep"
     done
     [ $((rep % 2)) = 0 ] || run_ceiling "$rep"
-    echo "# repetition $rep done; core-to-core latency after: $(placement)"
+    echo "# repetition $rep done; core-to-core latency after: $(placement)$(tcp_regime)"
     # Which slot stores oxccl's arena chose at each run's set-up (they
     # follow the placement; oxccl-perf's header has the measurement), and
     # in how many runs it measured again because the cores moved (the
@@ -624,6 +641,7 @@ if [ "$TRANSPORT" != threads ] && [ "$PAIRED" = 1 ]; then
     (cd "$ROOT" && cargo build --release --quiet --example mpi_side_by_side)
     # A port free on every address, where oxccl's store listens.
     port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')
+    [ "$TRANSPORT" != tcp ] || stream_before=$(tcp_stream_us)
     OXCCL_TRANSPORT=$TRANSPORT MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
         "${MPIRUN[@]}" -x OXCCL_TRANSPORT -x MASTER_ADDR -x MASTER_PORT \
         "$ROOT/target/release/examples/mpi_side_by_side" --colls "$COLLS" --sizes "$SIZES" \
@@ -632,6 +650,9 @@ if [ "$TRANSPORT" != threads ] && [ "$PAIRED" = 1 ]; then
         tail -n 15 "$OUT/raw/paired.err" >&2
         exit 1
     }
+    # (A header line of the run, so the table lists it.)
+    [ "$TRANSPORT" != tcp ] || echo "# a plain TCP stream's 8 MiB messages took" \
+        "$stream_before µs before the run, $(tcp_stream_us) µs after it" >>"$OUT/raw/paired.txt"
     python3 - "$OUT/raw/paired.txt" "$COLLS" "$TRANSPORT" "$OFFSET" <<'PY' | tee -a "$OUT/table.md"
 import sys
 path, colls, transport, offset = sys.argv[1], sys.argv[2].split(","), sys.argv[3], sys.argv[4]
