@@ -601,10 +601,12 @@ impl Fabric {
     ) -> bool {
         let mut moved = false;
         while !out.is_empty() {
-            let mut slices = Vec::with_capacity(TCP_WRITE_SLICES);
-            let mut bytes = 0;
+            // On the stack: a small send writes once per call, and an
+            // allocation would be a good part of its time in user space.
+            let mut slices = [std::io::IoSlice::new(&[]); TCP_WRITE_SLICES];
+            let (mut used, mut bytes) = (0, 0);
             for frame in out.iter() {
-                if slices.len() + 2 > TCP_WRITE_SLICES || bytes >= TCP_WRITE_BYTES {
+                if used + 2 > TCP_WRITE_SLICES || bytes >= TCP_WRITE_BYTES {
                     break;
                 }
                 let header = &frame.header[frame.written.min(FRAME_HEADER_BYTES)..];
@@ -613,11 +615,12 @@ impl Fabric {
                 for part in [header, payload] {
                     if !part.is_empty() {
                         bytes += part.len();
-                        slices.push(std::io::IoSlice::new(part));
+                        slices[used] = std::io::IoSlice::new(part);
+                        used += 1;
                     }
                 }
             }
-            let mut n = match link.write_slices(&slices) {
+            let mut n = match link.write_slices(&slices[..used]) {
                 Ok(0) => break,
                 Ok(n) => n,
                 Err(e) => {
