@@ -56,7 +56,9 @@ use std::time::{Duration, Instant};
 
 use super::shm::{self, Segment, ShmLink};
 use super::tcp::{self, TcpLink, Token};
-use super::{CollectiveArrivals, FailureCause, FrameHeader, Payload, Space, TransportError};
+use super::{
+    CollectiveArrivals, FailureCause, FrameHeader, FrameMap, Payload, Space, TransportError,
+};
 use crate::bootstrap::Store;
 use crate::error::{as_ranks_store_error, Error, RendezvousStage, Result};
 use crate::types::{OpKind, Rank};
@@ -399,7 +401,7 @@ impl Hold {
     /// posted destination, into a buffer of its own, or (`None`) not yet.
     fn reading(
         self,
-        posted: &HashMap<Key, Posted>,
+        posted: &FrameMap<Key, Posted>,
         key: Key,
         header: &FrameHeader,
     ) -> Option<Incoming> {
@@ -428,7 +430,7 @@ pub(crate) struct Fabric {
     rank: usize,
     /// Per global rank; `None` for this rank.
     peers: Vec<Option<Peer>>,
-    arrived: HashMap<Key, Arrived>,
+    arrived: FrameMap<Key, Arrived>,
     /// The collective frames in `arrived`, per call (kept with it by
     /// [`arrive`](Self::arrive) and [`take_arrived`](Self::take_arrived)).
     collective_arrivals: CollectiveArrivals,
@@ -437,17 +439,17 @@ pub(crate) struct Fabric {
     /// which runs at every pass of a wait).
     left_contexts: HashSet<u64>,
     /// Receives waiting with a destination (see [`Posted`]).
-    posted: HashMap<Key, Posted>,
+    posted: FrameMap<Key, Posted>,
     /// Per source: payload bytes arrived and not yet taken by a receive
     /// (frames read straight into a posted destination excluded). Above
     /// [`READ_AHEAD_BYTES`] a link is read only a frame at a time.
     buffered: Vec<usize>,
     /// Per `(ctx, space, source)`: the sequence number of the last frame
     /// consumed; anything older arriving later is stale.
-    consumed: HashMap<(u64, Space, usize), u64>,
+    consumed: FrameMap<(u64, Space, usize), u64>,
     /// Per context: how many collectives this rank has entered (told to
     /// peers in the goodbye frame).
-    entered: HashMap<u64, u64>,
+    entered: FrameMap<u64, u64>,
     next_liveness_check: Instant,
     /// Our own shared-memory inbox. Declared after `peers`, so the links
     /// that point into it are dropped first.
@@ -651,7 +653,7 @@ impl Fabric {
     fn read_arrived(
         peer: &mut Peer,
         source: usize,
-        posted: &HashMap<Key, Posted>,
+        posted: &FrameMap<Key, Posted>,
         hold: Hold,
         budget: usize,
         delivered: &mut Vec<(u8, FrameHeader, Payload, bool)>,
@@ -2218,12 +2220,12 @@ fn connect_rank(setup: Setup) -> Result<(NetEndpoint, Option<Segment>)> {
         rank,
         buffered: vec![0; peers.len()],
         peers,
-        arrived: HashMap::new(),
+        arrived: FrameMap::default(),
         collective_arrivals: CollectiveArrivals::default(),
         left_contexts: HashSet::new(),
-        posted: HashMap::new(),
-        consumed: HashMap::new(),
-        entered: HashMap::new(),
+        posted: FrameMap::default(),
+        consumed: FrameMap::default(),
+        entered: FrameMap::default(),
         next_liveness_check: Instant::now(),
         own_segment,
         _store: store,
@@ -2267,13 +2269,13 @@ mod tests {
                     logged: false,
                 }),
             ],
-            arrived: HashMap::new(),
+            arrived: FrameMap::default(),
             collective_arrivals: CollectiveArrivals::default(),
             left_contexts: HashSet::new(),
-            posted: HashMap::new(),
+            posted: FrameMap::default(),
             buffered: vec![0; 2],
-            consumed: HashMap::new(),
-            entered: HashMap::new(),
+            consumed: FrameMap::default(),
+            entered: FrameMap::default(),
             next_liveness_check: Instant::now(),
             own_segment: None,
             _store: Arc::new(crate::bootstrap::MemoryStore::new()),
