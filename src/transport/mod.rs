@@ -27,8 +27,8 @@ pub(crate) struct FrameKeyHasher(u64);
 
 impl FrameKeyHasher {
     fn add(&mut self, word: u64) {
-        // FxHash's step: the multiply spreads each word into the high bits,
-        // which the table's control bytes and bucket index both draw on.
+        // FxHash's step: the multiply spreads each word into the high bits
+        // (see `finish`).
         self.0 = (self.0.rotate_left(5) ^ word).wrapping_mul(0x517c_c1b7_2722_0a95);
     }
 }
@@ -60,7 +60,11 @@ impl std::hash::Hasher for FrameKeyHasher {
         self.add(n as u64);
     }
     fn finish(&self) -> u64 {
-        self.0
+        // A product's high bits depend on all of its factors' bits, its
+        // low bits only on their low bits; the table indexes its buckets by
+        // the low bits, so the well-mixed high ones go there (as rustc-hash
+        // 2 does).
+        self.0.rotate_left(26)
     }
 }
 
@@ -589,5 +593,43 @@ impl Transport {
             Transport::Local(_) => "in-process".into(),
             Transport::Net(t) => t.describe(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::hash::BuildHasher;
+
+    #[test]
+    fn frame_keys_spread_over_a_tables_buckets() {
+        // A table indexes its buckets by a hash's low bits: the keys a
+        // rank holds at once (one per peer, sequence number and step, in
+        // a couple of contexts) must not pile into a few of them, as a
+        // hasher that kept only its last word's bits would make them.
+        let build = std::hash::BuildHasherDefault::<FrameKeyHasher>::default();
+        let mut buckets = std::collections::HashSet::new();
+        let mut keys = 0;
+        for ctx in [0u64, 0x9e37_79b9_7f4a_7c15] {
+            for source in 0..4usize {
+                for seq in 0..64u64 {
+                    for step in 0..4u32 {
+                        let key = (source, ctx, Space::Collective, seq, step);
+                        buckets.insert(build.hash_one(key) & 0xffff);
+                        keys += 1;
+                    }
+                }
+            }
+        }
+        // 2048 keys into 65 536 buckets: random placement leaves about 32
+        // collisions.
+        assert!(
+            buckets.len() > keys * 95 / 100,
+            "{} buckets for {keys} keys",
+            buckets.len()
+        );
+        let map: FrameMap<(usize, u64), usize> =
+            (0..1000).map(|i| ((i % 7, i as u64), i)).collect();
+        assert!((0..1000).all(|i| map[&(i % 7, i as u64)] == i));
     }
 }
