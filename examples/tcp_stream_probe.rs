@@ -15,9 +15,10 @@
 //! ```
 //!
 //! The parent accepts on 127.0.0.1 and starts itself again as the sender.
-//! Each round the parent asks for `MESSAGES` messages of `BYTES` (default 8
-//! MiB, 20, 5), reads them into one warm buffer with blocking `read`s, and
-//! times the round from its request to the last byte. Both sockets have
+//! Each round the parent asks for `MESSAGES` messages of `BYTES` (default
+//! 8 MiB, 20, 5; `BYTES` at most 1 GiB), reads them into one warm buffer
+//! with blocking `read`s, and times the round from its request to the last
+//! byte. Both sockets have
 //! `TCP_NODELAY` and the kernel's default (autotuned) buffers: what a
 //! straightforward program gets. One line:
 //!
@@ -26,31 +27,49 @@
 //! with the time per message over the rounds.
 
 use std::io::{Read, Write};
-use std::net::{Ipv4Addr, TcpListener, TcpStream};
-use std::process::{Command, ExitCode};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::process::{Child, Command, ExitCode};
 use std::time::{Duration, Instant};
 
-/// No read or write of this program waits longer (a round of the default
-/// size takes milliseconds).
+/// No connect, read or write of this program waits longer (a round of the
+/// default size takes milliseconds).
 const IO_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long the sender may take to start and connect, and to exit once
+/// its socket is closed.
+const SENDER_DEADLINE: Duration = Duration::from_secs(10);
+
+/// The largest message this program takes (it holds one on each side).
+const MAX_BYTES: usize = 1 << 30;
 
 fn usage() -> ExitCode {
     eprintln!("usage: tcp_stream_probe [BYTES] [MESSAGES] [ROUNDS] (see the source's header)");
     ExitCode::from(2)
 }
 
-/// A positive count from the command line.
-fn count(arg: Option<&String>, default: usize) -> Option<usize> {
+/// A count from 1 to `max` from the command line.
+fn count(arg: Option<&String>, default: usize, max: usize) -> Option<usize> {
     match arg {
         None => Some(default),
-        Some(text) => text.parse().ok().filter(|&n| n > 0),
+        Some(text) => text.parse().ok().filter(|&n| n > 0 && n <= max),
+    }
+}
+
+/// The sender process, killed and reaped however the receiving side ends.
+struct Sender(Child);
+
+impl Drop for Sender {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
     }
 }
 
 /// The sender: connects to `port` and, for every request byte, writes
 /// `messages` messages of `bytes` from one warm buffer.
 fn send(port: u16, bytes: usize, messages: usize) -> std::io::Result<()> {
-    let mut stream = TcpStream::connect((Ipv4Addr::LOCALHOST, port))?;
+    let mut stream =
+        TcpStream::connect_timeout(&SocketAddr::from((Ipv4Addr::LOCALHOST, port)), IO_TIMEOUT)?;
     stream.set_nodelay(true)?;
     // A receiver that went away without closing must not keep this
     // process waiting for its next request forever.
@@ -71,8 +90,8 @@ fn main() -> ExitCode {
     if args.first().map(String::as_str) == Some("--sender") {
         let parsed = (
             args.get(1).and_then(|p| p.parse().ok()),
-            args.get(2).and_then(|n| n.parse().ok()),
-            args.get(3).and_then(|n| n.parse().ok()),
+            count(args.get(2), 0, MAX_BYTES).filter(|&n| n > 0),
+            count(args.get(3), 0, usize::MAX).filter(|&n| n > 0),
         );
         let (Some(port), Some(bytes), Some(messages)) = parsed else {
             return usage();
@@ -89,9 +108,9 @@ fn main() -> ExitCode {
         return usage();
     }
     let (Some(bytes), Some(messages), Some(rounds)) = (
-        count(args.first(), 8 << 20),
-        count(args.get(1), 20),
-        count(args.get(2), 5),
+        count(args.first(), 8 << 20, MAX_BYTES),
+        count(args.get(1), 20, usize::MAX),
+        count(args.get(2), 5, usize::MAX),
     ) else {
         return usage();
     };
@@ -119,10 +138,12 @@ fn main() -> ExitCode {
 fn receive(bytes: usize, messages: usize, rounds: usize) -> std::io::Result<Vec<f64>> {
     let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?;
     let port = listener.local_addr()?.port();
-    let mut sender = Command::new(std::env::current_exe()?)
-        .args(["--sender", &port.to_string(), &bytes.to_string()])
-        .arg(messages.to_string())
-        .spawn()?;
+    let mut sender = Sender(
+        Command::new(std::env::current_exe()?)
+            .args(["--sender", &port.to_string(), &bytes.to_string()])
+            .arg(messages.to_string())
+            .spawn()?,
+    );
     // Accept with a deadline: a sender that failed to start must not leave
     // this process waiting forever.
     listener.set_nonblocking(true)?;
@@ -131,8 +152,7 @@ fn receive(bytes: usize, messages: usize, rounds: usize) -> std::io::Result<Vec<
         match listener.accept() {
             Ok((stream, _)) => break stream,
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                if started.elapsed().as_secs() >= 10 || sender.try_wait()?.is_some() {
-                    let _ = sender.kill();
+                if started.elapsed() >= SENDER_DEADLINE || sender.0.try_wait()?.is_some() {
                     return Err(std::io::Error::other("the sender never connected"));
                 }
                 std::thread::sleep(Duration::from_millis(1));
@@ -157,7 +177,14 @@ fn receive(bytes: usize, messages: usize, rounds: usize) -> std::io::Result<Vec<
             per_message.push(start.elapsed().as_secs_f64() * 1e6 / messages as f64);
         }
     }
+    // The sender ends when it reads the end of the stream.
     drop(stream);
-    sender.wait()?;
+    let closed = Instant::now();
+    while sender.0.try_wait()?.is_none() {
+        if closed.elapsed() >= SENDER_DEADLINE {
+            return Err(std::io::Error::other("the sender did not exit"));
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
     Ok(per_message)
 }

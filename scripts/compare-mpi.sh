@@ -308,9 +308,9 @@ placement() {
 # (examples/tcp_stream_probe.rs: about 2-3 ms fast, 4.5-6 ms slow there),
 # read before and after each repetition and the paired run, tells which
 # regime TCP figures came from.
-tcp_stream_us() {
-    "$ROOT/target/release/examples/tcp_stream_probe" 8388608 10 3 2>/dev/null |
-        awk -F, '{printf "%.0f", $5}' || true
+tcp_stream_us() {  # "?" if the probe failed (its errors: raw/tcp_stream.err)
+    "$ROOT/target/release/examples/tcp_stream_probe" 8388608 10 3 2>>"$OUT/raw/tcp_stream.err" |
+        awk -F, '/^TCP_STREAM,/ {printf "%.0f", $5; ok = 1} END {if (!ok) printf "?"}' || true
 }
 tcp_regime() {
     [ "$TRANSPORT" = tcp ] || return 0

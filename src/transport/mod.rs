@@ -14,10 +14,10 @@ use crate::types::OpKind;
 /// A map keyed by frame keys and other small integer tuples, looked up
 /// several times per frame. It hashes with a multiply-rotate (as rustc's
 /// own maps do) instead of `HashMap`'s SipHash, which took 8 % of a
-/// spinning receiver's user time in an 8-byte broadcast over TCP. The keys
-/// come from peers that presented the job's token, and the frames a rank
-/// holds are bounded (the read-ahead limit), so resistance to chosen
-/// colliding keys buys nothing here.
+/// spinning receiver's user time in an 8-byte broadcast over TCP. SipHash
+/// resists keys chosen to collide; here every key comes from a peer that
+/// presented the job's token, and such a peer can already stall or fail
+/// the job outright, so that resistance protects nothing.
 pub(crate) type FrameMap<K, V> =
     std::collections::HashMap<K, V, std::hash::BuildHasherDefault<FrameKeyHasher>>;
 
