@@ -33,8 +33,30 @@ pub const MAX_TIMEOUT: Duration = Duration::from_secs(365 * 24 * 3600);
 pub(crate) fn bounded_timeout(timeout: Duration) -> Duration {
     timeout.clamp(Duration::from_millis(1), MAX_TIMEOUT)
 }
-/// Default pipeline piece size in bytes.
+/// Default pipeline piece size in bytes of the schedules that run over
+/// the links, except ring collectives over TCP
+/// ([`DEFAULT_TCP_RING_CHUNK_BYTES`]). Chains (broadcast, reduce), send and
+/// receive, all-to-all, and every schedule over shared-memory links use it:
+/// a shared-memory ring holds 1 MiB ([`DEFAULT_SHM_RING_BYTES`]), and
+/// pieces of it pipeline there. Measured on the 2-vCPU VM of
+/// `docs/performance.md` (stop 41), 2 processes, `OXCCL_ALGO=ring` over
+/// shared memory, 1 MiB pieces against these, paired batch by batch:
+/// broadcast 1.32–1.78× slower from 1 MiB, all-reduce and reduce-scatter
+/// 1.05–1.08× slower from 4 MiB.
 pub const DEFAULT_CHUNK_BYTES: usize = 256 * 1024;
+
+/// Default pipeline piece size in bytes of the ring collectives
+/// (all-reduce, reduce-scatter, all-gather) when every link among the
+/// ranks is TCP. Each piece costs a ring step's synchronisation (a frame
+/// awaited from one neighbour before the next goes on), which over TCP
+/// outweighs the pipelining finer pieces give. Measured on the 2-vCPU VM
+/// of `docs/performance.md` (stop 41), 2 processes over loopback, paired
+/// batch by batch in one run against [`DEFAULT_CHUNK_BYTES`]: all-gather,
+/// all-reduce and reduce-scatter 1.08–1.27× faster at 1–16 MiB (in both
+/// placements), broadcast even; against 512 KiB pieces even to 16 MiB and
+/// 1.06–1.24× faster at 64 MiB; 2 MiB pieces no better. NCCL's ring
+/// collectives, likewise, move chunks four times its broadcast's.
+pub const DEFAULT_TCP_RING_CHUNK_BYTES: usize = 1 << 20;
 /// Default size of each shared-memory ring (one per ordered pair of local
 /// ranks): 1 MiB, so 8 ranks on a host need 56 rings, about 56 MiB of
 /// `/dev/shm` (Docker's default is 64 MiB).
@@ -49,8 +71,12 @@ pub struct CommConfig {
     /// of them, printing which rank it waits for, rather than return
     /// buffers a peer still reads or writes (see `docs/architecture.md`).
     pub timeout: Duration,
-    /// Pipeline piece size in bytes (`OXCCL_CHUNK_BYTES`); at least one element.
-    pub chunk_bytes: usize,
+    /// Pipeline piece size in bytes of every schedule over the links
+    /// (`OXCCL_CHUNK_BYTES`); at least one element. `None`: chosen per
+    /// call ([`Communicator::chunk_bytes_for`]: [`DEFAULT_TCP_RING_CHUNK_BYTES`]
+    /// for ring collectives when every link is TCP, [`DEFAULT_CHUNK_BYTES`]
+    /// otherwise).
+    pub chunk_bytes: Option<usize>,
     /// Which links join ranks of different processes (`OXCCL_TRANSPORT`).
     pub transport: TransportKind,
     /// Which network interface TCP links use, in NCCL's `NCCL_SOCKET_IFNAME`
@@ -179,7 +205,7 @@ impl Default for CommConfig {
     fn default() -> Self {
         CommConfig {
             timeout: DEFAULT_TIMEOUT,
-            chunk_bytes: DEFAULT_CHUNK_BYTES,
+            chunk_bytes: None,
             transport: TransportKind::Auto,
             socket_ifname: None,
             shm_ring_bytes: DEFAULT_SHM_RING_BYTES,
@@ -208,15 +234,19 @@ impl CommConfig {
             })?;
         }
         if let Some(value) = env_value("OXCCL_CHUNK_BYTES")? {
-            config.chunk_bytes =
-                parse_byte_size(&value)
-                    .filter(|&b| b > 0)
-                    .ok_or_else(|| Error::Config {
+            config.chunk_bytes = if value.eq_ignore_ascii_case("auto") {
+                None
+            } else {
+                Some(parse_byte_size(&value).filter(|&b| b > 0).ok_or_else(|| {
+                    Error::Config {
                         name: "OXCCL_CHUNK_BYTES".into(),
                         value: value.clone(),
-                        reason: "expected a positive number of bytes, such as 262144 or 256K"
+                        reason: "expected auto or a positive number of bytes, such as \
+                                     262144 or 256K"
                             .into(),
-                    })?;
+                    }
+                })?)
+            };
         }
         if let Some(value) = env_value("OXCCL_TRANSPORT")? {
             config.transport = TransportKind::from_name(&value).ok_or_else(|| Error::Config {
@@ -263,7 +293,7 @@ impl CommConfig {
 
     /// Sets the pipeline piece size in bytes.
     pub fn with_chunk_bytes(mut self, chunk_bytes: usize) -> Self {
-        self.chunk_bytes = chunk_bytes.max(1);
+        self.chunk_bytes = Some(chunk_bytes.max(1));
         self
     }
 }
@@ -553,7 +583,7 @@ impl CommBuilder {
             config.timeout = t;
         }
         if let Some(b) = self.chunk_bytes {
-            config.chunk_bytes = b;
+            config.chunk_bytes = Some(b);
         }
         if let Some(t) = self.transport {
             config.transport = t;
@@ -669,7 +699,12 @@ impl CommBuilder {
                     "OXCCL_ALGO",
                     format!("{:?}", config.algo).to_ascii_lowercase(),
                 ),
-                ("OXCCL_CHUNK_BYTES", config.chunk_bytes.to_string()),
+                (
+                    "OXCCL_CHUNK_BYTES",
+                    config
+                        .chunk_bytes
+                        .map_or_else(|| "auto".into(), |b| b.to_string()),
+                ),
                 (
                     "OXCCL_TRANSPORT",
                     format!("{:?}", config.transport).to_ascii_lowercase(),
@@ -1103,7 +1138,7 @@ impl Communicator {
             (true, Some(arena)) => run_in_arena(arena, &desc, (&info, self.segment_tag), bufs),
             _ => {
                 let family = self.plan_family(&desc);
-                let plan = schedule::plan_with(&desc, self.config.chunk_bytes, family);
+                let plan = schedule::plan_with(&desc, self.chunk_bytes_for(desc.op), family);
                 executor::execute(transport, &info, &plan, bufs)
             }
         };
@@ -1314,6 +1349,29 @@ impl Communicator {
 
     /// The schedule family for a call over the links: forced by
     /// `OXCCL_ALGO`, else from the table by size and world size.
+    /// The pipeline piece size, in bytes, of a call of `op` that runs
+    /// over the links (not in a shared arena): the one configured
+    /// ([`CommConfig::chunk_bytes`]), or else [`DEFAULT_TCP_RING_CHUNK_BYTES`]
+    /// for the ring collectives (all-reduce, reduce-scatter, all-gather)
+    /// when every link among the ranks is TCP, and [`DEFAULT_CHUNK_BYTES`]
+    /// for everything else. Every rank answers alike (peers cut the same
+    /// frames).
+    pub fn chunk_bytes_for(&self, op: OpKind) -> usize {
+        if let Some(bytes) = self.config.chunk_bytes {
+            return bytes;
+        }
+        let ring_collective = matches!(
+            op,
+            OpKind::AllReduce | OpKind::ReduceScatter | OpKind::AllGather
+        );
+        let Backend::Host(transport) = &self.backend;
+        if ring_collective && transport.links_all_tcp() {
+            DEFAULT_TCP_RING_CHUNK_BYTES
+        } else {
+            DEFAULT_CHUNK_BYTES
+        }
+    }
+
     fn plan_family(&self, desc: &CollectiveDesc) -> schedule::Family {
         match self.config.algo {
             Algo::Ring => schedule::Family::Ring,

@@ -1406,12 +1406,15 @@ const RING_CHUNK_BYTES: usize = 64 << 20;
 /// as on the host backend, not a silent fall back to the default.
 fn ring_chunk_bytes_from_env() -> Result<usize> {
     match crate::comm::env_value("OXCCL_CHUNK_BYTES")? {
+        // As on the host backend: the default.
+        Some(value) if value.eq_ignore_ascii_case("auto") => Ok(RING_CHUNK_BYTES),
         Some(value) => crate::comm::parse_byte_size(&value)
             .filter(|&b| b > 0)
             .ok_or_else(|| Error::Config {
                 name: "OXCCL_CHUNK_BYTES".into(),
                 value,
-                reason: "expected a positive number of bytes, such as 67108864 or 64M".into(),
+                reason: "expected auto or a positive number of bytes, such as 67108864 or 64M"
+                    .into(),
             }),
         None => Ok(RING_CHUNK_BYTES),
     }

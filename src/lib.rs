@@ -55,7 +55,8 @@ pub mod types;
 pub use comm::parse_byte_size;
 pub use comm::{
     AbortHandle, Algo, CommBuilder, CommConfig, Communicator, ShmStores, DEFAULT_CHUNK_BYTES,
-    DEFAULT_SHM_RING_BYTES, DEFAULT_SHM_STORES_REMEASURE, DEFAULT_TIMEOUT, MAX_TIMEOUT,
+    DEFAULT_SHM_RING_BYTES, DEFAULT_SHM_STORES_REMEASURE, DEFAULT_TCP_RING_CHUNK_BYTES,
+    DEFAULT_TIMEOUT, MAX_TIMEOUT,
 };
 pub use desc::{BufDesc, Buffer, CollectiveDesc, MemoryKind};
 #[cfg(feature = "cuda")]

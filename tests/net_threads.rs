@@ -621,7 +621,7 @@ fn ranks_whose_settings_differ_are_refused_at_rendezvous() {
             base.clone().chunk_bytes(4096),
             "OXCCL_CHUNK_BYTES",
             "4096",
-            "262144",
+            "auto",
         ),
         (
             base.clone().transport(TransportKind::Auto),
@@ -685,10 +685,12 @@ fn rendezvous_through_a_file_store() {
 
 /// Over TCP the table picks direct schedules for small buffers and the ring
 /// for large ones; either way all-reduce equals all-gather of reduce-scatter
-/// bit for bit, and every rank holds the same bits.
+/// bit for bit, and every rank holds the same bits. The largest size cuts
+/// each rank's chunk into several of the ring's 1 MiB TCP pieces and an
+/// uneven rest.
 #[test]
 fn all_reduce_is_all_gather_of_reduce_scatter_over_tcp_for_both_families() {
-    for per_rank in [3usize, 5_000, 40_000] {
+    for per_rank in [3usize, 5_000, 40_000, 700_001] {
         let builder = Communicator::builder().timeout(Duration::from_secs(30));
         let results = run_ranks_net(3, builder, TransportKind::Tcp, move |comm| {
             let (rank, world) = (comm.rank(), comm.world_size());
@@ -718,6 +720,71 @@ fn all_reduce_is_all_gather_of_reduce_scatter_over_tcp_for_both_families() {
         let algo = results[0].2;
         let expected = if per_rank == 3 { "oneshot" } else { "ring" };
         assert_eq!(algo, expected, "per_rank {per_rank}");
+    }
+}
+
+/// Without a piece size set, the ring collectives cut 1 MiB pieces where
+/// every link is TCP and everything else 256 KiB ones; shared-memory links
+/// keep 256 KiB for all; a piece size set wins everywhere; a split chooses
+/// by its own links.
+#[test]
+fn pipeline_pieces_are_chosen_by_collective_and_links() {
+    use oxccl::types::OpKind;
+    const OPS: [OpKind; 7] = [
+        OpKind::AllReduce,
+        OpKind::ReduceScatter,
+        OpKind::AllGather,
+        OpKind::Broadcast,
+        OpKind::Reduce,
+        OpKind::Send,
+        OpKind::AllToAll,
+    ];
+    let ring = |op: OpKind| {
+        matches!(
+            op,
+            OpKind::AllReduce | OpKind::ReduceScatter | OpKind::AllGather
+        )
+    };
+    for (kind, set) in [
+        (TransportKind::Tcp, None),
+        (TransportKind::Shm, None),
+        (TransportKind::Tcp, Some(4096)),
+    ] {
+        let mut builder = Communicator::builder().timeout(Duration::from_secs(30));
+        if let Some(bytes) = set {
+            builder = builder.chunk_bytes(bytes);
+        }
+        let chosen = run_ranks_net(3, builder, kind, |comm| {
+            // Ranks 0 and 2 in one group, rank 1 alone.
+            let mut sub = comm.split((comm.rank() % 2) as u32, 0)?;
+            // Pieces cut alike on every rank, so a large all-reduce works.
+            let mut v = vec![1u32; (3 << 20) + 5];
+            sub.all_reduce_in_place(&mut v, ReduceOp::Sum)?;
+            if v.iter().any(|&x| x as usize != sub.world_size()) {
+                return Err(fail("wrong sum".into()));
+            }
+            Ok(OPS.map(|op| (comm.chunk_bytes_for(op), sub.chunk_bytes_for(op))))
+        })
+        .unwrap_or_else(|e| panic!("{kind:?} {set:?}: {e}"));
+        for (rank, per_op) in chosen.iter().enumerate() {
+            for (op, (whole, sub)) in OPS.iter().zip(per_op) {
+                let expected = match set {
+                    Some(bytes) => bytes,
+                    None if kind == TransportKind::Tcp && ring(*op) => {
+                        oxccl::DEFAULT_TCP_RING_CHUNK_BYTES
+                    }
+                    None => oxccl::DEFAULT_CHUNK_BYTES,
+                };
+                assert_eq!(*whole, expected, "{kind:?} {set:?} rank {rank} {op:?}");
+                // Rank 1's group of one has no link to cut pieces for.
+                if rank != 1 {
+                    assert_eq!(
+                        *sub, expected,
+                        "{kind:?} {set:?} rank {rank} {op:?} (split)"
+                    );
+                }
+            }
+        }
     }
 }
 

@@ -30,7 +30,7 @@ usage: oxccl-check [options]      (one process per rank, under a launcher)
   --quick               f32, i32 and bf16 only, fewer counts
   --shared              also check the collectives on Communicator::alloc_shared buffers
   --counts a,b,c        element counts to check (default: 0, 1, N-1, N+1, 10007)
-  --chunk-bytes n       pipeline piece size (default OXCCL_CHUNK_BYTES or 256K)
+  --chunk-bytes n       pipeline piece size (default OXCCL_CHUNK_BYTES, else chosen per call)
   --loop-seconds s      afterwards, all-reduce --size bytes repeatedly for s seconds,
                         checking every result
   --size bytes          message size of the loop (default 64M; suffixes K M G)

@@ -587,6 +587,15 @@ impl Transport {
         }
     }
 
+    /// Whether every link among this communicator's ranks is TCP (ranks in
+    /// one process have none). Every rank answers alike.
+    pub fn links_all_tcp(&self) -> bool {
+        match self {
+            Transport::Local(_) => false,
+            Transport::Net(t) => t.links_all_tcp(),
+        }
+    }
+
     /// What carries the traffic, for reports: `in-process`, `shm`, `tcp (...)`.
     pub fn describe(&self) -> String {
         match self {

@@ -471,6 +471,30 @@ pub(crate) struct NetShared {
     /// Live endpoints (communicators) on this fabric. Not the `Arc`'s count:
     /// an `AbortHandle` holds the fabric too, and is no communicator.
     endpoints: AtomicUsize,
+    /// Which ranks a TCP link joins, known alike on every rank (from the
+    /// store's entries, not from this rank's own links): see
+    /// [`NetEndpoint::links_all_tcp`].
+    links: LinkMap,
+}
+
+/// What decides the link between two global ranks, the same on every rank:
+/// TCP when the job forced it or the two run on different hosts, shared
+/// memory otherwise (`connect_rank`'s `use_shm`).
+#[derive(Clone, Debug)]
+pub(crate) struct LinkMap {
+    /// `OXCCL_TRANSPORT=tcp`: every link is TCP.
+    tcp_forced: bool,
+    /// Global rank → its host, as an index among the job's hosts.
+    host_of: Vec<usize>,
+}
+
+impl LinkMap {
+    /// Whether every two of `members` (global ranks) are linked by TCP:
+    /// the job forced it, or no two of them share a host.
+    fn all_tcp(&self, members: &[usize]) -> bool {
+        let mut hosts = HashSet::with_capacity(members.len());
+        self.tcp_forced || members.iter().all(|&m| hosts.insert(self.host_of[m]))
+    }
 }
 
 impl NetShared {
@@ -1074,6 +1098,8 @@ pub(crate) struct NetEndpoint {
     ctx: u64,
     /// Communicator rank → global rank.
     members: Vec<usize>,
+    /// [`links_all_tcp`](Self::links_all_tcp), decided once.
+    links_all_tcp: bool,
 }
 
 impl NetEndpoint {
@@ -1091,13 +1117,22 @@ impl NetEndpoint {
         &self.shared
     }
 
+    /// Whether every link among this endpoint's members is TCP (with one
+    /// member, there is none: true). Every member answers alike, so plans
+    /// may depend on it.
+    pub fn links_all_tcp(&self) -> bool {
+        self.links_all_tcp
+    }
+
     /// An endpoint for a sub-communicator of `members` (ranks of this one).
     pub fn child(&self, ctx: u64, members: &[usize]) -> NetEndpoint {
         self.shared.endpoints.fetch_add(1, Ordering::SeqCst);
+        let members: Vec<usize> = members.iter().map(|&r| self.members[r]).collect();
         NetEndpoint {
+            links_all_tcp: self.shared.links.all_tcp(&members),
             shared: self.shared.clone(),
             ctx,
-            members: members.iter().map(|&r| self.members[r]).collect(),
+            members,
         }
     }
 
@@ -2059,6 +2094,19 @@ fn connect_rank(setup: Setup) -> Result<(NetEndpoint, Option<Segment>)> {
         .filter(|&r| infos[r].host == infos[rank].host)
         .collect();
     let use_shm = |peer: usize| transport != TransportKind::Tcp && local.contains(&peer);
+    let links = LinkMap {
+        tcp_forced: transport == TransportKind::Tcp,
+        host_of: {
+            let mut hosts = HashMap::new();
+            infos
+                .iter()
+                .map(|info| {
+                    let next = hosts.len();
+                    *hosts.entry(info.host.as_str()).or_insert(next)
+                })
+                .collect()
+        },
+    };
     if transport == TransportKind::Shm {
         if let Some(far) = all.iter().find(|&&r| !local.contains(&r)) {
             return Err(Error::Config {
@@ -2233,10 +2281,12 @@ fn connect_rank(setup: Setup) -> Result<(NetEndpoint, Option<Segment>)> {
         interface,
     };
     let endpoint = NetEndpoint {
+        links_all_tcp: links.all_tcp(&all),
         shared: Arc::new(NetShared {
             fabric: Mutex::new(fabric),
             aborted: Arc::new(AtomicBool::new(false)),
             endpoints: AtomicUsize::new(1),
+            links,
         }),
         ctx: 0,
         members: all,
@@ -2287,9 +2337,14 @@ mod tests {
                 fabric: Mutex::new(fabric),
                 aborted: Arc::new(AtomicBool::new(false)),
                 endpoints: AtomicUsize::new(1),
+                links: LinkMap {
+                    tcp_forced: true,
+                    host_of: vec![0, 0],
+                },
             }),
             ctx: 0,
             members: vec![0, 1],
+            links_all_tcp: true,
         };
         (endpoint, raw)
     }
