@@ -304,7 +304,9 @@ placement() {
 # Loopback TCP runs in two regimes on the VM of docs/performance.md (stop
 # 40): every bulk transfer, a plain program's as much as oxccl's or Open
 # MPI's, takes about twice as long in the slow one, which comes and goes
-# every few seconds. A plain stream's time per 8 MiB message
+# every few seconds: it is the far vCPU placement, where the socket
+# buffers' lines cross between dies (stop 41). A plain stream's time per
+# 8 MiB message
 # (examples/tcp_stream_probe.rs: about 2-3 ms fast, 4.5-6 ms slow there),
 # read before and after each repetition and the paired run, tells which
 # regime TCP figures came from.
