@@ -1347,8 +1347,6 @@ impl Communicator {
             .map(|arena| arena.zero_copy_min_bytes(op))
     }
 
-    /// The schedule family for a call over the links: forced by
-    /// `OXCCL_ALGO`, else from the table by size and world size.
     /// The pipeline piece size, in bytes, of a call of `op` that runs
     /// over the links (not in a shared arena): the one configured
     /// ([`CommConfig::chunk_bytes`]), or else [`DEFAULT_TCP_RING_CHUNK_BYTES`]
@@ -1372,6 +1370,8 @@ impl Communicator {
         }
     }
 
+    /// The schedule family for a call over the links: forced by
+    /// `OXCCL_ALGO`, else from the table by size and world size.
     fn plan_family(&self, desc: &CollectiveDesc) -> schedule::Family {
         match self.config.algo {
             Algo::Ring => schedule::Family::Ring,

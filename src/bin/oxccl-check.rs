@@ -30,7 +30,7 @@ usage: oxccl-check [options]      (one process per rank, under a launcher)
   --quick               f32, i32 and bf16 only, fewer counts
   --shared              also check the collectives on Communicator::alloc_shared buffers
   --counts a,b,c        element counts to check (default: 0, 1, N-1, N+1, 10007)
-  --chunk-bytes n       pipeline piece size (default OXCCL_CHUNK_BYTES, else chosen per call)
+  --chunk-bytes n|auto  pipeline piece size (default OXCCL_CHUNK_BYTES, else auto: chosen per call)
   --loop-seconds s      afterwards, all-reduce --size bytes repeatedly for s seconds,
                         checking every result
   --size bytes          message size of the loop (default 64M; suffixes K M G)
@@ -87,10 +87,15 @@ fn parse_args() -> Result<Args, String> {
             }
             "--chunk-bytes" => {
                 let v = value()?;
-                a.chunk_bytes = Some(
-                    oxccl::parse_byte_size(&v)
-                        .ok_or_else(|| format!("--chunk-bytes: bad size {v:?}"))?,
-                );
+                // `auto`: the communicator chooses per call, as by default.
+                a.chunk_bytes = if v.eq_ignore_ascii_case("auto") {
+                    None
+                } else {
+                    Some(
+                        oxccl::parse_byte_size(&v)
+                            .ok_or_else(|| format!("--chunk-bytes: bad size {v:?}"))?,
+                    )
+                };
             }
             "--loop-seconds" => {
                 let v = value()?;

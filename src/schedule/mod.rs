@@ -273,8 +273,8 @@ pub fn plan(desc: &CollectiveDesc, chunk_bytes: usize) -> Plan {
     plan_with(desc, chunk_bytes, choose(desc))
 }
 
-/// The most pipeline pieces a plan cuts a buffer into: with the default
-/// 256 KiB pieces only a buffer of 256 GiB reaches it; a tiny
+/// The most pipeline pieces a plan cuts a buffer into: with 256 KiB pieces
+/// only a buffer of 256 GiB reaches it (1 TiB with 1 MiB ones); a tiny
 /// `chunk_bytes` on a large buffer gets larger pieces instead.
 pub const MAX_PIECES: usize = 1 << 20;
 

@@ -167,7 +167,7 @@ impl FrameHeader {
 /// Owned frame bytes, 8-byte aligned so they can be viewed as any element type.
 ///
 /// Large buffers come from and return to [`pool`]: a fresh allocation of a
-/// pipeline piece (256 KiB) is an `mmap` whose pages fault in one by one as
+/// pipeline piece (256 KiB, or 1 MiB for a ring over TCP) is an `mmap` whose pages fault in one by one as
 /// they are first written — on this VM about as long as copying the piece
 /// twice — and every frame of a large call needs one on each side.
 ///

@@ -489,11 +489,14 @@ pub(crate) struct LinkMap {
 }
 
 impl LinkMap {
-    /// Whether every two of `members` (global ranks) are linked by TCP:
-    /// the job forced it, or no two of them share a host.
+    /// Whether the links among `members` (global ranks) are all TCP: the
+    /// job forced TCP, or there are two members or more and no two share
+    /// a host. A lone member on its own has no link, TCP or not (its
+    /// choice cuts nothing).
     fn all_tcp(&self, members: &[usize]) -> bool {
         let mut hosts = HashSet::with_capacity(members.len());
-        self.tcp_forced || members.iter().all(|&m| hosts.insert(self.host_of[m]))
+        self.tcp_forced
+            || (members.len() >= 2 && members.iter().all(|&m| hosts.insert(self.host_of[m])))
     }
 }
 
@@ -1117,9 +1120,9 @@ impl NetEndpoint {
         &self.shared
     }
 
-    /// Whether every link among this endpoint's members is TCP (with one
-    /// member, there is none: true). Every member answers alike, so plans
-    /// may depend on it.
+    /// Whether every link among this endpoint's members is TCP
+    /// ([`LinkMap::all_tcp`]). Every member answers alike, so plans may
+    /// depend on it.
     pub fn links_all_tcp(&self) -> bool {
         self.links_all_tcp
     }
@@ -2347,6 +2350,28 @@ mod tests {
             links_all_tcp: true,
         };
         (endpoint, raw)
+    }
+
+    /// Which groups of ranks are linked by TCP only, as every rank decides
+    /// it from the hosts published at rendezvous: ranks 0 and 1 share a
+    /// host, rank 2 has its own.
+    #[test]
+    fn a_group_is_all_tcp_when_no_two_members_share_a_host() {
+        let map = LinkMap {
+            tcp_forced: false,
+            host_of: vec![0, 0, 1],
+        };
+        assert!(map.all_tcp(&[0, 2]));
+        assert!(map.all_tcp(&[2, 1]));
+        assert!(!map.all_tcp(&[0, 1]));
+        assert!(!map.all_tcp(&[0, 1, 2]));
+        assert!(!map.all_tcp(&[2]), "one member has no link");
+        let forced = LinkMap {
+            tcp_forced: true,
+            ..map
+        };
+        assert!(forced.all_tcp(&[0, 1, 2]));
+        assert!(forced.all_tcp(&[1]));
     }
 
     fn frame(ctx: u64, seq: u64) -> FrameHeader {
