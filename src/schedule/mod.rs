@@ -152,9 +152,15 @@ pub enum Family {
 }
 
 /// Largest number of bytes a rank sends in one direct call: up to here one
-/// message latency beats the ring's `2(N-1)` steps (on loopback TCP the
-/// cross-over is near 64 KiB for 2 ranks).
-pub const DIRECT_MAX_BYTES_SENT: usize = 64 * 1024;
+/// message latency beats the ring's `2(N-1)` steps. Measured on the 2-vCPU
+/// VM of `docs/performance.md` (stop 41), 2 processes over loopback TCP,
+/// the direct family against the ring paired batch by batch in one
+/// process: all-reduce 0.83–0.88 of the ring's time at 128 KiB, 0.86–0.94
+/// at 256 KiB, 0.85–0.95 at 512 KiB, even at 1 MiB, 1.05× from 2 MiB and
+/// 1.2–3.4× from 4 MiB; all-gather, reduce-scatter and broadcast even from
+/// 32 KiB to 1 MiB. (It stays below half a premultiplied `Avg`'s segment,
+/// `comm::AVG_SEGMENT_BYTES`, so segments plan as their whole call.)
+pub const DIRECT_MAX_BYTES_SENT: usize = 256 * 1024;
 
 /// The table: which family a call of `desc` uses when nothing forces one.
 /// A direct call sends at most `bytes · (N-1)` per rank; it is chosen while
