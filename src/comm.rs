@@ -1097,6 +1097,28 @@ impl Communicator {
                 first_error: first.clone(),
             });
         }
+        let in_arena = self.uses_arena(&desc);
+        let info = self.number_call(&desc, in_arena);
+        let Backend::Host(transport) = &self.backend;
+        let result = match (in_arena, self.arena.as_mut()) {
+            _ if transport.is_aborted() => Err(info.error(self.rank, TransportError::Aborted)),
+            (true, Some(arena)) => run_in_arena(arena, &desc, (&info, self.segment_tag), bufs),
+            _ => executor::execute(transport, &info, &self.plan_links(&desc), bufs),
+        };
+        // Rebuilt rather than moved, as in `arena_fast`.
+        match result {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                self.fail(&e);
+                Err(e)
+            }
+        }
+    }
+
+    /// Gives a validated call its sequence number (per peer and direction
+    /// for sends and receives, else the communicator's collective count)
+    /// and describes it for the executor or the arena (`in_arena`).
+    fn number_call(&mut self, desc: &CollectiveDesc, in_arena: bool) -> CallInfo {
         let (space, seq) = match desc.op {
             OpKind::Send => {
                 let peer = desc.peer.unwrap_or(0);
@@ -1114,13 +1136,11 @@ impl Communicator {
             }
         };
         let Backend::Host(transport) = &self.backend;
-        let ctx = transport.ctx();
-        let in_arena = self.uses_arena(&desc);
-        let info = CallInfo {
+        CallInfo {
             op: desc.op,
             seq,
             space,
-            ctx,
+            ctx: transport.ctx(),
             rank: self.rank,
             world: self.world,
             reduce_op: desc.reduce_op.unwrap_or(ReduceOp::Sum),
@@ -1130,26 +1150,46 @@ impl Communicator {
             digest: if in_arena {
                 0
             } else {
-                CallInfo::digest_of(&desc) ^ (self.segment_tag ^ (self.segment_tag >> 32)) as u32
+                CallInfo::digest_of(desc) ^ (self.segment_tag ^ (self.segment_tag >> 32)) as u32
             },
-        };
-        let result = match (in_arena, self.arena.as_mut()) {
-            _ if transport.is_aborted() => Err(info.error(self.rank, TransportError::Aborted)),
-            (true, Some(arena)) => run_in_arena(arena, &desc, (&info, self.segment_tag), bufs),
-            _ => {
-                let family = self.plan_family(&desc);
-                let plan = schedule::plan_with(&desc, self.chunk_bytes_for(desc.op), family);
-                executor::execute(transport, &info, &plan, bufs)
-            }
-        };
-        // Rebuilt rather than moved, as in `arena_fast`.
-        match result {
-            Ok(()) => Ok(()),
-            Err(e) => {
-                self.fail(&e);
-                Err(e)
-            }
         }
+    }
+
+    /// The plan a call runs over the links (not in the arena).
+    fn plan_links(&self, desc: &CollectiveDesc) -> schedule::Plan {
+        schedule::plan_with(desc, self.chunk_bytes_for(desc.op), self.plan_family(desc))
+    }
+
+    /// Runs a `send_recv`: validates both halves, numbers them as a lone
+    /// `send` and a lone `recv` would be, and runs their plans alternated
+    /// ([`schedule::exchange`]).
+    fn run_exchange<T: Element>(
+        &mut self,
+        (sending, receiving): (CollectiveDesc, CollectiveDesc),
+        bufs: Bufs<'_, T>,
+    ) -> Result<()> {
+        sending.validate()?;
+        receiving.validate()?;
+        if let Some(first) = &self.failed {
+            return Err(Error::Failed {
+                op: OpKind::Send,
+                rank: self.rank,
+                first_error: first.clone(),
+            });
+        }
+        let send_info = self.number_call(&sending, false);
+        let recv_info = self.number_call(&receiving, false);
+        let Backend::Host(transport) = &self.backend;
+        let result = if transport.is_aborted() {
+            Err(send_info.error(self.rank, TransportError::Aborted))
+        } else {
+            let plan = schedule::exchange(self.plan_links(&sending), self.plan_links(&receiving));
+            executor::execute_exchange(transport, (&send_info, &recv_info), &plan, bufs)
+        };
+        if let Err(e) = &result {
+            self.fail(e);
+        }
+        result
     }
 
     /// Makes `error` this communicator's first failure: every later call
@@ -1948,7 +1988,10 @@ impl Communicator {
     /// `MPI_Send` of a large message, a send larger than the link's buffer
     /// waits for the peer to enter a call, for at most the communicator's
     /// timeout: a peer still computing past that makes this send fail with
-    /// [`Error::Timeout`], which fails the communicator.
+    /// [`Error::Timeout`], which fails the communicator. Ranks that send to
+    /// each other before receiving complete too (each reads the others'
+    /// messages while it waits), but far slower than with
+    /// [`send_recv`](Self::send_recv), which is for exchanges.
     ///
     /// # Errors
     ///
@@ -1965,6 +2008,73 @@ impl Communicator {
                 recv: &mut [],
             },
         )
+    }
+
+    /// Sends `send` to `dst` and receives into `recv` the next message `src`
+    /// sent to this rank, both at once (`MPI_Sendrecv`; NCCL's `ncclSend`
+    /// and `ncclRecv` in one group). Use it whenever ranks exchange: each
+    /// rank sending to the next of a ring and receiving from the previous
+    /// (ring attention's key/value blocks), pipeline stages passing
+    /// activations forward and gradients back, halo exchanges.
+    ///
+    /// Each half is exactly a lone [`send`](Self::send) or
+    /// [`recv`](Self::recv): it meets the peer's `recv` or `send`, or the
+    /// other half of the peer's `send_recv`, in the order of this pair's
+    /// other messages. Unlike a `send` followed by a `recv`, the receive is
+    /// under way while the send leaves, and the peer's message lands
+    /// straight in `recv`: a `send` larger than the link's buffer
+    /// otherwise waits for room while the peer, also sending, leaves this
+    /// rank's message in the link or reads it into buffers of its own to
+    /// copy later. `dst` and `src` may be the same peer, or different.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a peer out of range or equal to this
+    /// rank (naming the `send` or `recv` half); [`Error::Mismatch`] when the
+    /// message received differs in length or type; the communication
+    /// errors, naming the half that failed.
+    pub fn send_recv<T: Element>(
+        &mut self,
+        send: &[T],
+        dst: Rank,
+        recv: &mut [T],
+        src: Rank,
+    ) -> Result<()> {
+        let sending = self
+            .desc::<T>(OpKind::Send)
+            .with_send(BufDesc::of(send))
+            .with_peer(dst);
+        let receiving = self
+            .desc::<T>(OpKind::Recv)
+            .with_recv(BufDesc::of(recv))
+            .with_peer(src);
+        self.run_exchange((sending, receiving), Bufs::OutOfPlace { send, recv })
+    }
+
+    /// [`send_recv`](Self::send_recv) with one buffer
+    /// (`MPI_Sendrecv_replace`): sends `buf` to `dst` and replaces it with
+    /// the message from `src`, of the same length. Each piece is copied
+    /// out before the peer's piece overwrites it, so this costs a copy
+    /// that `send_recv` with two buffers does not.
+    ///
+    /// # Errors
+    ///
+    /// As [`send_recv`](Self::send_recv).
+    pub fn send_recv_in_place<T: Element>(
+        &mut self,
+        buf: &mut [T],
+        dst: Rank,
+        src: Rank,
+    ) -> Result<()> {
+        let sending = self
+            .desc::<T>(OpKind::Send)
+            .with_send(BufDesc::of(buf))
+            .with_peer(dst);
+        let receiving = self
+            .desc::<T>(OpKind::Recv)
+            .with_recv(BufDesc::of(buf))
+            .with_peer(src);
+        self.run_exchange((sending, receiving), Bufs::InPlace(buf))
     }
 
     /// Receives into `buf` the next message `peer` sent to this rank.

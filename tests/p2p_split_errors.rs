@@ -997,3 +997,138 @@ fn a_communicator_made_again_waits_out_the_previous_store() {
         assert_eq!(handle.join().unwrap(), Ok(4.0), "rank {rank}");
     }
 }
+
+/// Runs `body` on `n` ranks of the in-process transport (`None`) or of the
+/// multi-process one over `kind`, as threads.
+fn run_on<R, F>(
+    transport: Option<oxccl::TransportKind>,
+    n: usize,
+    body: F,
+) -> std::result::Result<Vec<R>, String>
+where
+    R: Send + 'static,
+    F: Fn(&mut Communicator) -> oxccl::Result<R> + Send + Sync + 'static,
+{
+    let builder = Communicator::builder().timeout(Duration::from_secs(30));
+    match transport {
+        None => run_ranks_with(n, builder, body),
+        Some(kind) => common::run_ranks_net(n, builder, kind, body),
+    }
+}
+
+const EVERY_TRANSPORT: [Option<oxccl::TransportKind>; 3] = [
+    None,
+    Some(oxccl::TransportKind::Tcp),
+    Some(oxccl::TransportKind::Shm),
+];
+
+/// What rank `rank` sends in round `round` of the exchange tests.
+fn message(rank: usize, round: u32, len: usize) -> Vec<u32> {
+    (0..len as u32)
+        .map(|i| (rank as u32) << 24 ^ round << 20 ^ i)
+        .collect()
+}
+
+/// `send_recv` around a ring of three, out of place and in place, from an
+/// empty message to one of many pipeline pieces (12 MiB, past what a
+/// receiver reads ahead); with the same peer both ways (two ranks); and
+/// each half meeting a lone `recv` or `send` of the peer, in the pair's
+/// order among the peer's other messages.
+#[test]
+fn send_recv_exchanges_and_each_half_meets_a_lone_call() {
+    for transport in EVERY_TRANSPORT {
+        run_on(transport, 3, |comm| {
+            let (rank, world) = (comm.rank(), comm.world_size());
+            let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
+            for (round, len) in [0, 3, 70_000, 3 << 20].into_iter().enumerate() {
+                let round = round as u32;
+                let mine = message(rank, round, len);
+                let expected = message(prev, round, len);
+                let mut theirs = vec![0u32; len];
+                comm.send_recv(&mine, next, &mut theirs, prev)?;
+                assert!(theirs == expected, "out of place, {len} elements");
+                let mut buf = mine.clone();
+                comm.send_recv_in_place(&mut buf, next, prev)?;
+                assert!(buf == expected, "in place, {len} elements");
+                // Rank 0 sends and receives alone, around a lone send of
+                // an extra word to its next rank; the others exchange.
+                theirs.fill(0);
+                if rank == 0 {
+                    comm.send(&mine, next)?;
+                    comm.send(&[round], next)?;
+                    comm.recv(&mut theirs, prev)?;
+                } else {
+                    comm.send_recv(&mine, next, &mut theirs, prev)?;
+                    if rank == 1 {
+                        let mut word = [u32::MAX];
+                        comm.recv(&mut word, 0)?;
+                        assert_eq!(word, [round]);
+                    }
+                }
+                assert!(theirs == expected, "beside lone calls, {len} elements");
+            }
+            Ok(())
+        })
+        .unwrap_or_else(|e| panic!("{transport:?}: {e}"));
+        // Two ranks: the peer is both the destination and the source.
+        run_on(transport, 2, |comm| {
+            let (rank, peer) = (comm.rank(), 1 - comm.rank());
+            let len = 1 << 20;
+            let mut buf = message(rank, 9, len);
+            comm.send_recv_in_place(&mut buf, peer, peer)?;
+            assert!(buf == message(peer, 9, len), "swapped in place");
+            Ok(())
+        })
+        .unwrap_or_else(|e| panic!("{transport:?}, two ranks: {e}"));
+    }
+}
+
+/// Bad peers are refused before anything moves, naming the half; a
+/// message of another length is a `Mismatch` on its receiver, as for a
+/// lone `recv`.
+#[test]
+fn send_recv_refuses_bad_peers_and_reports_a_mismatch() {
+    run_ranks(3, |comm| {
+        let (rank, w) = (comm.rank(), comm.world_size());
+        let next = (rank + 1) % w;
+        let mut out = [0u32; 4];
+        assert_eq!(
+            invalid_arg(comm.send_recv(&[1u32; 4], w, &mut out, next)),
+            (OpKind::Send, "peer")
+        );
+        assert_eq!(
+            invalid_arg(comm.send_recv(&[1u32; 4], next, &mut out, rank)),
+            (OpKind::Recv, "peer")
+        );
+        assert_eq!(
+            invalid_arg(comm.send_recv_in_place(&mut out, rank, next)),
+            (OpKind::Send, "peer")
+        );
+        // Nothing was numbered: an exchange in order still works.
+        let prev = (rank + w - 1) % w;
+        comm.send_recv(&[rank as u32; 4], next, &mut out, prev)?;
+        assert_eq!(out, [prev as u32; 4]);
+        Ok(())
+    });
+    for transport in EVERY_TRANSPORT {
+        let outcomes = run_on(transport, 2, |comm| {
+            let peer = 1 - comm.rank();
+            // Each sends 5 elements and expects 4.
+            let mut recv = [0u32; 4];
+            Ok(comm.send_recv(&[7u32; 5], peer, &mut recv, peer))
+        })
+        .unwrap_or_else(|e| panic!("{transport:?}: {e}"));
+        for (rank, outcome) in outcomes.iter().enumerate() {
+            assert!(
+                matches!(
+                    outcome,
+                    Err(Error::Mismatch {
+                        op: OpKind::Recv,
+                        ..
+                    })
+                ),
+                "{transport:?}, rank {rank}: {outcome:?}"
+            );
+        }
+    }
+}

@@ -642,15 +642,14 @@ fn run_once<T: Element>(
         (Coll::Broadcast, true) => comm.broadcast_in_place(&mut b.recv, a.root)?,
         (Coll::Reduce, false) => comm.reduce(&b.send, &mut b.recv, a.op, a.root)?,
         (Coll::Reduce, true) => comm.reduce_in_place(&mut b.recv, a.op, a.root)?,
+        // Both directions at once, as nccl-tests' sendrecv groups them.
         (Coll::SendRecv, false) => {
             let (next, prev) = neighbours(comm);
-            comm.send(&b.send, next)?;
-            comm.recv(&mut b.recv, prev)?;
+            comm.send_recv(&b.send, next, &mut b.recv, prev)?;
         }
         (Coll::SendRecv, true) => {
             let (next, prev) = neighbours(comm);
-            comm.send(&b.recv, next)?;
-            comm.recv(&mut b.recv, prev)?;
+            comm.send_recv_in_place(&mut b.recv, next, prev)?;
         }
         (Coll::AllToAll, _) => comm.all_to_all(&b.send, &mut b.recv)?,
     }

@@ -482,6 +482,38 @@ pub(crate) fn execute<T: Element>(
     plan: &Plan,
     bufs: Bufs<'_, T>,
 ) -> Result<()> {
+    execute_as(transport, (info, info), plan, bufs)
+}
+
+/// Runs the plan of one `send_recv` (`schedule::exchange`): its sends
+/// carry `sending`'s headers and errors (a `send` call's), its receives
+/// `receiving`'s (a `recv` call's), so each half meets a peer's lone
+/// `recv` or `send`, or the other half of the peer's own `send_recv`.
+pub(crate) fn execute_exchange<T: Element>(
+    transport: &Transport,
+    (sending, receiving): (&CallInfo, &CallInfo),
+    plan: &Plan,
+    bufs: Bufs<'_, T>,
+) -> Result<()> {
+    debug_assert!(
+        sending.space == Space::PointToPoint && receiving.space == Space::PointToPoint,
+        "an exchange is two point-to-point calls"
+    );
+    execute_as(transport, (sending, receiving), plan, bufs)
+}
+
+/// Runs `plan`, its sends as `sending` and its receives as `receiving`
+/// (the same call but in `send_recv`): frame headers, and the call an
+/// error names, come from the half that sent or received.
+fn execute_as<T: Element>(
+    transport: &Transport,
+    (sending, receiving): (&CallInfo, &CallInfo),
+    plan: &Plan,
+    bufs: Bufs<'_, T>,
+) -> Result<()> {
+    // A lone call passes its one `CallInfo` twice; the two halves of an
+    // exchange share the rest: world, operator, deadline, space.
+    let info = receiving;
     let mut inline_counts = [0u32; 2 * INLINE_COUNTER_WORLD];
     let mut heap_counts = Vec::new();
     let counts: &mut [u32] = if info.world <= INLINE_COUNTER_WORLD {
@@ -514,7 +546,7 @@ pub(crate) fn execute<T: Element>(
             let at = bufs.write_ptr(dst).cast::<u8>();
             posted_ahead
                 .recvs
-                .push((peer, header::<T>(info, frame, dst.len), at));
+                .push((peer, header::<T>(receiving, frame, dst.len), at));
         }
         // SAFETY: no step before a posted receive's reads or writes its
         // destination (`receives_to_post_ahead`), that receive's own
@@ -528,15 +560,15 @@ pub(crate) fn execute<T: Element>(
         let step = counters.sent[peer];
         counters.sent[peer] += 1;
         transport
-            .send(peer, header::<T>(info, step, len), payload)
-            .map_err(|e| info.error(peer, e))
+            .send(peer, header::<T>(sending, step, len), payload)
+            .map_err(|e| sending.error(peer, e))
     };
     let recv = |counters: &mut Counters, peer: Rank, len: usize| -> Result<Payload> {
         let step = counters.received[peer];
         counters.received[peer] += 1;
         transport
-            .recv(peer, &header::<T>(info, step, len), info.timeout)
-            .map_err(|e| info.error(peer, e))
+            .recv(peer, &header::<T>(receiving, step, len), info.timeout)
+            .map_err(|e| receiving.error(peer, e))
     };
     for (index, step) in plan.steps.iter().enumerate() {
         match *step {
@@ -563,8 +595,13 @@ pub(crate) fn execute<T: Element>(
                 counters.received[peer] += 1;
                 let out = bytemuck::cast_slice_mut(bufs.write(dst));
                 transport
-                    .recv_into(peer, &header::<T>(info, step, dst.len), info.timeout, out)
-                    .map_err(|e| info.error(peer, e))?;
+                    .recv_into(
+                        peer,
+                        &header::<T>(receiving, step, dst.len),
+                        info.timeout,
+                        out,
+                    )
+                    .map_err(|e| receiving.error(peer, e))?;
             }
             Step::RecvReduce { peer, local, dst } => {
                 let payload = recv(&mut counters, peer, dst.len)?;
@@ -615,9 +652,10 @@ pub(crate) fn execute<T: Element>(
             Step::DivideByWorld { span } => finish_avg(ReduceOp::Avg, bufs.write(span), info.world),
         }
     }
+    // Waiting for this call's sends to leave: their half names it.
     let flushed = transport
         .flush(info.timeout)
-        .map_err(|(peer, e)| info.error(peer, e));
+        .map_err(|(peer, e)| sending.error(peer, e));
     drop(guard);
     drop(posted_ahead);
     flushed?;

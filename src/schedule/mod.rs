@@ -279,6 +279,39 @@ pub fn plan(desc: &CollectiveDesc, chunk_bytes: usize) -> Plan {
     plan_with(desc, chunk_bytes, choose(desc))
 }
 
+/// The plan of one `send_recv`: the steps of a lone `send`'s plan and of a
+/// lone `recv`'s, alternated piece by piece (send one, then receive one),
+/// so each half cuts exactly the frames its lone call would and meets a
+/// peer's lone `recv` or `send`. Sends are queued eagerly and every wait
+/// makes progress on every link, so a receive waiting here drains this
+/// rank's queued sends and reads the peer's frames into place at once;
+/// alternating (rather than all sends first) bounds what is queued when
+/// the sends must be copied (in place, where the receives overwrite what
+/// is sent).
+///
+/// # Panics
+///
+/// If either plan uses scratch: point-to-point plans do not, and the two
+/// halves would share it.
+pub fn exchange(send: Plan, recv: Plan) -> Plan {
+    assert!(
+        send.scratch_len == 0 && recv.scratch_len == 0,
+        "point-to-point plans use no scratch"
+    );
+    let mut steps = Vec::with_capacity(send.steps.len() + recv.steps.len());
+    let (mut sends, mut recvs) = (send.steps.into_iter(), recv.steps.into_iter());
+    loop {
+        match (sends.next(), recvs.next()) {
+            (None, None) => break,
+            (a, b) => steps.extend(a.into_iter().chain(b)),
+        }
+    }
+    Plan {
+        steps,
+        scratch_len: 0,
+    }
+}
+
 /// The most pipeline pieces a plan cuts a buffer into: with 256 KiB pieces
 /// only a buffer of 256 GiB reaches it (1 TiB with 1 MiB ones); a tiny
 /// `chunk_bytes` on a large buffer gets larger pieces instead.
@@ -549,6 +582,53 @@ mod tests {
             })
             .with_peer(1);
         assert_eq!(plan_with(&small, 10, Family::Ring).steps.len(), 100);
+    }
+
+    /// An exchange holds each lone plan's steps in their own order,
+    /// alternated while both have some: 5 sends to rank 1 against 2
+    /// receives from rank 2.
+    #[test]
+    fn an_exchange_alternates_the_lone_plans_in_order() {
+        use crate::desc::{BufDesc, MemoryKind};
+        use crate::types::DType;
+        let host = |len| BufDesc {
+            len,
+            memory: MemoryKind::Host,
+        };
+        let send = CollectiveDesc::new(OpKind::Send, DType::F32, 0, 3, MemoryKind::Host)
+            .with_send(host(50))
+            .with_peer(1);
+        let recv = CollectiveDesc::new(OpKind::Recv, DType::F32, 0, 3, MemoryKind::Host)
+            .with_recv(host(15))
+            .with_peer(2);
+        let (lone_send, lone_recv) = (plan_with(&send, 40, Family::Ring), plan(&recv, 40));
+        assert_eq!((lone_send.steps.len(), lone_recv.steps.len()), (5, 2));
+        let both = exchange(lone_send.clone(), lone_recv.clone());
+        let kinds: String = both
+            .steps
+            .iter()
+            .map(|s| match s {
+                Step::Send { .. } => 's',
+                Step::Recv { .. } => 'r',
+                _ => '?',
+            })
+            .collect();
+        assert_eq!(kinds, "srsrsss");
+        let sends: Vec<Step> = both
+            .steps
+            .iter()
+            .copied()
+            .filter(|s| matches!(s, Step::Send { .. }))
+            .collect();
+        let recvs: Vec<Step> = both
+            .steps
+            .iter()
+            .copied()
+            .filter(|s| matches!(s, Step::Recv { .. }))
+            .collect();
+        assert_eq!(sends, lone_send.steps);
+        assert_eq!(recvs, lone_recv.steps);
+        assert_eq!(both.scratch_len, 0);
     }
 
     #[test]
