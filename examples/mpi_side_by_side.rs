@@ -15,7 +15,10 @@
 //! ms), as `mpi_coll_bench.c` chooses its batches. Sizes and buffers follow
 //! `mpi_coll_bench.c` (f32, sum; the size is the whole buffer for
 //! all-reduce and broadcast, the gathered buffer for all-gather and
-//! reduce-scatter): out of place, and broadcast in place as `MPI_Bcast`.
+//! reduce-scatter; for `sendrecv`, what each rank sends to the next and
+//! receives from the previous, `MPI_Sendrecv` against
+//! `Communicator::send_recv`): out of place, and broadcast in place as
+//! `MPI_Bcast`.
 //! Each library's result is checked once per size before timing. The
 //! buffers start on a cache line (as `oxccl-perf`'s and PyTorch's), or
 //! `--offset` bytes past one (16: where `malloc` puts a large `Vec`, and
@@ -23,7 +26,7 @@
 //!
 //! ```text
 //! mpirun -np 2 --bind-to core target/release/examples/mpi_side_by_side \
-//!     [--colls allreduce,allgather,reduce_scatter,broadcast] \
+//!     [--colls allreduce,allgather,reduce_scatter,broadcast,sendrecv] \
 //!     [--sizes 8,1024,...] [--budget SECONDS] [--offset BYTES]
 //! ```
 //!
@@ -61,6 +64,22 @@ type ReduceFn =
 type AllgatherFn =
     unsafe extern "C" fn(*const c_void, c_int, Handle, *mut c_void, c_int, Handle, Handle) -> c_int;
 type BcastFn = unsafe extern "C" fn(*mut c_void, c_int, Handle, c_int, Handle) -> c_int;
+/// `MPI_Sendrecv`: send buffer, count, type, destination, tag; receive
+/// buffer, count, type, source, tag; communicator, status.
+type SendrecvFn = unsafe extern "C" fn(
+    *const c_void,
+    c_int,
+    Handle,
+    c_int,
+    c_int,
+    *mut c_void,
+    c_int,
+    Handle,
+    c_int,
+    c_int,
+    Handle,
+    *mut c_void,
+) -> c_int;
 type VersionFn = unsafe extern "C" fn(*mut c_char, *mut c_int) -> c_int;
 
 /// The Open MPI entry points and predefined handles this program uses.
@@ -75,6 +94,7 @@ struct Mpi {
     allgather: AllgatherFn,
     reduce_scatter_block: ReduceFn,
     bcast: BcastFn,
+    sendrecv: SendrecvFn,
     library_version: VersionFn,
     world: Handle,
     float: Handle,
@@ -143,6 +163,7 @@ impl Mpi {
                     "MPI_Reduce_scatter_block",
                 )?),
                 bcast: std::mem::transmute::<*mut c_void, BcastFn>(symbol("MPI_Bcast")?),
+                sendrecv: std::mem::transmute::<*mut c_void, SendrecvFn>(symbol("MPI_Sendrecv")?),
                 library_version: std::mem::transmute::<*mut c_void, VersionFn>(symbol(
                     "MPI_Get_library_version",
                 )?),
@@ -179,6 +200,7 @@ enum Coll {
     AllGather,
     ReduceScatter,
     Broadcast,
+    SendRecv,
 }
 
 impl Coll {
@@ -188,6 +210,7 @@ impl Coll {
             "allgather" => Some(Coll::AllGather),
             "reduce_scatter" => Some(Coll::ReduceScatter),
             "broadcast" => Some(Coll::Broadcast),
+            "sendrecv" => Some(Coll::SendRecv),
             _ => None,
         }
     }
@@ -198,6 +221,7 @@ impl Coll {
             Coll::AllGather => "allgather",
             Coll::ReduceScatter => "reduce_scatter",
             Coll::Broadcast => "broadcast",
+            Coll::SendRecv => "sendrecv",
         }
     }
 }
@@ -267,6 +291,24 @@ impl Case<'_> {
                 Coll::Broadcast => {
                     (m.bcast)(self.send.as_mut_ptr().cast(), count, m.float, 0, m.world)
                 }
+                Coll::SendRecv => {
+                    let (next, prev) = self.neighbours();
+                    // A null status is MPI_STATUS_IGNORE in Open MPI.
+                    (m.sendrecv)(
+                        s,
+                        count,
+                        m.float,
+                        next as c_int,
+                        0,
+                        r,
+                        count,
+                        m.float,
+                        prev as c_int,
+                        0,
+                        m.world,
+                        std::ptr::null_mut(),
+                    )
+                }
             };
         }
     }
@@ -280,7 +322,17 @@ impl Case<'_> {
                 comm.reduce_scatter(&self.send, &mut self.recv[..per], ReduceOp::Sum)
             }
             Coll::Broadcast => comm.broadcast_in_place(&mut self.send, 0),
+            Coll::SendRecv => {
+                let (next, prev) = self.neighbours();
+                comm.send_recv(&self.send, next, &mut self.recv, prev)
+            }
         }
+    }
+
+    /// The ranks this one sends to and receives from in `sendrecv`.
+    fn neighbours(&self) -> (usize, usize) {
+        let (rank, world) = (self.rank, self.world);
+        ((rank + 1) % world, (rank + world - 1) % world)
     }
 
     /// The input pattern of `mpi_coll_bench.c`.
@@ -305,6 +357,10 @@ impl Case<'_> {
                 .all(|i| self.recv[i] == (i / per + 1) as f32 + ((i % per) % 7) as f32),
             Coll::ReduceScatter => (0..per).all(|j| self.recv[j] == reduced(self.rank * per + j)),
             Coll::Broadcast => (0..self.count).all(|i| self.send[i] == 1.0 + (i % 7) as f32),
+            Coll::SendRecv => {
+                let from = self.neighbours().1;
+                (0..self.count).all(|i| self.recv[i] == (from + 1) as f32 + (i % 7) as f32)
+            }
         }
     }
 
