@@ -410,7 +410,10 @@ fn measure(
     let count = bytes / 4;
     // All-gather and reduce-scatter give every rank count / world elements.
     let splits = matches!(coll, Coll::AllGather | Coll::ReduceScatter);
-    if count == 0 || (splits && !count.is_multiple_of(world)) || count > c_int::MAX as usize {
+    // An exchange needs a peer (oxccl refuses sending to oneself).
+    let lone = coll == Coll::SendRecv && world < 2;
+    if count == 0 || lone || (splits && !count.is_multiple_of(world)) || count > c_int::MAX as usize
+    {
         return Ok(None);
     }
     let mut case = Case {

@@ -1161,8 +1161,9 @@ impl Communicator {
     }
 
     /// Runs a `send_recv`: validates both halves, numbers them as a lone
-    /// `send` and a lone `recv` would be, and runs their plans alternated
-    /// ([`schedule::exchange`]).
+    /// `send` and a lone `recv` would be (neither runs in the arena:
+    /// [`uses_arena`](Self::uses_arena)), and runs the send's plan, then
+    /// the receive's ([`schedule::exchange`]).
     fn run_exchange<T: Element>(
         &mut self,
         (sending, receiving): (CollectiveDesc, CollectiveDesc),
@@ -1183,7 +1184,11 @@ impl Communicator {
         let result = if transport.is_aborted() {
             Err(send_info.error(self.rank, TransportError::Aborted))
         } else {
-            let plan = schedule::exchange(self.plan_links(&sending), self.plan_links(&receiving));
+            let plan = schedule::exchange(
+                self.plan_links(&sending),
+                self.plan_links(&receiving),
+                matches!(bufs, Bufs::InPlace(_)),
+            );
             executor::execute_exchange(transport, (&send_info, &recv_info), &plan, bufs)
         };
         if let Err(e) = &result {
@@ -2020,12 +2025,16 @@ impl Communicator {
     /// Each half is exactly a lone [`send`](Self::send) or
     /// [`recv`](Self::recv): it meets the peer's `recv` or `send`, or the
     /// other half of the peer's `send_recv`, in the order of this pair's
-    /// other messages. Unlike a `send` followed by a `recv`, the receive is
-    /// under way while the send leaves, and the peer's message lands
-    /// straight in `recv`: a `send` larger than the link's buffer
-    /// otherwise waits for room while the peer, also sending, leaves this
-    /// rank's message in the link or reads it into buffers of its own to
-    /// copy later. `dst` and `src` may be the same peer, or different.
+    /// other messages; the peer may also receive its whole message before
+    /// sending (`recv`, then `send`). Unlike a `send` followed by a `recv`,
+    /// the receive is under way while the send leaves. Across processes,
+    /// pieces of 64 KiB or more land straight in `recv` (posted when the
+    /// call starts) and the send lends `send` to the link rather than
+    /// copying it; with a `send` then a `recv` on both ranks, a `send`
+    /// larger than the link's buffer waits for room while the peer, also
+    /// sending, leaves this rank's message in the link and, once its wait
+    /// stalls, reads it into buffers of its own to copy later. `dst` and
+    /// `src` may be the same peer, or different.
     ///
     /// # Errors
     ///
@@ -2053,9 +2062,11 @@ impl Communicator {
 
     /// [`send_recv`](Self::send_recv) with one buffer
     /// (`MPI_Sendrecv_replace`): sends `buf` to `dst` and replaces it with
-    /// the message from `src`, of the same length. Each piece is copied
-    /// out before the peer's piece overwrites it, so this costs a copy
-    /// that `send_recv` with two buffers does not.
+    /// the message from `src`, of the same length. The whole message is
+    /// copied out (into the frames queued for `dst`) before any of the
+    /// peer's lands, and the peer's cannot be posted ahead into a buffer
+    /// still being sent: across processes this costs copies that
+    /// `send_recv` with two buffers does not make.
     ///
     /// # Errors
     ///

@@ -1070,13 +1070,34 @@ fn send_recv_exchanges_and_each_half_meets_a_lone_call() {
             Ok(())
         })
         .unwrap_or_else(|e| panic!("{transport:?}: {e}"));
-        // Two ranks: the peer is both the destination and the source.
+        // Two ranks: the peer is both the destination and the source, and
+        // it may exchange too, receive its whole message before sending,
+        // or send before receiving (messages of many pieces).
         run_on(transport, 2, |comm| {
             let (rank, peer) = (comm.rank(), 1 - comm.rank());
             let len = 1 << 20;
             let mut buf = message(rank, 9, len);
             comm.send_recv_in_place(&mut buf, peer, peer)?;
             assert!(buf == message(peer, 9, len), "swapped in place");
+            for (round, peer_receives_first) in [(10, true), (11, false)] {
+                let mine = message(rank, round, len);
+                let mut theirs = vec![0u32; len];
+                if rank == 0 {
+                    comm.send_recv(&mine, peer, &mut theirs, peer)?;
+                } else if peer_receives_first {
+                    comm.recv(&mut theirs, peer)?;
+                    comm.send(&mine, peer)?;
+                } else {
+                    comm.send(&mine, peer)?;
+                    comm.recv(&mut theirs, peer)?;
+                }
+                let order = if peer_receives_first {
+                    "recv, send"
+                } else {
+                    "send, recv"
+                };
+                assert!(theirs == message(peer, round, len), "against {order}");
+            }
             Ok(())
         })
         .unwrap_or_else(|e| panic!("{transport:?}, two ranks: {e}"));
@@ -1104,10 +1125,13 @@ fn send_recv_refuses_bad_peers_and_reports_a_mismatch() {
             invalid_arg(comm.send_recv_in_place(&mut out, rank, next)),
             (OpKind::Send, "peer")
         );
-        // Nothing was numbered: an exchange in order still works.
+        // Nothing was numbered (neither half, to or from either
+        // neighbour): exchanges both ways round the ring still match.
         let prev = (rank + w - 1) % w;
         comm.send_recv(&[rank as u32; 4], next, &mut out, prev)?;
         assert_eq!(out, [prev as u32; 4]);
+        comm.send_recv(&[rank as u32 + 10; 4], prev, &mut out, next)?;
+        assert_eq!(out, [next as u32 + 10; 4]);
         Ok(())
     });
     for transport in EVERY_TRANSPORT {

@@ -279,35 +279,40 @@ pub fn plan(desc: &CollectiveDesc, chunk_bytes: usize) -> Plan {
     plan_with(desc, chunk_bytes, choose(desc))
 }
 
-/// The plan of one `send_recv`: the steps of a lone `send`'s plan and of a
-/// lone `recv`'s, alternated piece by piece (send one, then receive one),
-/// so each half cuts exactly the frames its lone call would and meets a
-/// peer's lone `recv` or `send`. Sends are queued eagerly and every wait
-/// makes progress on every link, so a receive waiting here drains this
-/// rank's queued sends and reads the peer's frames into place at once;
-/// alternating (rather than all sends first) bounds what is queued when
-/// the sends must be copied (in place, where the receives overwrite what
-/// is sent).
+/// The plan of one `send_recv`: every step of a lone `send`'s plan, then
+/// every step of a lone `recv`'s, so each half cuts exactly the frames its
+/// lone call would and meets a peer's lone `recv` or `send`. All sends come
+/// first because sends never wait, and a lone `send` queues all its pieces
+/// before returning: a peer that receives the whole message before sending
+/// (`recv` then `send`, or a cycle of such ranks) must get every piece
+/// without this rank's receive having made progress (with the pieces
+/// alternated, it waited for the peer's first piece after queueing only its
+/// own first, and both waited until the deadline). While the receives wait,
+/// every wait makes progress on every link: the queued sends drain and the
+/// peer's frames arrive. In place (`in_place`: one buffer, which the
+/// receives overwrite) the send steps name [`BufId::Recv`], as every
+/// in-place plan does, and the executor copies each piece as it queues it
+/// (it does not lend a span a later step writes): the whole message is
+/// copied before any of it is received, as `MPI_Sendrecv_replace` does.
 ///
 /// # Panics
 ///
 /// If either plan uses scratch: point-to-point plans do not, and the two
 /// halves would share it.
-pub fn exchange(send: Plan, recv: Plan) -> Plan {
+pub fn exchange(send: Plan, recv: Plan, in_place: bool) -> Plan {
     assert!(
         send.scratch_len == 0 && recv.scratch_len == 0,
         "point-to-point plans use no scratch"
     );
-    let mut steps = Vec::with_capacity(send.steps.len() + recv.steps.len());
-    let (mut sends, mut recvs) = (send.steps.into_iter(), recv.steps.into_iter());
-    loop {
-        match (sends.next(), recvs.next()) {
-            (None, None) => break,
-            (a, b) => steps.extend(a.into_iter().chain(b)),
-        }
-    }
+    let sends = send.steps.into_iter().map(|step| match step {
+        Step::Send { peer, src } if in_place => Step::Send {
+            peer,
+            src: Span::new(BufId::Recv, src.offset, src.len),
+        },
+        step => step,
+    });
     Plan {
-        steps,
+        steps: sends.chain(recv.steps).collect(),
         scratch_len: 0,
     }
 }
@@ -584,11 +589,11 @@ mod tests {
         assert_eq!(plan_with(&small, 10, Family::Ring).steps.len(), 100);
     }
 
-    /// An exchange holds each lone plan's steps in their own order,
-    /// alternated while both have some: 5 sends to rank 1 against 2
-    /// receives from rank 2.
+    /// An exchange holds every step of the lone send's plan, in order,
+    /// before every step of the lone receive's (5 sends to rank 1, then 2
+    /// receives from rank 2); in place its sends name the one buffer.
     #[test]
-    fn an_exchange_alternates_the_lone_plans_in_order() {
+    fn an_exchange_queues_the_lone_sends_before_the_lone_receives() {
         use crate::desc::{BufDesc, MemoryKind};
         use crate::types::DType;
         let host = |len| BufDesc {
@@ -603,32 +608,27 @@ mod tests {
             .with_peer(2);
         let (lone_send, lone_recv) = (plan_with(&send, 40, Family::Ring), plan(&recv, 40));
         assert_eq!((lone_send.steps.len(), lone_recv.steps.len()), (5, 2));
-        let both = exchange(lone_send.clone(), lone_recv.clone());
-        let kinds: String = both
+        let both = exchange(lone_send.clone(), lone_recv.clone(), false);
+        let expected: Vec<Step> = lone_send
             .steps
             .iter()
-            .map(|s| match s {
-                Step::Send { .. } => 's',
-                Step::Recv { .. } => 'r',
-                _ => '?',
-            })
-            .collect();
-        assert_eq!(kinds, "srsrsss");
-        let sends: Vec<Step> = both
-            .steps
-            .iter()
+            .chain(&lone_recv.steps)
             .copied()
-            .filter(|s| matches!(s, Step::Send { .. }))
             .collect();
-        let recvs: Vec<Step> = both
-            .steps
-            .iter()
-            .copied()
-            .filter(|s| matches!(s, Step::Recv { .. }))
-            .collect();
-        assert_eq!(sends, lone_send.steps);
-        assert_eq!(recvs, lone_recv.steps);
+        assert_eq!(both.steps, expected);
         assert_eq!(both.scratch_len, 0);
+        let in_place = exchange(lone_send.clone(), lone_recv.clone(), true);
+        for (step, lone) in in_place.steps.iter().zip(&expected) {
+            match (*step, *lone) {
+                (Step::Send { peer, src }, Step::Send { peer: p, src: s }) => {
+                    assert_eq!(
+                        (peer, src.buf, src.offset, src.len),
+                        (p, BufId::Recv, s.offset, s.len)
+                    );
+                }
+                (step, lone) => assert_eq!(step, lone),
+            }
+        }
     }
 
     #[test]
