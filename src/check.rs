@@ -383,6 +383,17 @@ pub fn every_collective<T: Element>(
             ensure(count_wrong_input(&got, prev, 0, op), || {
                 format!("send/recv from {prev} count {count}")
             })?;
+            // The same exchange in one call, out of place and in place.
+            got.fill(T::zeroed());
+            comm.send_recv(&send[..count], next, &mut got, prev)?;
+            ensure(count_wrong_input(&got, prev, 0, op), || {
+                format!("send_recv from {prev} count {count}")
+            })?;
+            let mut buf = send[..count].to_vec();
+            comm.send_recv_in_place(&mut buf, next, prev)?;
+            ensure(count_wrong_input(&buf, prev, 0, op), || {
+                format!("send_recv in place from {prev} count {count}")
+            })?;
         }
         comm.barrier()?;
     }

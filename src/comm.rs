@@ -16,6 +16,7 @@ use crate::host::shared::{SharedBuffer, SharedRegion};
 use crate::schedule;
 use crate::transport::local::{LocalEndpoint, LocalGroup};
 use crate::transport::net::{self, TransportKind};
+use crate::transport::shm::LinkStores;
 use crate::transport::{FailureCause, Space, Transport, TransportError};
 use crate::types::{DType, Element, OpKind, Rank, ReduceOp};
 
@@ -88,7 +89,8 @@ pub struct CommConfig {
     /// Which algorithms collectives use (`OXCCL_ALGO`).
     pub algo: Algo,
     /// How ranks in separate processes write what they stage into the
-    /// shared arena (`OXCCL_SHM_STORES`).
+    /// shared arena, and what their shared-memory links write into each
+    /// other's rings (`OXCCL_SHM_STORES`).
     pub shm_stores: ShmStores,
 }
 
@@ -104,6 +106,13 @@ pub struct CommConfig {
 /// stream the slot from memory instead: 4–5 times faster there, about
 /// half as fast where the cache is shared. `Auto` measures both.
 /// Every rank uses the same mode (the lowest rank that forces one wins).
+///
+/// The same setting governs the shared-memory links (point-to-point
+/// calls, and collectives that run over the links: `OXCCL_ALGO=ring`, or
+/// ranks on several hosts): `Cached` and `Streaming` as above for writes
+/// of 32 KiB and more into a peer's ring, and `Auto` lets each link's
+/// writer choose as it goes, by timing its own writes (it needs no
+/// agreement: the reader reads whatever landed).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum ShmStores {
@@ -686,6 +695,11 @@ impl CommBuilder {
             toward,
             job_id,
             shm_ring_bytes: config.shm_ring_bytes,
+            shm_link_stores: match config.shm_stores {
+                ShmStores::Cached => LinkStores::Cached,
+                ShmStores::Streaming => LinkStores::Streaming,
+                ShmStores::Auto { .. } => LinkStores::Adaptive,
+            },
             arena_bytes: if config.algo == Algo::Ring {
                 0
             } else {

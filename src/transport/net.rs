@@ -1652,6 +1652,8 @@ pub(crate) struct Setup {
     pub toward: Option<IpAddr>,
     pub job_id: Option<String>,
     pub shm_ring_bytes: usize,
+    /// How shared-memory links store their large writes.
+    pub shm_link_stores: shm::LinkStores,
     /// Bytes of the arena an all-local world shares (0: none).
     pub arena_bytes: usize,
     /// Settings every rank must share, as `(name the user sets it by,
@@ -1934,6 +1936,7 @@ fn connect_rank(setup: Setup) -> Result<(NetEndpoint, Option<Segment>)> {
         toward,
         job_id,
         shm_ring_bytes,
+        shm_link_stores,
         arena_bytes,
         settings,
         reconnect,
@@ -2210,9 +2213,14 @@ fn connect_rank(setup: Setup) -> Result<(NetEndpoint, Option<Segment>)> {
                     e.to_string(),
                 )
             })?;
-            let link = ShmLink::new(peer_segment, slot(rank, p), &segment, slot(p, rank)).map_err(
-                |e| bootstrap_error(rank, &format!("linking to rank {p}"), e.to_string()),
-            )?;
+            let link = ShmLink::new(
+                peer_segment,
+                slot(rank, p),
+                &segment,
+                slot(p, rank),
+                shm_link_stores,
+            )
+            .map_err(|e| bootstrap_error(rank, &format!("linking to rank {p}"), e.to_string()))?;
             peers[p] = Some(new_peer(Link::Shm(link)));
         }
         let mapped_key = |r: usize| format!("oxccl/shm-mapped/{r}");
@@ -2543,6 +2551,7 @@ mod tests {
             toward: None,
             job_id: None,
             shm_ring_bytes: 1 << 16,
+            shm_link_stores: shm::LinkStores::Adaptive,
             arena_bytes: 0,
             settings: Vec::new(),
             reconnect: None,

@@ -24,7 +24,7 @@
 //! (acquire) and releases space with a release store of `head`. Each counter
 //! has one writer and sits on its own cache line.
 
-use crate::host::stream::copy_cached;
+use crate::host::stream::{copy_cached, copy_streaming};
 use std::ffi::CString;
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -432,6 +432,106 @@ struct RingPtr {
     cap: usize,
 }
 
+/// How a link stores what it writes into its peer's ring, for writes of
+/// at least [`CHOSEN_WRITE_MIN_BYTES`] (smaller ones are always cached):
+/// from [`crate::ShmStores`], `auto` adapting ([`StoreChoice`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum LinkStores {
+    Cached,
+    Streaming,
+    Adaptive,
+}
+
+/// Writes into a ring of at least this many bytes may use non-temporal
+/// stores, and are the ones [`StoreChoice`] times: a timing of a smaller
+/// copy is mostly the clock's, and small frames (latency) keep their lines
+/// in the cache.
+const CHOSEN_WRITE_MIN_BYTES: usize = 32 * 1024;
+/// One chosen write in this many goes the other way, timed, so a move of
+/// the cores is noticed: at 256 KiB pieces, every 8 MiB written.
+const EXPLORE_EVERY: u32 = 32;
+/// One chosen write in this many is timed in the current way.
+const TIME_EVERY: u32 = 4;
+/// Streaming is taken when it writes at least this many times as fast as
+/// cached stores, and cached stores again once they write at least
+/// [`CACHED_AGAIN`] as fast as streaming. The writer's timing does not see
+/// the reader's cost, and that favours cached stores: where the cores share
+/// a cache the reader takes cached lines from it and streamed ones from
+/// memory (near, 33–40 against 11–17 GB/s on the VM below). Where the
+/// writer reads its source from memory too (a 16 MiB exchange), cached and
+/// streaming writes run alike near (12–18 and 11–17 GB/s), so an even
+/// timing must keep cached stores; far they differ eightfold.
+const STREAMING_GAIN: f64 = 2.0;
+const CACHED_AGAIN: f64 = 0.8;
+
+/// Which stores a link's large writes use, when adapting. The ring's lines
+/// were last read by the peer: where the two cores share a cache, ordinary
+/// stores take them back through it; where they do not (two dies, or a VM's
+/// virtual CPUs on such cores), every line is taken back across the dies
+/// one at a time, and non-temporal stores, which write around the caches,
+/// are several times faster. So is the writer's own copy: on the VM of
+/// `docs/performance.md`, cached writes into the ring ran 28–36 GB/s near
+/// and 2 GB/s in the far placement, non-temporal ones 16–20 and 17; a 1 MiB
+/// exchange took 58 µs cached against 130–185 non-temporal near, 440–510
+/// against 90–100 far. Each writer decides for itself: the reader reads
+/// whatever landed. It times one chosen write in [`TIME_EVERY`] (a running
+/// average, bytes per ns) and, one in [`EXPLORE_EVERY`], writes the other
+/// way (its last such timing is that way's figure), and switches by
+/// [`STREAMING_GAIN`] and [`CACHED_AGAIN`].
+#[derive(Debug)]
+struct StoreChoice {
+    policy: LinkStores,
+    streaming: bool,
+    /// Chosen writes so far.
+    writes: u32,
+    /// Bytes per ns of each way (`[cached, streaming]`); 0: not yet timed.
+    speed: [f64; 2],
+}
+
+impl StoreChoice {
+    fn new(policy: LinkStores) -> StoreChoice {
+        StoreChoice {
+            policy,
+            streaming: policy == LinkStores::Streaming,
+            writes: 0,
+            speed: [0.0; 2],
+        }
+    }
+
+    /// How the next chosen write stores (`true`: non-temporal), and
+    /// whether it is timed.
+    fn next(&mut self) -> (bool, bool) {
+        if self.policy != LinkStores::Adaptive {
+            return (self.streaming, false);
+        }
+        self.writes = self.writes.wrapping_add(1);
+        if self.writes.is_multiple_of(EXPLORE_EVERY) {
+            (!self.streaming, true)
+        } else {
+            (self.streaming, self.writes.is_multiple_of(TIME_EVERY))
+        }
+    }
+
+    /// A timed write of `bytes` in `ns`, the way `streaming` says.
+    fn timed(&mut self, streaming: bool, bytes: usize, ns: u64) {
+        let sample = bytes as f64 / ns.max(1) as f64;
+        let figure = &mut self.speed[usize::from(streaming)];
+        *figure = if streaming != self.streaming || *figure == 0.0 {
+            sample
+        } else {
+            0.5 * (*figure + sample)
+        };
+        let [cached, streamed] = self.speed;
+        if cached > 0.0 && streamed > 0.0 {
+            if !self.streaming && streamed >= cached * STREAMING_GAIN {
+                self.streaming = true;
+            } else if self.streaming && cached >= streamed * CACHED_AGAIN {
+                self.streaming = false;
+            }
+        }
+    }
+}
+
 /// One direction of a shared-memory link: this rank writes into ring `slot`
 /// of the peer's segment and reads ring `slot` of its own segment.
 pub(crate) struct ShmLink {
@@ -441,6 +541,8 @@ pub(crate) struct ShmLink {
     /// Our own inbox's ring for this peer; we consume from it. The segment
     /// itself is owned by the fabric (shared by all links).
     inp: RingPtr,
+    /// How large writes into `out` store.
+    stores: StoreChoice,
 }
 
 // SAFETY: see `Segment`; the raw ring pointers point into mappings that the
@@ -449,18 +551,25 @@ pub(crate) struct ShmLink {
 unsafe impl Send for ShmLink {}
 
 impl ShmLink {
-    /// A link that writes into `peer`'s ring `slot_in_peer` and reads
-    /// `own`'s ring `slot_in_own`. `own` must outlive the link.
+    /// A link that writes into `peer`'s ring `slot_in_peer` (large writes
+    /// as `stores` says) and reads `own`'s ring `slot_in_own`. `own` must
+    /// outlive the link.
     pub fn new(
         peer: Segment,
         slot_in_peer: usize,
         own: &Segment,
         slot_in_own: usize,
+        stores: LinkStores,
     ) -> io::Result<ShmLink> {
         let bad = || io::Error::other("segment has too few rings for this job");
         let out = peer.ring(slot_in_peer).ok_or_else(bad)?;
         let inp = own.ring(slot_in_own).ok_or_else(bad)?;
-        Ok(ShmLink { peer, out, inp })
+        Ok(ShmLink {
+            peer,
+            out,
+            inp,
+            stores: StoreChoice::new(stores),
+        })
     }
 
     /// Copies as much of `data` as fits into the peer's ring.
@@ -487,12 +596,28 @@ impl ShmLink {
         }
         let at = (t as usize) & (r.cap - 1);
         let first = n.min(r.cap - at);
+        let (streaming, timed) = if n >= CHOSEN_WRITE_MIN_BYTES {
+            self.stores.next()
+        } else {
+            (false, false)
+        };
+        let start = timed.then(std::time::Instant::now);
         // SAFETY: [at, at+first) and [0, n-first) lie in the ring's data
         // (n <= cap, checked above), and the consumer does not read them
-        // until `tail` is published below.
+        // until `tail` is published below (after the streaming copies'
+        // store fence).
         unsafe {
-            copy_cached(data.as_ptr(), r.data.add(at), first);
-            copy_cached(data.as_ptr().add(first), r.data, n - first);
+            if streaming {
+                copy_streaming(data.as_ptr(), r.data.add(at), first);
+                copy_streaming(data.as_ptr().add(first), r.data, n - first);
+            } else {
+                copy_cached(data.as_ptr(), r.data.add(at), first);
+                copy_cached(data.as_ptr().add(first), r.data, n - first);
+            }
+        }
+        if let Some(start) = start {
+            let ns = start.elapsed().as_nanos().min(u128::from(u64::MAX)) as u64;
+            self.stores.timed(streaming, n, ns);
         }
         tail.store(t.wrapping_add(n as u64), Ordering::Release);
         Ok(n)
@@ -707,8 +832,22 @@ mod tests {
         let b_name = unique("b");
         let a = Segment::create(&a_name, 1, 64).unwrap();
         let b = Segment::create(&b_name, 1, 64).unwrap();
-        let mut a_to_b = ShmLink::new(Segment::open(&b_name).unwrap(), 0, &a, 0).unwrap();
-        let mut b_to_a = ShmLink::new(Segment::open(&a_name).unwrap(), 0, &b, 0).unwrap();
+        let mut a_to_b = ShmLink::new(
+            Segment::open(&b_name).unwrap(),
+            0,
+            &a,
+            0,
+            LinkStores::Adaptive,
+        )
+        .unwrap();
+        let mut b_to_a = ShmLink::new(
+            Segment::open(&a_name).unwrap(),
+            0,
+            &b,
+            0,
+            LinkStores::Adaptive,
+        )
+        .unwrap();
         let data: Vec<u8> = (0..1000u32).map(|i| (i * 7) as u8).collect();
         let (mut sent, mut got) = (0, Vec::new());
         while got.len() < data.len() {
@@ -723,6 +862,58 @@ mod tests {
         assert!(a_to_b.peer_departed());
     }
 
+    /// A writer that times cached stores as fast as or faster than
+    /// streaming ones keeps them (near: the reader's cost, unseen here,
+    /// favours them); one whose cached stores write several times slower
+    /// (far) streams within a few chosen writes of finding out, and comes
+    /// back once cached stores are fast again. Forced modes never time.
+    #[test]
+    fn large_writes_stream_only_when_that_clearly_writes_faster() {
+        // Feeds `writes` chosen writes of 256 KiB at `cached` and
+        // `streamed` GB/s (= bytes per ns); returns the mode after each.
+        let run = |choice: &mut StoreChoice, writes: u32, cached: f64, streamed: f64| {
+            (0..writes)
+                .map(|_| {
+                    let (streaming, timed) = choice.next();
+                    if timed {
+                        let speed = if streaming { streamed } else { cached };
+                        choice.timed(streaming, 256 << 10, ((256 << 10) as f64 / speed) as u64);
+                    }
+                    choice.streaming
+                })
+                .collect::<Vec<bool>>()
+        };
+        let mut choice = StoreChoice::new(LinkStores::Adaptive);
+        // Near, source in cache: cached 30 against 18; source in memory:
+        // 15 against 13.
+        assert!(run(&mut choice, 200, 30.0, 18.0).iter().all(|&s| !s));
+        assert!(run(&mut choice, 200, 15.0, 13.0).iter().all(|&s| !s));
+        // Streaming timed a third faster (the spread of such samples near)
+        // is not enough: the reader pays for streamed lines.
+        assert!(run(&mut choice, 200, 15.0, 20.0).iter().all(|&s| !s));
+        // Far: cached stores collapse to 2 GB/s. The next exploration
+        // finds streaming at 17: within two exploration periods.
+        let far = run(&mut choice, 200, 2.0, 17.0);
+        let first = far.iter().position(|&s| s).expect("streams far");
+        assert!(first < 2 * EXPLORE_EVERY as usize, "streamed after {first}");
+        assert!(far[first..].iter().all(|&s| s), "steady once streaming");
+        // Near again: back to cached stores.
+        let near = run(&mut choice, 200, 30.0, 18.0);
+        let back = near.iter().position(|&s| !s).expect("cached again near");
+        assert!(
+            back < 2 * EXPLORE_EVERY as usize,
+            "cached again after {back}"
+        );
+        assert!(near[back..].iter().all(|&s| !s));
+        // Forced: no timing, no exploring.
+        for (policy, streams) in [(LinkStores::Cached, false), (LinkStores::Streaming, true)] {
+            let mut forced = StoreChoice::new(policy);
+            for _ in 0..100 {
+                assert_eq!(forced.next(), (streams, false), "{policy:?}");
+            }
+        }
+    }
+
     /// Ring counters a peer set further apart than the ring holds are an
     /// error on both sides, not a copy by them past the ring (the writer
     /// would have written 4 KiB into a 64-byte ring, the reader read as
@@ -733,8 +924,22 @@ mod tests {
         let b_name = unique("y");
         let a = Segment::create(&a_name, 1, 64).unwrap();
         let b = Segment::create(&b_name, 1, 64).unwrap();
-        let mut a_to_b = ShmLink::new(Segment::open(&b_name).unwrap(), 0, &a, 0).unwrap();
-        let mut b_to_a = ShmLink::new(Segment::open(&a_name).unwrap(), 0, &b, 0).unwrap();
+        let mut a_to_b = ShmLink::new(
+            Segment::open(&b_name).unwrap(),
+            0,
+            &a,
+            0,
+            LinkStores::Adaptive,
+        )
+        .unwrap();
+        let mut b_to_a = ShmLink::new(
+            Segment::open(&a_name).unwrap(),
+            0,
+            &b,
+            0,
+            LinkStores::Adaptive,
+        )
+        .unwrap();
         assert_eq!(a_to_b.write_some(&[1; 10]).unwrap(), 10);
         // The peer moves the ring's head behind by far (a writer's "free"
         // would wrap), then its tail ahead by far (a reader's "available").
