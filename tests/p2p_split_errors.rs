@@ -1156,3 +1156,51 @@ fn send_recv_refuses_bad_peers_and_reports_a_mismatch() {
         }
     }
 }
+
+/// A peer that never answers an exchange: the receive half times out,
+/// naming the call (`recv`, its number on this pair) and the silent peer,
+/// and the communicator refuses later calls with that first error.
+#[test]
+fn a_send_recv_whose_peer_never_answers_times_out_naming_the_receive() {
+    for transport in EVERY_TRANSPORT {
+        let builder = Communicator::builder().timeout(Duration::from_millis(300));
+        let body = |comm: &mut Communicator| {
+            if comm.rank() == 1 {
+                std::thread::sleep(Duration::from_millis(1200));
+                return Ok(None);
+            }
+            // A word sent to the peer first: the exchange's send half is
+            // send #1, its receive half recv #0 (numbered per direction).
+            comm.send(&[1u32], 1)?;
+            let outcome = comm.send_recv(&vec![1.5f32; 1 << 20], 1, &mut vec![0f32; 1 << 20], 1);
+            let later = comm.barrier();
+            Ok(Some((outcome, later)))
+        };
+        let results = match transport {
+            None => run_ranks_with(2, builder, body),
+            Some(kind) => common::run_ranks_net(2, builder, kind, body),
+        }
+        .unwrap_or_else(|e| panic!("{transport:?}: {e}"));
+        let (outcome, later) = results[0].as_ref().expect("rank 0 reports");
+        match outcome {
+            Err(Error::Timeout {
+                op,
+                seq,
+                rank,
+                peer,
+                ..
+            }) => {
+                assert_eq!(
+                    (*op, *seq, *rank, *peer),
+                    (OpKind::Recv, 0, 0, 1),
+                    "{transport:?}"
+                )
+            }
+            other => panic!("{transport:?}: expected a receive timeout, got {other:?}"),
+        }
+        assert!(
+            matches!(later, Err(Error::Failed { .. })),
+            "{transport:?}: {later:?}"
+        );
+    }
+}
