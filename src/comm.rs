@@ -105,14 +105,16 @@ pub struct CommConfig {
 /// around the caches (`Streaming`, non-temporal stores) lets the reader
 /// stream the slot from memory instead: 4–5 times faster there, about
 /// half as fast where the cache is shared. `Auto` measures both.
-/// Every rank uses the same mode (the lowest rank that forces one wins).
+/// Every rank's arena uses the same mode (the lowest rank that forces one
+/// wins).
 ///
-/// The same setting governs the shared-memory links (point-to-point
-/// calls, and collectives that run over the links: `OXCCL_ALGO=ring`, or
-/// ranks on several hosts): `Cached` and `Streaming` as above for writes
-/// of 32 KiB and more into a peer's ring, and `Auto` lets each link's
-/// writer choose as it goes, by timing its own writes (it needs no
-/// agreement: the reader reads whatever landed).
+/// Each rank's own setting also governs what its shared-memory links write
+/// (point-to-point calls, and collectives that run over the links:
+/// `OXCCL_ALGO=ring`, or ranks on several hosts), with no agreement needed
+/// (a reader reads whatever landed): `Cached` and `Streaming` as above for
+/// each write of 32 KiB and more into a peer's ring, and `Auto` lets each
+/// link's writer choose as it goes, by timing its own writes (the
+/// `remeasure` interval does not apply to them).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum ShmStores {

@@ -24,7 +24,7 @@
 //! (acquire) and releases space with a release store of `head`. Each counter
 //! has one writer and sits on its own cache line.
 
-use crate::host::stream::{copy_cached, copy_streaming};
+use crate::host::stream::{copy_cached, copy_streaming_unfenced, fence};
 use std::ffi::CString;
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -447,9 +447,17 @@ pub(crate) enum LinkStores {
 /// copy is mostly the clock's, and small frames (latency) keep their lines
 /// in the cache.
 const CHOSEN_WRITE_MIN_BYTES: usize = 32 * 1024;
-/// One chosen write in this many goes the other way, timed, so a move of
-/// the cores is noticed: at 256 KiB pieces, every 8 MiB written.
-const EXPLORE_EVERY: u32 = 32;
+/// After this many chosen writes one goes the other way, timed, so a move
+/// of the cores is noticed; the spacing doubles, up to [`EXPLORE_MAX`],
+/// while such writes find nothing to change, and starts again here after
+/// a switch. An exploration costs: far, a 256 KiB cached write takes
+/// about 130 µs against 15 streamed, so at a fixed 32 (8 MiB) it made a
+/// 1 MiB exchange 1.4–1.6× slower than forced streaming.
+const EXPLORE_MIN: u32 = 32;
+/// The widest spacing of explorations: at 256 KiB per write, 64 MiB (a
+/// few milliseconds of writing) before a move back to a shared cache is
+/// noticed. (A move away from it shows in the current way's own timings.)
+const EXPLORE_MAX: u32 = 256;
 /// One chosen write in this many is timed in the current way.
 const TIME_EVERY: u32 = 4;
 /// Streaming is taken when it writes at least this many times as fast as
@@ -475,15 +483,17 @@ const CACHED_AGAIN: f64 = 0.8;
 /// exchange took 58 µs cached against 130–185 non-temporal near, 440–510
 /// against 90–100 far. Each writer decides for itself: the reader reads
 /// whatever landed. It times one chosen write in [`TIME_EVERY`] (a running
-/// average, bytes per ns) and, one in [`EXPLORE_EVERY`], writes the other
-/// way (its last such timing is that way's figure), and switches by
+/// average, bytes per ns) and, now and then ([`EXPLORE_MIN`]), writes the
+/// other way (its last such timing is that way's figure), and switches by
 /// [`STREAMING_GAIN`] and [`CACHED_AGAIN`].
 #[derive(Debug)]
 struct StoreChoice {
     policy: LinkStores,
     streaming: bool,
-    /// Chosen writes so far.
+    /// Chosen writes since the last exploration.
     writes: u32,
+    /// Chosen writes between explorations now.
+    explore_every: u32,
     /// Bytes per ns of each way (`[cached, streaming]`); 0: not yet timed.
     speed: [f64; 2],
 }
@@ -494,6 +504,7 @@ impl StoreChoice {
             policy,
             streaming: policy == LinkStores::Streaming,
             writes: 0,
+            explore_every: EXPLORE_MIN,
             speed: [0.0; 2],
         }
     }
@@ -504,8 +515,9 @@ impl StoreChoice {
         if self.policy != LinkStores::Adaptive {
             return (self.streaming, false);
         }
-        self.writes = self.writes.wrapping_add(1);
-        if self.writes.is_multiple_of(EXPLORE_EVERY) {
+        self.writes += 1;
+        if self.writes >= self.explore_every {
+            self.writes = 0;
             (!self.streaming, true)
         } else {
             (self.streaming, self.writes.is_multiple_of(TIME_EVERY))
@@ -515,19 +527,26 @@ impl StoreChoice {
     /// A timed write of `bytes` in `ns`, the way `streaming` says.
     fn timed(&mut self, streaming: bool, bytes: usize, ns: u64) {
         let sample = bytes as f64 / ns.max(1) as f64;
+        let explored = streaming != self.streaming;
         let figure = &mut self.speed[usize::from(streaming)];
-        *figure = if streaming != self.streaming || *figure == 0.0 {
+        *figure = if explored || *figure == 0.0 {
             sample
         } else {
             0.5 * (*figure + sample)
         };
         let [cached, streamed] = self.speed;
+        let was = self.streaming;
         if cached > 0.0 && streamed > 0.0 {
             if !self.streaming && streamed >= cached * STREAMING_GAIN {
                 self.streaming = true;
             } else if self.streaming && cached >= streamed * CACHED_AGAIN {
                 self.streaming = false;
             }
+        }
+        if self.streaming != was {
+            self.explore_every = EXPLORE_MIN;
+        } else if explored {
+            self.explore_every = (self.explore_every * 2).min(EXPLORE_MAX);
         }
     }
 }
@@ -608,8 +627,9 @@ impl ShmLink {
         // store fence).
         unsafe {
             if streaming {
-                copy_streaming(data.as_ptr(), r.data.add(at), first);
-                copy_streaming(data.as_ptr().add(first), r.data, n - first);
+                copy_streaming_unfenced(data.as_ptr(), r.data.add(at), first);
+                copy_streaming_unfenced(data.as_ptr().add(first), r.data, n - first);
+                fence();
             } else {
                 copy_cached(data.as_ptr(), r.data.add(at), first);
                 copy_cached(data.as_ptr().add(first), r.data, n - first);
@@ -862,55 +882,102 @@ mod tests {
         assert!(a_to_b.peer_departed());
     }
 
-    /// A writer that times cached stores as fast as or faster than
-    /// streaming ones keeps them (near: the reader's cost, unseen here,
-    /// favours them); one whose cached stores write several times slower
-    /// (far) streams within a few chosen writes of finding out, and comes
-    /// back once cached stores are fast again. Forced modes never time.
+    /// Feeds `writes` chosen writes of 256 KiB at `cached` and `streamed`
+    /// GB/s (= bytes per ns) to `choice`; returns the mode after each and
+    /// how many writes explored the other way.
+    fn feed(choice: &mut StoreChoice, writes: u32, cached: f64, streamed: f64) -> (Vec<bool>, u32) {
+        let mut explored = 0;
+        let modes = (0..writes)
+            .map(|_| {
+                let (streaming, timed) = choice.next();
+                explored += u32::from(streaming != choice.streaming);
+                if timed {
+                    let speed = if streaming { streamed } else { cached };
+                    choice.timed(streaming, 256 << 10, ((256 << 10) as f64 / speed) as u64);
+                }
+                choice.streaming
+            })
+            .collect();
+        (modes, explored)
+    }
+
+    /// A writer that times cached stores faster, alike, or up to a little
+    /// under half as fast as streaming ones keeps them (near: the reader's
+    /// cost, unseen here, favours them); one whose cached stores write
+    /// several times slower (far) streams within a few chosen writes, keeps
+    /// streaming while cached stores stay under 0.8 of its speed, and comes
+    /// back once they reach it. Explorations space out while they change
+    /// nothing. Forced modes never time.
     #[test]
     fn large_writes_stream_only_when_that_clearly_writes_faster() {
-        // Feeds `writes` chosen writes of 256 KiB at `cached` and
-        // `streamed` GB/s (= bytes per ns); returns the mode after each.
-        let run = |choice: &mut StoreChoice, writes: u32, cached: f64, streamed: f64| {
-            (0..writes)
-                .map(|_| {
-                    let (streaming, timed) = choice.next();
-                    if timed {
-                        let speed = if streaming { streamed } else { cached };
-                        choice.timed(streaming, 256 << 10, ((256 << 10) as f64 / speed) as u64);
-                    }
-                    choice.streaming
-                })
-                .collect::<Vec<bool>>()
-        };
         let mut choice = StoreChoice::new(LinkStores::Adaptive);
-        // Near, source in cache: cached 30 against 18; source in memory:
-        // 15 against 13.
-        assert!(run(&mut choice, 200, 30.0, 18.0).iter().all(|&s| !s));
-        assert!(run(&mut choice, 200, 15.0, 13.0).iter().all(|&s| !s));
-        // Streaming timed a third faster (the spread of such samples near)
-        // is not enough: the reader pays for streamed lines.
-        assert!(run(&mut choice, 200, 15.0, 20.0).iter().all(|&s| !s));
-        // Far: cached stores collapse to 2 GB/s. The next exploration
-        // finds streaming at 17: within two exploration periods.
-        let far = run(&mut choice, 200, 2.0, 17.0);
+        let all = |modes: &[bool], streaming: bool| modes.iter().all(|&s| s == streaming);
+        // Near, source in cache: cached 30 against 18; source in memory
+        // 15 against 13; streaming timed a third faster, or 1.9×, is not
+        // enough.
+        for (cached, streamed) in [(30.0, 18.0), (15.0, 13.0), (15.0, 20.0), (10.0, 19.0)] {
+            assert!(
+                all(&feed(&mut choice, 300, cached, streamed).0, false),
+                "{cached} {streamed}"
+            );
+        }
+        // Explorations spaced out to the widest: over 2560 steady writes,
+        // 10 at EXPLORE_MAX (and never more than one per EXPLORE_MIN).
+        let (_, explored) = feed(&mut choice, 2560, 30.0, 18.0);
+        assert!((9..=11).contains(&explored), "{explored} explorations");
+        // Far: cached stores collapse to 2 GB/s; streaming's last figure
+        // (18) is over twice that after two timings of the current way.
+        let (far, _) = feed(&mut choice, 300, 2.0, 17.0);
         let first = far.iter().position(|&s| s).expect("streams far");
-        assert!(first < 2 * EXPLORE_EVERY as usize, "streamed after {first}");
-        assert!(far[first..].iter().all(|&s| s), "steady once streaming");
-        // Near again: back to cached stores.
-        let near = run(&mut choice, 200, 30.0, 18.0);
-        let back = near.iter().position(|&s| !s).expect("cached again near");
-        assert!(
-            back < 2 * EXPLORE_EVERY as usize,
-            "cached again after {back}"
-        );
-        assert!(near[back..].iter().all(|&s| !s));
+        assert!(first <= 2 * TIME_EVERY as usize, "streamed after {first}");
+        assert!(all(&far[first..], true), "steady once streaming");
+        // Cached stores at 0.7 of streaming's speed: still streaming.
+        assert!(all(&feed(&mut choice, 600, 12.0, 17.0).0, true));
+        // At 0.85: cached again, within the widest spacing.
+        let (back, _) = feed(&mut choice, 600, 14.5, 17.0);
+        let at = back.iter().position(|&s| !s).expect("cached again");
+        assert!(at <= EXPLORE_MAX as usize, "cached again after {at}");
+        assert!(all(&back[at..], false));
         // Forced: no timing, no exploring.
         for (policy, streams) in [(LinkStores::Cached, false), (LinkStores::Streaming, true)] {
             let mut forced = StoreChoice::new(policy);
-            for _ in 0..100 {
+            for _ in 0..1000 {
                 assert_eq!(forced.next(), (streams, false), "{policy:?}");
             }
+        }
+    }
+
+    /// Writes of 32 KiB and more through a ring, streamed (forced), chosen
+    /// (adaptive) and cached, wrapping around it: every byte arrives in
+    /// order, and the adaptive writer counted its chosen writes.
+    #[test]
+    fn large_writes_arrive_whichever_stores_write_them() {
+        for stores in [
+            LinkStores::Streaming,
+            LinkStores::Adaptive,
+            LinkStores::Cached,
+        ] {
+            let (a_name, b_name) = (unique("la"), unique("lb"));
+            let a = Segment::create(&a_name, 1, 128 << 10).unwrap();
+            let b = Segment::create(&b_name, 1, 128 << 10).unwrap();
+            let mut a_to_b =
+                ShmLink::new(Segment::open(&b_name).unwrap(), 0, &a, 0, stores).unwrap();
+            let mut b_to_a =
+                ShmLink::new(Segment::open(&a_name).unwrap(), 0, &b, 0, stores).unwrap();
+            // Odd sizes and offsets: unaligned heads and tails, and writes
+            // that wrap the ring.
+            let data: Vec<u8> = (0..5_000_017u32).map(|i| (i % 251) as u8).collect();
+            let (mut sent, mut got) = (0, Vec::with_capacity(data.len()));
+            let mut buf = vec![0u8; 77_777];
+            while got.len() < data.len() {
+                let end = (sent + 90_001).min(data.len());
+                sent += a_to_b.write_some(&data[sent..end]).unwrap();
+                let n = b_to_a.read_some(&mut buf).unwrap();
+                got.extend_from_slice(&buf[..n]);
+            }
+            assert!(got == data, "{stores:?}");
+            let counted = a_to_b.stores.writes > 0 || a_to_b.stores.speed != [0.0; 2];
+            assert_eq!(counted, stores == LinkStores::Adaptive, "{stores:?}");
         }
     }
 
