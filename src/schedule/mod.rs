@@ -304,15 +304,19 @@ pub fn exchange(send: Plan, recv: Plan, in_place: bool) -> Plan {
         send.scratch_len == 0 && recv.scratch_len == 0,
         "point-to-point plans use no scratch"
     );
-    let sends = send.steps.into_iter().map(|step| match step {
-        Step::Send { peer, src } if in_place => Step::Send {
-            peer,
-            src: Span::new(BufId::Recv, src.offset, src.len),
-        },
-        step => step,
-    });
+    // The send plan's vector, extended: no second allocation (an 8-byte
+    // exchange's plans were a tenth of its samples).
+    let mut steps = send.steps;
+    if in_place {
+        for step in &mut steps {
+            if let Step::Send { src, .. } = step {
+                *src = Span::new(BufId::Recv, src.offset, src.len);
+            }
+        }
+    }
+    steps.extend(recv.steps);
     Plan {
-        steps: sends.chain(recv.steps).collect(),
+        steps,
         scratch_len: 0,
     }
 }
