@@ -1176,6 +1176,21 @@ impl Communicator {
         schedule::plan_with(desc, self.chunk_bytes_for(desc.op), self.plan_family(desc))
     }
 
+    /// The two halves of a `send_recv`: a lone `send` of `sent` to `dst`
+    /// and a lone `recv` of `received` from `src`.
+    fn exchange_descs<T: Element>(
+        &self,
+        (sent, dst): (BufDesc, Rank),
+        (received, src): (BufDesc, Rank),
+    ) -> (CollectiveDesc, CollectiveDesc) {
+        (
+            self.desc::<T>(OpKind::Send).with_send(sent).with_peer(dst),
+            self.desc::<T>(OpKind::Recv)
+                .with_recv(received)
+                .with_peer(src),
+        )
+    }
+
     /// Runs a `send_recv`: validates both halves, numbers them as a lone
     /// `send` and a lone `recv` would be (neither runs in the arena:
     /// [`uses_arena`](Self::uses_arena)), and runs the send's plan, then
@@ -2065,15 +2080,8 @@ impl Communicator {
         recv: &mut [T],
         src: Rank,
     ) -> Result<()> {
-        let sending = self
-            .desc::<T>(OpKind::Send)
-            .with_send(BufDesc::of(send))
-            .with_peer(dst);
-        let receiving = self
-            .desc::<T>(OpKind::Recv)
-            .with_recv(BufDesc::of(recv))
-            .with_peer(src);
-        self.run_exchange((sending, receiving), Bufs::OutOfPlace { send, recv })
+        let halves = self.exchange_descs::<T>((BufDesc::of(send), dst), (BufDesc::of(recv), src));
+        self.run_exchange(halves, Bufs::OutOfPlace { send, recv })
     }
 
     /// [`send_recv`](Self::send_recv) with one buffer
@@ -2093,15 +2101,8 @@ impl Communicator {
         dst: Rank,
         src: Rank,
     ) -> Result<()> {
-        let sending = self
-            .desc::<T>(OpKind::Send)
-            .with_send(BufDesc::of(buf))
-            .with_peer(dst);
-        let receiving = self
-            .desc::<T>(OpKind::Recv)
-            .with_recv(BufDesc::of(buf))
-            .with_peer(src);
-        self.run_exchange((sending, receiving), Bufs::InPlace(buf))
+        let halves = self.exchange_descs::<T>((BufDesc::of(buf), dst), (BufDesc::of(buf), src));
+        self.run_exchange(halves, Bufs::InPlace(buf))
     }
 
     /// Receives into `buf` the next message `peer` sent to this rank.

@@ -846,40 +846,47 @@ mod tests {
         drop(s);
     }
 
+    /// Two ranks' segments of one ring each, linked both ways: rank a's
+    /// link `a_to_b` writes into `b`'s ring, which rank b's link `b_to_a`
+    /// reads, and the other way round. Used whole (not destructured: a
+    /// field left out of a pattern drops at once), so the links, declared
+    /// first, drop before the segments they point into.
+    struct Pair {
+        a_to_b: ShmLink,
+        b_to_a: ShmLink,
+        b: Segment,
+        _a: Segment,
+    }
+
+    fn linked_pair(tag: &str, ring_bytes: usize, stores: LinkStores) -> Pair {
+        let (a_name, b_name) = (unique(&format!("{tag}a")), unique(&format!("{tag}b")));
+        let a = Segment::create(&a_name, 1, ring_bytes).unwrap();
+        let b = Segment::create(&b_name, 1, ring_bytes).unwrap();
+        let a_to_b = ShmLink::new(Segment::open(&b_name).unwrap(), 0, &a, 0, stores).unwrap();
+        let b_to_a = ShmLink::new(Segment::open(&a_name).unwrap(), 0, &b, 0, stores).unwrap();
+        Pair {
+            a_to_b,
+            b_to_a,
+            b,
+            _a: a,
+        }
+    }
+
     #[test]
     fn bytes_stream_through_a_small_ring_in_order() {
-        let a_name = unique("a");
-        let b_name = unique("b");
-        let a = Segment::create(&a_name, 1, 64).unwrap();
-        let b = Segment::create(&b_name, 1, 64).unwrap();
-        let mut a_to_b = ShmLink::new(
-            Segment::open(&b_name).unwrap(),
-            0,
-            &a,
-            0,
-            LinkStores::Adaptive,
-        )
-        .unwrap();
-        let mut b_to_a = ShmLink::new(
-            Segment::open(&a_name).unwrap(),
-            0,
-            &b,
-            0,
-            LinkStores::Adaptive,
-        )
-        .unwrap();
+        let mut p = linked_pair("s", 64, LinkStores::Adaptive);
         let data: Vec<u8> = (0..1000u32).map(|i| (i * 7) as u8).collect();
         let (mut sent, mut got) = (0, Vec::new());
         while got.len() < data.len() {
-            sent += a_to_b.write_some(&data[sent..]).unwrap();
+            sent += p.a_to_b.write_some(&data[sent..]).unwrap();
             let mut buf = [0u8; 37];
-            let n = b_to_a.read_some(&mut buf).unwrap();
+            let n = p.b_to_a.read_some(&mut buf).unwrap();
             got.extend_from_slice(&buf[..n]);
         }
         assert_eq!(got, data);
-        assert!(a_to_b.peer_alive() && !a_to_b.peer_departed());
-        b.set_departed();
-        assert!(a_to_b.peer_departed());
+        assert!(p.a_to_b.peer_alive() && !p.a_to_b.peer_departed());
+        p.b.set_departed();
+        assert!(p.a_to_b.peer_departed());
     }
 
     /// Feeds `writes` chosen writes of 256 KiB at `cached` and `streamed`
@@ -957,13 +964,7 @@ mod tests {
             LinkStores::Adaptive,
             LinkStores::Cached,
         ] {
-            let (a_name, b_name) = (unique("la"), unique("lb"));
-            let a = Segment::create(&a_name, 1, 128 << 10).unwrap();
-            let b = Segment::create(&b_name, 1, 128 << 10).unwrap();
-            let mut a_to_b =
-                ShmLink::new(Segment::open(&b_name).unwrap(), 0, &a, 0, stores).unwrap();
-            let mut b_to_a =
-                ShmLink::new(Segment::open(&a_name).unwrap(), 0, &b, 0, stores).unwrap();
+            let mut p = linked_pair("l", 128 << 10, stores);
             // Odd sizes and offsets: unaligned heads and tails, and writes
             // that wrap the ring.
             let data: Vec<u8> = (0..5_000_017u32).map(|i| (i % 251) as u8).collect();
@@ -971,12 +972,12 @@ mod tests {
             let mut buf = vec![0u8; 77_777];
             while got.len() < data.len() {
                 let end = (sent + 90_001).min(data.len());
-                sent += a_to_b.write_some(&data[sent..end]).unwrap();
-                let n = b_to_a.read_some(&mut buf).unwrap();
+                sent += p.a_to_b.write_some(&data[sent..end]).unwrap();
+                let n = p.b_to_a.read_some(&mut buf).unwrap();
                 got.extend_from_slice(&buf[..n]);
             }
             assert!(got == data, "{stores:?}");
-            let counted = a_to_b.stores.writes > 0 || a_to_b.stores.speed != [0.0; 2];
+            let counted = p.a_to_b.stores.writes > 0 || p.a_to_b.stores.speed != [0.0; 2];
             assert_eq!(counted, stores == LinkStores::Adaptive, "{stores:?}");
         }
     }
@@ -987,39 +988,20 @@ mod tests {
     /// much out of it).
     #[test]
     fn ring_counters_a_peer_corrupted_are_an_error() {
-        let a_name = unique("x");
-        let b_name = unique("y");
-        let a = Segment::create(&a_name, 1, 64).unwrap();
-        let b = Segment::create(&b_name, 1, 64).unwrap();
-        let mut a_to_b = ShmLink::new(
-            Segment::open(&b_name).unwrap(),
-            0,
-            &a,
-            0,
-            LinkStores::Adaptive,
-        )
-        .unwrap();
-        let mut b_to_a = ShmLink::new(
-            Segment::open(&a_name).unwrap(),
-            0,
-            &b,
-            0,
-            LinkStores::Adaptive,
-        )
-        .unwrap();
-        assert_eq!(a_to_b.write_some(&[1; 10]).unwrap(), 10);
+        let mut p = linked_pair("c", 64, LinkStores::Adaptive);
+        assert_eq!(p.a_to_b.write_some(&[1; 10]).unwrap(), 10);
         // The peer moves the ring's head behind by far (a writer's "free"
         // would wrap), then its tail ahead by far (a reader's "available").
-        let ring = a_to_b.out;
+        let ring = p.a_to_b.out;
         // SAFETY: the ring's control words are valid atomics while `b` lives.
         unsafe { (*ring.head).store(u64::MAX - 5000, Ordering::Release) };
-        let e = a_to_b.write_some(&[2; 4096]).unwrap_err();
+        let e = p.a_to_b.write_some(&[2; 4096]).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::InvalidData, "{e}");
         assert!(e.to_string().contains("corrupt"), "{e}");
         unsafe { (*ring.head).store(0, Ordering::Release) };
         unsafe { (*ring.tail).store(1 << 40, Ordering::Release) };
         let mut buf = vec![0u8; 4096];
-        let e = b_to_a.read_some(&mut buf).unwrap_err();
+        let e = p.b_to_a.read_some(&mut buf).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::InvalidData, "{e}");
     }
 
