@@ -452,7 +452,8 @@ const CHOSEN_WRITE_MIN_BYTES: usize = 32 * 1024;
 /// while such writes find nothing to change, and starts again here after
 /// a switch. An exploration costs: far, a 256 KiB cached write takes
 /// about 130 µs against 15 streamed, so at a fixed 32 (8 MiB) it made a
-/// 1 MiB exchange 1.4–1.6× slower than forced streaming.
+/// 1 MiB exchange about 1.5× slower than forced streaming (136–161
+/// against 90–100 µs).
 const EXPLORE_MIN: u32 = 32;
 /// The widest spacing of explorations: at 256 KiB per write, 64 MiB (a
 /// few milliseconds of writing) before a move back to a shared cache is
@@ -465,7 +466,7 @@ const TIME_EVERY: u32 = 4;
 /// [`CACHED_AGAIN`] as fast as streaming. The writer's timing does not see
 /// the reader's cost, and that favours cached stores: where the cores share
 /// a cache the reader takes cached lines from it and streamed ones from
-/// memory (near, 33–40 against 11–17 GB/s on the VM below). Where the
+/// memory (near, 32–42 against 11–18 GB/s on the VM below). Where the
 /// writer reads its source from memory too (a 16 MiB exchange), cached and
 /// streaming writes run alike near (12–18 and 11–17 GB/s), so an even
 /// timing must keep cached stores; far they differ eightfold.
