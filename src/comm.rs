@@ -10,7 +10,7 @@ use std::time::Duration;
 use crate::bootstrap::{FileStore, LaunchEnv, Store, TcpStore};
 use crate::desc::{BufDesc, CollectiveDesc, MemoryKind};
 use crate::error::{Error, Result};
-use crate::host::arena::{self, Arena, Buffers, CallSig, Geometry};
+use crate::host::arena::{self, pair_lanes, Arena, Buffers, CallSig, Geometry};
 use crate::host::executor::{self, Bufs, CallInfo};
 use crate::host::shared::{SharedBuffer, SharedRegion};
 use crate::schedule;
@@ -862,6 +862,106 @@ unsafe fn in_place_buffers<T>(op: OpKind, base: *mut T, rank: Rank, count: usize
 }
 
 /// Runs one validated collective through the arena.
+/// What a call needs to build its plan over the links: see
+/// [`Communicator::links_planner`].
+struct LinksPlanner<'d> {
+    desc: &'d CollectiveDesc,
+    chunk_bytes: usize,
+    family: schedule::Family,
+}
+
+impl LinksPlanner<'_> {
+    fn plan(&self) -> schedule::Plan {
+        schedule::plan_with(self.desc, self.chunk_bytes, self.family)
+    }
+}
+
+/// A lone `send` (or `send_recv`'s send half) among ranks with pair
+/// lanes: a message of at most [`pair_lanes::MAX_BYTES`] goes into the
+/// lane to `peer` when it has room, anything else over the links.
+fn send_by_lane<T: Element>(
+    arena: &mut Arena,
+    transport: &Transport,
+    info: &CallInfo,
+    (data, peer): (&[T], Rank),
+    links: LinksPlanner<'_>,
+) -> Result<()> {
+    let bytes: &[u8] = bytemuck::cast_slice(data);
+    if bytes.len() <= pair_lanes::MAX_BYTES && arena.pair_send(info, peer, bytes) {
+        return Ok(());
+    }
+    let bufs = Bufs::OutOfPlace {
+        send: data,
+        recv: &mut [],
+    };
+    executor::execute(transport, info, &links.plan(), bufs)
+}
+
+/// A lone `recv` (or `send_recv`'s receive half) among ranks with pair
+/// lanes: a message of at most [`pair_lanes::MAX_BYTES`] comes through the
+/// lane from `peer`, or over the links when the lane was full as it was
+/// sent; a larger one over the links.
+fn recv_by_lane<T: Element>(
+    arena: &mut Arena,
+    transport: &Transport,
+    info: &CallInfo,
+    (out, peer): (&mut [T], Rank),
+    links: LinksPlanner<'_>,
+) -> Result<()> {
+    let bytes = std::mem::size_of_val(out);
+    if bytes <= pair_lanes::MAX_BYTES {
+        // The frame the message's first (only) piece would arrive as.
+        let first = executor::header::<T>(info, 0, out.len());
+        // Asked after the wait's first spin, then every few µs (every 2 ms
+        // once it sleeps); from the fourth time on (some 20 µs in) it reads
+        // the links past their read-ahead, as a receive over them does
+        // once it stalls.
+        let mut asked = 0u32;
+        let on_links = || {
+            asked += 1;
+            transport.has_frame(peer, &first, asked >= 4)
+        };
+        if arena.pair_recv(info, peer, bytemuck::cast_slice_mut(out), on_links)? {
+            return Ok(());
+        }
+    } else if let Some(sent) = arena.pair_lane_holds(peer, info.seq) {
+        return Err(lane_length_mismatch(info, peer, sent, bytes));
+    }
+    let bufs = Bufs::OutOfPlace {
+        send: &[],
+        recv: out,
+    };
+    let result = executor::execute(transport, info, &links.plan(), bufs);
+    sent_small_instead(arena, info, (peer, bytes), result)
+}
+
+/// A receive over the links (too large for the pair lane) that failed,
+/// timed out or found its peer gone, while its message waited in the lane,
+/// sent small: reported as the length mismatch it is, not as a peer that
+/// never sent.
+fn sent_small_instead(
+    arena: &Arena,
+    info: &CallInfo,
+    (peer, bytes): (Rank, usize),
+    result: Result<()>,
+) -> Result<()> {
+    match (&result, arena.pair_lane_holds(peer, info.seq)) {
+        (Err(_), Some(sent)) if bytes > pair_lanes::MAX_BYTES => {
+            Err(lane_length_mismatch(info, peer, sent, bytes))
+        }
+        _ => result,
+    }
+}
+
+fn lane_length_mismatch(info: &CallInfo, peer: Rank, sent: usize, bytes: usize) -> Error {
+    info.error(
+        peer,
+        TransportError::Mismatch(format!(
+            "peer sent {sent} bytes where {bytes} were expected (counts differ between ranks?)"
+        )),
+    )
+}
+
 fn run_in_arena<T: Element>(
     arena: &mut Arena,
     desc: &CollectiveDesc,
@@ -1115,11 +1215,23 @@ impl Communicator {
         }
         let in_arena = self.uses_arena(&desc);
         let info = self.number_call(&desc, in_arena);
+        let links = self.links_planner(&desc);
+        let peer = desc.peer.unwrap_or(0);
         let Backend::Host(transport) = &self.backend;
+        let pair_lanes = self.config.algo != Algo::Ring;
         let result = match (in_arena, self.arena.as_mut()) {
             _ if transport.is_aborted() => Err(info.error(self.rank, TransportError::Aborted)),
             (true, Some(arena)) => run_in_arena(arena, &desc, (&info, self.segment_tag), bufs),
-            _ => executor::execute(transport, &info, &self.plan_links(&desc), bufs),
+            (false, Some(arena)) if pair_lanes && arena.has_pair_lanes() => match (desc.op, bufs) {
+                (OpKind::Send, Bufs::OutOfPlace { send, .. }) => {
+                    send_by_lane(arena, transport, &info, (send, peer), links)
+                }
+                (OpKind::Recv, Bufs::OutOfPlace { recv, .. }) => {
+                    recv_by_lane(arena, transport, &info, (recv, peer), links)
+                }
+                (_, bufs) => executor::execute(transport, &info, &links.plan(), bufs),
+            },
+            _ => executor::execute(transport, &info, &links.plan(), bufs),
         };
         // Rebuilt rather than moved, as in `arena_fast`.
         match result {
@@ -1171,9 +1283,15 @@ impl Communicator {
         }
     }
 
-    /// The plan a call runs over the links (not in the arena).
-    fn plan_links(&self, desc: &CollectiveDesc) -> schedule::Plan {
-        schedule::plan_with(desc, self.chunk_bytes_for(desc.op), self.plan_family(desc))
+    /// What the plan of a call over the links (not in the arena) needs of
+    /// this communicator, taken before the arena is borrowed: a pair-lane
+    /// call builds its plan only when it goes over the links after all.
+    fn links_planner<'d>(&self, desc: &'d CollectiveDesc) -> LinksPlanner<'d> {
+        LinksPlanner {
+            desc,
+            chunk_bytes: self.chunk_bytes_for(desc.op),
+            family: self.plan_family(desc),
+        }
     }
 
     /// The two halves of a `send_recv`: a lone `send` of `sent` to `dst`
@@ -1211,16 +1329,58 @@ impl Communicator {
         }
         let send_info = self.number_call(&sending, false);
         let recv_info = self.number_call(&receiving, false);
+        let (send_links, recv_links) =
+            (self.links_planner(&sending), self.links_planner(&receiving));
+        let (dst, src) = (sending.peer.unwrap_or(0), receiving.peer.unwrap_or(0));
+        let fits = |d: &CollectiveDesc| d.count() * d.dtype.size() <= pair_lanes::MAX_BYTES;
+        let by_lane = fits(&sending) || fits(&receiving);
         let Backend::Host(transport) = &self.backend;
+        let lanes = self
+            .arena
+            .as_mut()
+            .filter(|a| a.has_pair_lanes() && self.config.algo != Algo::Ring);
         let result = if transport.is_aborted() {
             Err(send_info.error(self.rank, TransportError::Aborted))
+        } else if let (Some(arena), true) = (lanes, by_lane) {
+            // Each half alone, the send first: it never waits for the
+            // peer (a full lane sends over the links), so the receive
+            // after it cannot hold the peer's receive up.
+            match bufs {
+                Bufs::OutOfPlace { send, recv } => {
+                    send_by_lane(arena, transport, &send_info, (send, dst), send_links).and_then(
+                        |()| recv_by_lane(arena, transport, &recv_info, (recv, src), recv_links),
+                    )
+                }
+                Bufs::InPlace(buf) => {
+                    send_by_lane(arena, transport, &send_info, (&*buf, dst), send_links).and_then(
+                        |()| recv_by_lane(arena, transport, &recv_info, (buf, src), recv_links),
+                    )
+                }
+            }
         } else {
             let plan = schedule::exchange(
-                self.plan_links(&sending),
-                self.plan_links(&receiving),
+                send_links.plan(),
+                recv_links.plan(),
                 matches!(bufs, Bufs::InPlace(_)),
             );
-            executor::execute_exchange(transport, (&send_info, &recv_info), &plan, bufs)
+            let bytes = receiving.count() * receiving.dtype.size();
+            match self.arena.as_ref() {
+                Some(arena) if arena.has_pair_lanes() && self.config.algo != Algo::Ring => {
+                    match arena.pair_lane_holds(src, recv_info.seq) {
+                        Some(sent) => Err(lane_length_mismatch(&recv_info, src, sent, bytes)),
+                        None => {
+                            let result = executor::execute_exchange(
+                                transport,
+                                (&send_info, &recv_info),
+                                &plan,
+                                bufs,
+                            );
+                            sent_small_instead(arena, &recv_info, (src, bytes), result)
+                        }
+                    }
+                }
+                _ => executor::execute_exchange(transport, (&send_info, &recv_info), &plan, bufs),
+            }
         };
         if let Err(e) = &result {
             self.fail(e);
@@ -1366,6 +1526,13 @@ impl Communicator {
         let desc = self.desc::<T>(op);
         if let (true, Some(arena)) = (self.uses_arena(&desc), &self.arena) {
             return arena.algorithm_name(op, bytes, elem);
+        }
+        if matches!(op, OpKind::Send | OpKind::Recv)
+            && bytes <= pair_lanes::MAX_BYTES
+            && self.config.algo != Algo::Ring
+            && self.arena.as_ref().is_some_and(Arena::has_pair_lanes)
+        {
+            return "lane";
         }
         // What the table sees: the largest buffer of the call.
         let desc = desc.with_recv(BufDesc {

@@ -1204,3 +1204,125 @@ fn a_send_recv_whose_peer_never_answers_times_out_naming_the_receive() {
         );
     }
 }
+
+/// Messages of up to 2 KiB between ranks of one host go through the
+/// arena's pair lanes, larger ones and those sent while the lane is full
+/// over the links: whichever way each went, a pair's messages arrive in
+/// the order sent, also when each rank sends many before receiving any,
+/// and an exchange's halves may go different ways.
+#[test]
+fn small_messages_keep_their_order_whichever_way_they_go() {
+    // In elements of u32: empty, small, the lane's largest (2 KiB), one
+    // element past it, and a message of several pipeline pieces.
+    let lengths = [0, 1, 3, 512, 513, 2, 70_000, 4, 5, 512, 6, 7, 8, 9, 10, 11];
+    for transport in EVERY_TRANSPORT {
+        run_on(transport, 2, move |comm| {
+            let (rank, peer) = (comm.rank(), 1 - comm.rank());
+            // One way: rank 0 sends them all before rank 1 receives any,
+            // so the lane fills and later small ones take the links.
+            if rank == 0 {
+                for (round, &len) in lengths.iter().enumerate() {
+                    comm.send(&message(rank, round as u32, len), peer)?;
+                }
+            }
+            comm.barrier()?;
+            if rank == 1 {
+                for (round, &len) in lengths.iter().enumerate() {
+                    let mut got = vec![u32::MAX; len];
+                    comm.recv(&mut got, peer)?;
+                    assert!(got == message(peer, round as u32, len), "one way, #{round}");
+                }
+            }
+            // Both ways at once, each rank sending everything first.
+            for (round, &len) in lengths.iter().enumerate() {
+                comm.send(&message(rank, 100 + round as u32, len), peer)?;
+            }
+            for (round, &len) in lengths.iter().enumerate() {
+                let mut got = vec![u32::MAX; len];
+                comm.recv(&mut got, peer)?;
+                assert!(
+                    got == message(peer, 100 + round as u32, len),
+                    "both ways, #{round}"
+                );
+            }
+            // Exchanges whose halves differ in size: rank 0 sends small
+            // and receives large, rank 1 the reverse, then in place.
+            for (round, (small, large)) in
+                [(3, 70_000), (512, 513), (0, 600)].into_iter().enumerate()
+            {
+                let round = 200 + round as u32;
+                let (mine, theirs) = if rank == 0 {
+                    (small, large)
+                } else {
+                    (large, small)
+                };
+                let mut got = vec![u32::MAX; theirs];
+                comm.send_recv(&message(rank, round, mine), peer, &mut got, peer)?;
+                assert!(
+                    got == message(peer, round, theirs),
+                    "exchange {small}/{large}"
+                );
+            }
+            for len in [1, 512, 513] {
+                let mut buf = message(rank, 300, len);
+                comm.send_recv_in_place(&mut buf, peer, peer)?;
+                assert!(buf == message(peer, 300, len), "in place, {len}");
+            }
+            Ok(())
+        })
+        .unwrap_or_else(|e| panic!("{transport:?}: {e}"));
+    }
+}
+
+/// A message sent small (through a pair lane) to a receive too large for
+/// the lane, or sent large (over the links) to a small receive, is a
+/// length `Mismatch` on the receiver: at once when it is already there,
+/// and at the end of the receive's wait when it comes later, never a
+/// plain timeout.
+#[test]
+fn a_length_mismatch_across_the_lane_size_is_reported_as_one() {
+    for transport in EVERY_TRANSPORT {
+        for (sent, expected) in [(2usize, 1024usize), (1024, 2)] {
+            for receiver_waits_first in [false, true] {
+                let builder = Communicator::builder().timeout(Duration::from_millis(400));
+                let body = move |comm: &mut Communicator| {
+                    if comm.rank() == 0 {
+                        if receiver_waits_first {
+                            std::thread::sleep(Duration::from_millis(100));
+                        }
+                        comm.send(&vec![7u32; sent], 1)?;
+                        if !receiver_waits_first {
+                            comm.barrier()?;
+                        }
+                        return Ok(None);
+                    }
+                    if !receiver_waits_first {
+                        comm.barrier()?;
+                    }
+                    let mut got = vec![0u32; expected];
+                    Ok(Some(comm.recv(&mut got, 0)))
+                };
+                let results = match transport {
+                    None => run_ranks_with(2, builder, body),
+                    Some(kind) => common::run_ranks_net(2, builder, kind, body),
+                }
+                .unwrap_or_else(|e| panic!("{transport:?}: {e}"));
+                let outcome = results[1].as_ref().expect("rank 1 reports");
+                assert!(
+                    matches!(
+                        outcome,
+                        Err(Error::Mismatch {
+                            op: OpKind::Recv,
+                            seq: 0,
+                            rank: 1,
+                            peer: 0,
+                            ..
+                        })
+                    ),
+                    "{transport:?}, {sent} elements sent, {expected} expected, receiver \
+                     first: {receiver_waits_first}: {outcome:?}"
+                );
+            }
+        }
+    }
+}

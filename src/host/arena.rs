@@ -48,6 +48,8 @@ use super::reduce::{finish_avg, fold_two_into_both, Walk};
 use super::shared::SharedRegion;
 use super::stream;
 
+pub(crate) mod pair_lanes;
+
 /// Bytes of one control line (two cache lines: no false sharing with the
 /// adjacent-line prefetcher).
 const LINE: usize = 128;
@@ -393,7 +395,13 @@ impl Geometry {
 
     /// Total bytes of the region.
     pub fn bytes(&self) -> usize {
-        self.slots_offset() + self.world * DEPTH * self.slot_bytes
+        self.pair_lanes_offset() + pair_lanes::region_bytes(self.world)
+    }
+
+    /// Where the pair lanes start (page aligned, after the slots; see
+    /// [`pair_lanes`]).
+    fn pair_lanes_offset(&self) -> usize {
+        (self.slots_offset() + self.world * DEPTH * self.slot_bytes).next_multiple_of(4096)
     }
 
     /// Where the mailbox read positions start: per reader, one line-aligned
@@ -660,6 +668,8 @@ pub(crate) struct Arena {
     /// Per root, the unit its next mailbox message starts at (identical
     /// on every rank between calls, like `round`).
     mailbox_next: RankWords,
+    /// This rank's positions in its pair lanes (see [`pair_lanes`]).
+    pairs: pair_lanes::Positions,
     /// As root: the unit up to which this rank's mailbox may be written
     /// without overwriting what a reader has not read, from the last look
     /// at the readers' positions.
@@ -1242,6 +1252,7 @@ impl Arena {
             last_direct: None,
             mailbox_next: RankWords::new(geometry.world),
             mailbox_room: 0,
+            pairs: pair_lanes::Positions::new(geometry),
         };
         let me = arena.control(rank);
         let stamp = ProcessStamp::own();

@@ -227,7 +227,7 @@ struct Counters<'a> {
 /// Worlds up to this size keep [`Counters`] on the stack.
 const INLINE_COUNTER_WORLD: usize = 64;
 
-fn header<T: Element>(info: &CallInfo, step: u32, len: usize) -> FrameHeader {
+pub(crate) fn header<T: Element>(info: &CallInfo, step: u32, len: usize) -> FrameHeader {
     FrameHeader {
         ctx: info.ctx,
         space: info.space,

@@ -189,6 +189,19 @@ impl LocalEndpoint {
         Ok(())
     }
 
+    /// See [`Transport::has_frame`](super::Transport::has_frame).
+    pub fn has_frame(&self, peer: usize, expect: &FrameHeader) -> bool {
+        let key = (
+            self.members[peer],
+            expect.ctx,
+            expect.space,
+            expect.seq,
+            expect.step,
+        );
+        let mailbox = &self.group.mailboxes[self.members[self.rank]];
+        lock(&mailbox.frames).map.contains_key(&key)
+    }
+
     pub fn recv(
         &self,
         peer: usize,

@@ -469,6 +469,20 @@ impl Transport {
         }
     }
 
+    /// Whether the frame `expect` from `peer` has arrived or started to.
+    /// The multi-process transport first reads what its links hold, past
+    /// the read-ahead limit when the asking wait has `stalled` (as its own
+    /// receives do): a peer whose send waits for room in a link may be
+    /// the one that sends what the asker waits for. A receive waiting for
+    /// a message that may come another way (a pair lane of the arena)
+    /// asks, now and then.
+    pub fn has_frame(&self, peer: usize, expect: &FrameHeader, stalled: bool) -> bool {
+        match self {
+            Transport::Local(t) => t.has_frame(peer, expect),
+            Transport::Net(t) => t.has_frame(peer, expect, stalled),
+        }
+    }
+
     /// [`recv`](Self::recv) into `dst`: the multi-process transport reads a
     /// frame that arrives while this waits straight into `dst`.
     pub fn recv_into(

@@ -1414,6 +1414,24 @@ impl NetEndpoint {
         }
     }
 
+    /// See [`Transport::has_frame`](super::Transport::has_frame).
+    pub fn has_frame(&self, peer: usize, expect: &FrameHeader, stalled: bool) -> bool {
+        let key = self.key(peer, expect);
+        let mut fabric = self.shared.lock();
+        fabric.progress_for(Some(key), stalled);
+        fabric.arrived.contains_key(&key)
+            || fabric.peers[key.0]
+                .as_ref()
+                .is_some_and(|p| match &p.incoming {
+                    Incoming::Held { key: k, .. } | Incoming::Direct { key: k, .. } => *k == key,
+                    Incoming::Payload { header, .. } => {
+                        (key.1, key.2, key.3, key.4)
+                            == (header.ctx, header.space, header.seq, header.step)
+                    }
+                    Incoming::Header { .. } => false,
+                })
+    }
+
     /// See [`Transport::unclaimed`](super::Transport::unclaimed).
     pub fn unclaimed(&self, seq: u64) -> Option<(usize, FrameHeader)> {
         let fabric = self.shared.lock();
