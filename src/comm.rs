@@ -183,7 +183,8 @@ impl ShmStores {
 /// `Auto` picks by operation, size, world size and what links the ranks:
 /// see `docs/performance.md` for the table. The others force one family
 /// at every size; operations that have no form in it (all-to-all,
-/// barrier, send/recv) keep their usual schedules.
+/// barrier, send/recv) keep their usual schedules, except that `Ring`
+/// also keeps small sends and receives off the arena's pair lanes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Algo {
@@ -861,7 +862,6 @@ unsafe fn in_place_buffers<T>(op: OpKind, base: *mut T, rank: Rank, count: usize
     }
 }
 
-/// Runs one validated collective through the arena.
 /// What a call needs to build its plan over the links: see
 /// [`Communicator::links_planner`].
 struct LinksPlanner<'d> {
@@ -921,47 +921,59 @@ fn recv_by_lane<T: Element>(
             asked += 1;
             transport.has_frame(peer, &first, asked >= 4)
         };
-        if arena.pair_recv(info, peer, bytemuck::cast_slice_mut(out), on_links)? {
-            return Ok(());
+        let into = bytemuck::cast_slice_mut(out);
+        match arena.pair_recv((info, &first), peer, into, on_links) {
+            Ok(true) => return Ok(()),
+            Ok(false) => {}
+            // A peer that failed may have sent this message over the links
+            // before: they deliver it, or report the loss themselves.
+            Err(Error::PeerLost { .. } | Error::PeerTimedOut { .. })
+                if transport.has_frame(peer, &first, true) => {}
+            Err(e) => return Err(e),
         }
-    } else if let Some(sent) = arena.pair_lane_holds(peer, info.seq) {
-        return Err(lane_length_mismatch(info, peer, sent, bytes));
     }
     let bufs = Bufs::OutOfPlace {
         send: &[],
         recv: out,
     };
-    let result = executor::execute(transport, info, &links.plan(), bufs);
-    sent_small_instead(arena, info, (peer, bytes), result)
+    recv_over_links(Some(arena), info, (peer, bytes), || {
+        executor::execute(transport, info, &links.plan(), bufs)
+    })
 }
 
-/// A receive over the links (too large for the pair lane) that failed,
-/// timed out or found its peer gone, while its message waited in the lane,
-/// sent small: reported as the length mismatch it is, not as a peer that
-/// never sent.
-fn sent_small_instead(
-    arena: &Arena,
+/// Runs `receive`, which takes a message of `bytes` from `peer` over the
+/// links. Where the ranks have pair lanes and the message is too large for
+/// them, the lane is looked at before and after (when `receive` failed,
+/// timed out or found the peer gone): a message waiting there was sent
+/// small, and is reported as the length mismatch it is, not as a peer that
+/// never sent. A lane message that comes after the wait over the links
+/// began is found only when that wait ends, at the deadline.
+fn recv_over_links(
+    arena: Option<&Arena>,
     info: &CallInfo,
     (peer, bytes): (Rank, usize),
-    result: Result<()>,
+    receive: impl FnOnce() -> Result<()>,
 ) -> Result<()> {
-    match (&result, arena.pair_lane_holds(peer, info.seq)) {
-        (Err(_), Some(sent)) if bytes > pair_lanes::MAX_BYTES => {
-            Err(lane_length_mismatch(info, peer, sent, bytes))
-        }
-        _ => result,
+    let Some(arena) = arena.filter(|a| a.has_pair_lanes() && bytes > pair_lanes::MAX_BYTES) else {
+        return receive();
+    };
+    let sent_small = || {
+        let sent = arena.pair_lane_holds(peer, info.seq)?;
+        Some(info.error(
+            peer,
+            TransportError::Mismatch(format!(
+                "peer sent {sent} bytes where {bytes} were expected (counts differ between \
+                 ranks?)"
+            )),
+        ))
+    };
+    if let Some(mismatch) = sent_small() {
+        return Err(mismatch);
     }
+    receive().map_err(|e| sent_small().unwrap_or(e))
 }
 
-fn lane_length_mismatch(info: &CallInfo, peer: Rank, sent: usize, bytes: usize) -> Error {
-    info.error(
-        peer,
-        TransportError::Mismatch(format!(
-            "peer sent {sent} bytes where {bytes} were expected (counts differ between ranks?)"
-        )),
-    )
-}
-
+/// Runs one validated collective through the arena.
 fn run_in_arena<T: Element>(
     arena: &mut Arena,
     desc: &CollectiveDesc,
@@ -1218,11 +1230,11 @@ impl Communicator {
         let links = self.links_planner(&desc);
         let peer = desc.peer.unwrap_or(0);
         let Backend::Host(transport) = &self.backend;
-        let pair_lanes = self.config.algo != Algo::Ring;
         let result = match (in_arena, self.arena.as_mut()) {
             _ if transport.is_aborted() => Err(info.error(self.rank, TransportError::Aborted)),
             (true, Some(arena)) => run_in_arena(arena, &desc, (&info, self.segment_tag), bufs),
-            (false, Some(arena)) if pair_lanes && arena.has_pair_lanes() => match (desc.op, bufs) {
+            // (No arena exists under `OXCCL_ALGO=ring`, so neither do lanes.)
+            (false, Some(arena)) if arena.has_pair_lanes() => match (desc.op, bufs) {
                 (OpKind::Send, Bufs::OutOfPlace { send, .. }) => {
                     send_by_lane(arena, transport, &info, (send, peer), links)
                 }
@@ -1273,8 +1285,8 @@ impl Communicator {
             world: self.world,
             reduce_op: desc.reduce_op.unwrap_or(ReduceOp::Sum),
             timeout: self.config.timeout,
-            // Carried by frames over the links only: the arena compares
-            // its own signatures.
+            // Carried by frames over the links and by messages in the pair
+            // lanes; collectives in the arena compare their own signatures.
             digest: if in_arena {
                 0
             } else {
@@ -1310,9 +1322,11 @@ impl Communicator {
     }
 
     /// Runs a `send_recv`: validates both halves, numbers them as a lone
-    /// `send` and a lone `recv` would be (neither runs in the arena:
-    /// [`uses_arena`](Self::uses_arena)), and runs the send's plan, then
-    /// the receive's ([`schedule::exchange`]).
+    /// `send` and a lone `recv` would be (neither runs in the arena's
+    /// rounds: [`uses_arena`](Self::uses_arena)), and runs the send, then
+    /// the receive: one after the other where either half is small enough
+    /// for a pair lane, else as one plan over the links
+    /// ([`schedule::exchange`]), whose receives are posted first.
     fn run_exchange<T: Element>(
         &mut self,
         (sending, receiving): (CollectiveDesc, CollectiveDesc),
@@ -1332,20 +1346,17 @@ impl Communicator {
         let (send_links, recv_links) =
             (self.links_planner(&sending), self.links_planner(&receiving));
         let (dst, src) = (sending.peer.unwrap_or(0), receiving.peer.unwrap_or(0));
-        let fits = |d: &CollectiveDesc| d.count() * d.dtype.size() <= pair_lanes::MAX_BYTES;
-        let by_lane = fits(&sending) || fits(&receiving);
+        let bytes = |d: &CollectiveDesc| d.count() * d.dtype.size();
+        let by_lane = bytes(&sending).min(bytes(&receiving)) <= pair_lanes::MAX_BYTES;
         let Backend::Host(transport) = &self.backend;
-        let lanes = self
-            .arena
-            .as_mut()
-            .filter(|a| a.has_pair_lanes() && self.config.algo != Algo::Ring);
-        let result = if transport.is_aborted() {
-            Err(send_info.error(self.rank, TransportError::Aborted))
-        } else if let (Some(arena), true) = (lanes, by_lane) {
-            // Each half alone, the send first: it never waits for the
-            // peer (a full lane sends over the links), so the receive
-            // after it cannot hold the peer's receive up.
-            match bufs {
+        let result = match self.arena.as_mut().filter(|a| a.has_pair_lanes()) {
+            _ if transport.is_aborted() => Err(send_info.error(self.rank, TransportError::Aborted)),
+            // Each half alone, the send first. A small one never waits (a
+            // full lane sends over the links); a large one waits at most
+            // for room in its link, reading what arrives meanwhile, as a
+            // lone `send` does, and its receiver drains it whether it
+            // receives or exchanges (its own send half then is small).
+            Some(arena) if by_lane => match bufs {
                 Bufs::OutOfPlace { send, recv } => {
                     send_by_lane(arena, transport, &send_info, (send, dst), send_links).and_then(
                         |()| recv_by_lane(arena, transport, &recv_info, (recv, src), recv_links),
@@ -1356,30 +1367,19 @@ impl Communicator {
                         |()| recv_by_lane(arena, transport, &recv_info, (buf, src), recv_links),
                     )
                 }
-            }
-        } else {
-            let plan = schedule::exchange(
-                send_links.plan(),
-                recv_links.plan(),
-                matches!(bufs, Bufs::InPlace(_)),
-            );
-            let bytes = receiving.count() * receiving.dtype.size();
-            match self.arena.as_ref() {
-                Some(arena) if arena.has_pair_lanes() && self.config.algo != Algo::Ring => {
-                    match arena.pair_lane_holds(src, recv_info.seq) {
-                        Some(sent) => Err(lane_length_mismatch(&recv_info, src, sent, bytes)),
-                        None => {
-                            let result = executor::execute_exchange(
-                                transport,
-                                (&send_info, &recv_info),
-                                &plan,
-                                bufs,
-                            );
-                            sent_small_instead(arena, &recv_info, (src, bytes), result)
-                        }
-                    }
-                }
-                _ => executor::execute_exchange(transport, (&send_info, &recv_info), &plan, bufs),
+            },
+            arena => {
+                let plan = schedule::exchange(
+                    send_links.plan(),
+                    recv_links.plan(),
+                    matches!(bufs, Bufs::InPlace(_)),
+                );
+                recv_over_links(
+                    arena.as_deref(),
+                    &recv_info,
+                    (src, bytes(&receiving)),
+                    || executor::execute_exchange(transport, (&send_info, &recv_info), &plan, bufs),
+                )
             }
         };
         if let Err(e) = &result {
@@ -1529,7 +1529,6 @@ impl Communicator {
         }
         if matches!(op, OpKind::Send | OpKind::Recv)
             && bytes <= pair_lanes::MAX_BYTES
-            && self.config.algo != Algo::Ring
             && self.arena.as_ref().is_some_and(Arena::has_pair_lanes)
         {
             return "lane";

@@ -1245,6 +1245,33 @@ fn small_messages_keep_their_order_whichever_way_they_go() {
                     "both ways, #{round}"
                 );
             }
+            // A lane that filled and then drained part-way: rank 0 sends
+            // six (four into the lane, two over the links), rank 1 takes
+            // one, rank 0 sends two more (into the lane, behind newer
+            // numbers than the two on the links), rank 1 takes the rest.
+            let round = |i: usize| 400 + i as u32;
+            if rank == 0 {
+                for i in 0..6 {
+                    comm.send(&message(rank, round(i), 2), peer)?;
+                }
+            }
+            comm.barrier()?;
+            let mut got = [0u32; 2];
+            if rank == 1 {
+                comm.recv(&mut got, peer)?;
+                assert!(got[..] == message(peer, round(0), 2), "drained, #0");
+            }
+            comm.barrier()?;
+            if rank == 0 {
+                for i in 6..8 {
+                    comm.send(&message(rank, round(i), 2), peer)?;
+                }
+            } else {
+                for i in 1..8 {
+                    comm.recv(&mut got, peer)?;
+                    assert!(got[..] == message(peer, round(i), 2), "drained, #{i}");
+                }
+            }
             // Exchanges whose halves differ in size: rank 0 sends small
             // and receives large, rank 1 the reverse, then in place.
             for (round, (small, large)) in
@@ -1271,6 +1298,54 @@ fn small_messages_keep_their_order_whichever_way_they_go() {
             Ok(())
         })
         .unwrap_or_else(|e| panic!("{transport:?}: {e}"));
+    }
+}
+
+/// A rank that sends more small messages than its lane holds and then
+/// drops its communicator: its peer still receives every one, from the
+/// lane and then from the links; split groups have lanes of their own.
+#[test]
+fn messages_outlive_a_sender_that_left_and_split_groups_have_their_own_lanes() {
+    for transport in EVERY_TRANSPORT {
+        run_on(transport, 2, |comm| {
+            if comm.rank() == 0 {
+                for round in 0..10 {
+                    comm.send(&message(0, round, 3), 1)?;
+                }
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(200));
+            for round in 0..10 {
+                let mut got = [0u32; 3];
+                comm.recv(&mut got, 0)?;
+                assert!(
+                    got[..] == message(0, round, 3),
+                    "#{round} after the sender left"
+                );
+            }
+            Ok(())
+        })
+        .unwrap_or_else(|e| panic!("{transport:?}: {e}"));
+        run_on(transport, 4, |comm| {
+            let rank = comm.rank();
+            let mut pair = comm.split((rank / 2) as u32, rank as i64)?;
+            let peer = 1 - pair.rank();
+            for round in 0..6 {
+                // The pair and the parent interleave small exchanges: each
+                // communicator numbers its own messages.
+                let mut got = vec![0u32; 5];
+                pair.send_recv(&message(rank, round, 5), peer, &mut got, peer)?;
+                assert!(got == message(rank ^ 1, round, 5), "in the pair, {round}");
+                let (next, prev) = ((rank + 1) % 4, (rank + 3) % 4);
+                comm.send_recv(&message(rank, 50 + round, 5), next, &mut got, prev)?;
+                assert!(
+                    got == message(prev, 50 + round, 5),
+                    "in the parent, {round}"
+                );
+            }
+            Ok(())
+        })
+        .unwrap_or_else(|e| panic!("{transport:?}, split: {e}"));
     }
 }
 
@@ -1323,6 +1398,36 @@ fn a_length_mismatch_across_the_lane_size_is_reported_as_one() {
                      first: {receiver_waits_first}: {outcome:?}"
                 );
             }
+        }
+    }
+}
+
+/// Equal byte counts of different element types are a `Mismatch` through
+/// a pair lane too (the message carries its call's digest), on both halves
+/// of an exchange.
+#[test]
+fn a_lane_message_of_another_type_is_a_mismatch() {
+    for transport in EVERY_TRANSPORT {
+        let outcomes = run_on(transport, 2, |comm| {
+            let peer = 1 - comm.rank();
+            Ok(if comm.rank() == 0 {
+                comm.send_recv(&[1u32, 2], peer, &mut [0u32; 2], peer)
+            } else {
+                comm.send_recv(&[1f32, 2.0], peer, &mut [0f32; 2], peer)
+            })
+        })
+        .unwrap_or_else(|e| panic!("{transport:?}: {e}"));
+        for (rank, outcome) in outcomes.iter().enumerate() {
+            assert!(
+                matches!(
+                    outcome,
+                    Err(Error::Mismatch {
+                        op: OpKind::Recv,
+                        ..
+                    })
+                ),
+                "{transport:?}, rank {rank}: {outcome:?}"
+            );
         }
     }
 }

@@ -683,6 +683,15 @@ pub(crate) struct Arena {
 // the rest is owned data.
 unsafe impl Send for Arena {}
 
+/// Whose loss ends a wait (see [`Arena::wait_within`]).
+#[derive(Clone, Copy)]
+enum Watched {
+    /// Any member's: a collective needs them all.
+    Group,
+    /// The awaited peer's.
+    Peer,
+}
+
 /// One word per rank, in cache lines of their own: ranks that are threads
 /// of one process allocate such small vectors next to each other, and a
 /// line that two of them write on every call would cross between their
@@ -1351,6 +1360,21 @@ impl Arena {
         call: &CallInfo,
         peer: Rank,
         peer_left_ok: bool,
+        ready: impl FnMut() -> bool,
+        astray: impl FnMut() -> bool,
+    ) -> Result<()> {
+        self.wait_within(call, (peer, peer_left_ok), Watched::Group, ready, astray)
+    }
+
+    /// The wait of [`wait_watching`](Self::wait_watching), watching the
+    /// members `watched` says for a loss (a collective fails with any
+    /// member; a point-to-point receive only with its peer, as over the
+    /// links).
+    fn wait_within(
+        &self,
+        call: &CallInfo,
+        (peer, peer_left_ok): (Rank, bool),
+        watched: Watched,
         mut ready: impl FnMut() -> bool,
         mut astray: impl FnMut() -> bool,
     ) -> Result<()> {
@@ -1388,7 +1412,11 @@ impl Arena {
             if check_pids {
                 next_liveness = now + LIVENESS_INTERVAL;
             }
-            if let Some(lost) = self.lost_member(peer, check_pids) {
+            let lost = match watched {
+                Watched::Group => self.lost_member(peer, check_pids),
+                Watched::Peer => self.lost_peer(peer, check_pids),
+            };
+            if let Some(lost) = lost {
                 if ready() {
                     return Ok(());
                 }
@@ -1470,6 +1498,19 @@ impl Arena {
                 crashed(true).unwrap_or(r)
             }
         })
+    }
+
+    /// [`lost_member`](Self::lost_member) for a wait that concerns `peer`
+    /// alone: it left, failed or (when `check_pids`) its process died.
+    fn lost_peer(&self, peer: Rank, check_pids: bool) -> Option<Rank> {
+        let crashed = || {
+            self.watch_pids && !self.departed(peer) && {
+                let pid = self.control(peer).pid.load(Ordering::Relaxed);
+                pid != 0 && !self.peer_process_alive(peer)
+            }
+        };
+        (matches!(self.state(peer), STATE_DEPARTED | STATE_FAILED) || check_pids && crashed())
+            .then_some(peer)
     }
 
     /// Whether the group was aborted (see `Communicator::abort`): a call

@@ -1424,9 +1424,10 @@ impl NetEndpoint {
                 .as_ref()
                 .is_some_and(|p| match &p.incoming {
                     Incoming::Held { key: k, .. } | Incoming::Direct { key: k, .. } => *k == key,
-                    Incoming::Payload { header, .. } => {
-                        (key.1, key.2, key.3, key.4)
-                            == (header.ctx, header.space, header.seq, header.step)
+                    Incoming::Payload { kind, header, .. } => {
+                        *kind == KIND_DATA
+                            && (key.1, key.2, key.3, key.4)
+                                == (header.ctx, header.space, header.seq, header.step)
                     }
                     Incoming::Header { .. } => false,
                 })

@@ -37,6 +37,7 @@
 //! `OXCCL_ALGO=ring` keeps everything on the links.
 
 use super::*;
+use crate::transport::FrameHeader;
 
 /// The largest message a pair lane carries. Above it the links' own
 /// copies cost less than their fixed overhead: at 4 KiB a `send_recv`
@@ -70,7 +71,7 @@ struct EntryHeader {
 pub(crate) fn region_bytes(world: usize) -> usize {
     if enabled_for(world) {
         // A ring per ordered pair, the unused diagonal included: plain
-        // indexing, and 9 KiB per rank of address space that is never
+        // indexing, and 8.6 KiB per rank of address space that is never
         // touched.
         world * world * RING_BYTES
     } else {
@@ -151,7 +152,9 @@ impl Arena {
         }
         let position = self.pairs.written[to];
         let taken = self.pair_taken(self.rank, to).load(Ordering::Acquire);
-        if position - taken >= SLOTS {
+        // Wrapping: `taken` is a peer's word, and a wrong one must not
+        // panic a debug build (it only makes the lane look full).
+        if position.wrapping_sub(taken) >= SLOTS {
             return false;
         }
         let (header, at) = self.pair_entry(self.rank, to, position);
@@ -174,9 +177,12 @@ impl Arena {
     /// Receives message `call.seq` from `from` into `out` if it came
     /// through the lane (`Ok(true)`), or returns `Ok(false)` once it is
     /// known to come over the links: the lane's oldest unread entry is a
-    /// later message, or `on_links()` (asked after the first spin of the
-    /// wait, then now and then) found its frame there. The wait has the
-    /// call's deadline and watches the peer like every arena wait.
+    /// later message, `on_links()` (asked after the first spin of the
+    /// wait, then now and then) found its frame there, or `from` left (the
+    /// links deliver what it sent before, or report it lost). The wait has
+    /// the call's deadline and watches `from` alone, as a receive over the
+    /// links does. `expect` is the frame the message would be over the
+    /// links: a lane message is checked against it as a frame would be.
     ///
     /// # Errors
     ///
@@ -184,7 +190,7 @@ impl Arena {
     /// this receive's (it is taken all the same), and the wait's errors.
     pub(crate) fn pair_recv(
         &mut self,
-        call: &CallInfo,
+        (call, expect): (&CallInfo, &FrameHeader),
         from: Rank,
         out: &mut [u8],
         on_links: impl FnMut() -> bool,
@@ -192,7 +198,7 @@ impl Arena {
         let position = self.pairs.taken[from];
         let (header, at) = self.pair_entry(from, self.rank, position);
         let ready = || header.filled.load(Ordering::Acquire) == position + 1;
-        self.wait_watching(call, from, false, ready, on_links)?;
+        self.wait_within(call, (from, true), Watched::Peer, ready, on_links)?;
         if !ready() {
             return Ok(false);
         }
@@ -201,43 +207,35 @@ impl Arena {
             // Message `call.seq` went over the links: the lane was full.
             return Ok(false);
         }
-        let bytes = header.bytes.load(Ordering::Relaxed) as usize;
-        let digest = header.digest.load(Ordering::Relaxed);
+        let sent = FrameHeader {
+            bytes: header.bytes.load(Ordering::Relaxed) as usize,
+            call: header.digest.load(Ordering::Relaxed) as u32,
+            ..*expect
+        };
         let checked = if seq != call.seq {
-            Err(format!(
-                "its lane holds message #{seq} where #{} was due (this rank skipped a \
-                 receive?)",
+            Err(TransportError::Mismatch(format!(
+                "its lane holds message #{seq} where #{} was due",
                 call.seq
-            ))
-        } else if bytes != out.len() {
-            Err(format!(
-                "peer sent {bytes} bytes where {} were expected (counts differ between ranks?)",
-                out.len()
-            ))
-        } else if digest != u64::from(call.digest) {
-            Err(format!(
-                "peer runs another send (call digest {digest:#010x} against this rank's \
-                 {:#010x}): element type or element count differ between ranks",
-                call.digest
-            ))
+            )))
         } else {
+            sent.check_matches(expect)
+        };
+        if checked.is_ok() {
             // SAFETY: the acquire load in `ready` saw the sender's release
             // store, after its payload; the sender rewrites this entry only
-            // after the `taken` store below.
-            unsafe { std::ptr::copy_nonoverlapping(at, out.as_mut_ptr(), bytes) };
-            Ok(())
-        };
+            // after the `taken` store below; `check_matches` compared the
+            // lengths.
+            unsafe { std::ptr::copy_nonoverlapping(at, out.as_mut_ptr(), out.len()) };
+        }
         self.pairs.taken[from] = position + 1;
         self.pair_taken(from, self.rank)
             .store(position + 1, Ordering::Release);
-        checked
-            .map(|()| true)
-            .map_err(|detail| call.error(from, TransportError::Mismatch(detail)))
+        checked.map(|()| true).map_err(|e| call.error(from, e))
     }
 
-    /// The length of message `seq` from `from` when it waits in the lane:
-    /// a receive too large for the lane asks, to report a sender that sent
-    /// it small.
+    /// The length of message `seq` from `from` when it waits in the lane
+    /// (not yet taken): a receive too large for the lane asks, to report a
+    /// sender that sent it small.
     pub(crate) fn pair_lane_holds(&self, from: Rank, seq: u64) -> Option<usize> {
         let position = self.pairs.taken[from];
         let (header, _) = self.pair_entry(from, self.rank, position);
