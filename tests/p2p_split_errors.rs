@@ -1205,16 +1205,18 @@ fn a_send_recv_whose_peer_never_answers_times_out_naming_the_receive() {
     }
 }
 
-/// Messages of up to 2 KiB between ranks of one host go through the
+/// Messages of up to 4 KiB between ranks of one host go through the
 /// arena's pair lanes, larger ones and those sent while the lane is full
 /// over the links: whichever way each went, a pair's messages arrive in
 /// the order sent, also when each rank sends many before receiving any,
 /// and an exchange's halves may go different ways.
 #[test]
 fn small_messages_keep_their_order_whichever_way_they_go() {
-    // In elements of u32: empty, small, the lane's largest (2 KiB), one
+    // In elements of u32: empty, small, the lane's largest (4 KiB), one
     // element past it, and a message of several pipeline pieces.
-    let lengths = [0, 1, 3, 512, 513, 2, 70_000, 4, 5, 512, 6, 7, 8, 9, 10, 11];
+    let lengths = [
+        0, 1, 3, 1024, 1025, 2, 70_000, 4, 5, 1024, 6, 7, 8, 9, 10, 11,
+    ];
     for transport in EVERY_TRANSPORT {
         run_on(transport, 2, move |comm| {
             let (rank, peer) = (comm.rank(), 1 - comm.rank());
@@ -1274,8 +1276,9 @@ fn small_messages_keep_their_order_whichever_way_they_go() {
             }
             // Exchanges whose halves differ in size: rank 0 sends small
             // and receives large, rank 1 the reverse, then in place.
-            for (round, (small, large)) in
-                [(3, 70_000), (512, 513), (0, 600)].into_iter().enumerate()
+            for (round, (small, large)) in [(3, 70_000), (1024, 1025), (0, 1200)]
+                .into_iter()
+                .enumerate()
             {
                 let round = 200 + round as u32;
                 let (mine, theirs) = if rank == 0 {
@@ -1290,7 +1293,7 @@ fn small_messages_keep_their_order_whichever_way_they_go() {
                     "exchange {small}/{large}"
                 );
             }
-            for len in [1, 512, 513] {
+            for len in [1, 1024, 1025] {
                 let mut buf = message(rank, 300, len);
                 comm.send_recv_in_place(&mut buf, peer, peer)?;
                 assert!(buf == message(peer, 300, len), "in place, {len}");
@@ -1357,7 +1360,7 @@ fn messages_outlive_a_sender_that_left_and_split_groups_have_their_own_lanes() {
 #[test]
 fn a_length_mismatch_across_the_lane_size_is_reported_as_one() {
     for transport in EVERY_TRANSPORT {
-        for (sent, expected) in [(2usize, 1024usize), (1024, 2)] {
+        for (sent, expected) in [(2usize, 2048usize), (2048, 2)] {
             for receiver_waits_first in [false, true] {
                 let builder = Communicator::builder().timeout(Duration::from_millis(400));
                 let body = move |comm: &mut Communicator| {

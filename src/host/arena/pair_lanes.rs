@@ -33,16 +33,19 @@
 //! wait over the links ends.
 //!
 //! Lanes exist for groups of 2 to [`MAX_WORLD`] ranks (`world²` rings of
-//! 8.6 KiB, 2.2 MiB at 16 ranks, touched only where used) and are off when
+//! 16.6 KiB, 4.2 MiB at 16 ranks, touched only where used) and are off when
 //! `OXCCL_ALGO=ring` keeps everything on the links.
 
 use super::*;
 use crate::transport::FrameHeader;
 
-/// The largest message a pair lane carries. Above it the links' own
-/// copies cost less than their fixed overhead: at 4 KiB a `send_recv`
-/// through the links already took 1.0 µs against Open MPI's 2.7.
-pub(crate) const MAX_BYTES: usize = 2048;
+/// The largest message a pair lane carries, as for the collectives'
+/// lanes. Measured with lanes of 8 KiB (a `send_recv` of two processes,
+/// three alternating rounds): 4 KiB took 0.80 µs through a lane against
+/// 1.31 over the links near, 2.9–3.0 against 4.0–4.4 far; 8 KiB about
+/// the same either way (1.70 against 1.77 µs near), so the lanes stop at
+/// 4 KiB and keep their memory to 16.6 KiB a pair.
+pub(crate) const MAX_BYTES: usize = 4096;
 /// Entries per lane: how many small messages a sender may run ahead of
 /// its receiver before the rest go over the links.
 const SLOTS: u64 = 4;
@@ -71,7 +74,7 @@ struct EntryHeader {
 pub(crate) fn region_bytes(world: usize) -> usize {
     if enabled_for(world) {
         // A ring per ordered pair, the unused diagonal included: plain
-        // indexing, and 8.6 KiB per rank of address space that is never
+        // indexing, and 16.6 KiB per rank of address space that is never
         // touched.
         world * world * RING_BYTES
     } else {
