@@ -17,7 +17,7 @@ use crate::schedule;
 use crate::transport::local::{LocalEndpoint, LocalGroup};
 use crate::transport::net::{self, TransportKind};
 use crate::transport::shm::LinkStores;
-use crate::transport::{FailureCause, Space, Transport, TransportError};
+use crate::transport::{Elsewhere, FailureCause, Space, Transport, TransportError};
 use crate::types::{DType, Element, OpKind, Rank, ReduceOp};
 
 /// Default wait before a peer is declared unresponsive.
@@ -936,26 +936,25 @@ fn recv_by_lane<T: Element>(
         send: &[],
         recv: out,
     };
-    recv_over_links(Some(arena), info, (peer, bytes), || {
-        executor::execute(transport, info, &links.plan(), bufs)
+    recv_over_links(Some(arena), info, (peer, bytes), |elsewhere| {
+        executor::execute_watching(transport, info, &links.plan(), bufs, elsewhere)
     })
 }
 
 /// Runs `receive`, which takes a message of `bytes` from `peer` over the
-/// links. Where the ranks have pair lanes and the message is too large for
-/// them, the lane is looked at before and after (when `receive` failed,
-/// timed out or found the peer gone): a message waiting there was sent
-/// small, and is reported as the length mismatch it is, not as a peer that
-/// never sent. A lane message that comes after the wait over the links
-/// began is found only when that wait ends, at the deadline.
+/// links, watching what it is given (see [`Transport::recv_into`]). Where
+/// the ranks have pair lanes and the message is too large for them, that
+/// is the lane: a message there (before the wait, while it lasts, or when
+/// it failed, timed out or found the peer gone) was sent small, and is
+/// reported as the length mismatch it is, not as a peer that never sent.
 fn recv_over_links(
     arena: Option<&Arena>,
     info: &CallInfo,
     (peer, bytes): (Rank, usize),
-    receive: impl FnOnce() -> Result<()>,
+    receive: impl FnOnce(Elsewhere<'_>) -> Result<()>,
 ) -> Result<()> {
     let Some(arena) = arena.filter(|a| a.has_pair_lanes() && bytes > pair_lanes::MAX_BYTES) else {
-        return receive();
+        return receive(None);
     };
     let sent_small = || {
         let sent = arena.pair_lane_holds(peer, info.seq)?;
@@ -970,7 +969,8 @@ fn recv_over_links(
     if let Some(mismatch) = sent_small() {
         return Err(mismatch);
     }
-    receive().map_err(|e| sent_small().unwrap_or(e))
+    let mut in_lane = || arena.pair_lane_holds(peer, info.seq).is_some();
+    receive(Some(&mut in_lane)).map_err(|e| sent_small().unwrap_or(e))
 }
 
 /// Runs one validated collective through the arena.
@@ -1378,7 +1378,10 @@ impl Communicator {
                     arena.as_deref(),
                     &recv_info,
                     (src, bytes(&receiving)),
-                    || executor::execute_exchange(transport, (&send_info, &recv_info), &plan, bufs),
+                    |elsewhere| {
+                        let infos = (&send_info, &recv_info);
+                        executor::execute_exchange(transport, infos, &plan, bufs, elsewhere)
+                    },
                 )
             }
         };

@@ -1354,15 +1354,16 @@ fn messages_outlive_a_sender_that_left_and_split_groups_have_their_own_lanes() {
 
 /// A message sent small (through a pair lane) to a receive too large for
 /// the lane, or sent large (over the links) to a small receive, is a
-/// length `Mismatch` on the receiver: at once when it is already there,
-/// and at the end of the receive's wait when it comes later, never a
-/// plain timeout.
+/// length `Mismatch` on the receiver, whether it was there before the
+/// receive or came while it waited; never a timeout, nor a wait until
+/// the deadline (20 s here): the sender stays, in a barrier that the
+/// receiver's failure ends.
 #[test]
 fn a_length_mismatch_across_the_lane_size_is_reported_as_one() {
     for transport in EVERY_TRANSPORT {
         for (sent, expected) in [(2usize, 2048usize), (2048, 2)] {
             for receiver_waits_first in [false, true] {
-                let builder = Communicator::builder().timeout(Duration::from_millis(400));
+                let builder = Communicator::builder().timeout(Duration::from_secs(20));
                 let body = move |comm: &mut Communicator| {
                     if comm.rank() == 0 {
                         if receiver_waits_first {
@@ -1372,20 +1373,29 @@ fn a_length_mismatch_across_the_lane_size_is_reported_as_one() {
                         if !receiver_waits_first {
                             comm.barrier()?;
                         }
+                        // Fails once the receiver has.
+                        let _ = comm.barrier();
                         return Ok(None);
                     }
                     if !receiver_waits_first {
                         comm.barrier()?;
                     }
                     let mut got = vec![0u32; expected];
-                    Ok(Some(comm.recv(&mut got, 0)))
+                    let started = std::time::Instant::now();
+                    let outcome = comm.recv(&mut got, 0);
+                    Ok(Some((outcome, started.elapsed())))
                 };
                 let results = match transport {
                     None => run_ranks_with(2, builder, body),
                     Some(kind) => common::run_ranks_net(2, builder, kind, body),
                 }
                 .unwrap_or_else(|e| panic!("{transport:?}: {e}"));
-                let outcome = results[1].as_ref().expect("rank 1 reports");
+                let (outcome, waited) = results[1].as_ref().expect("rank 1 reports");
+                assert!(
+                    *waited < Duration::from_secs(10),
+                    "{transport:?}, {sent} elements sent, {expected} expected: the mismatch \
+                     came after {waited:?}"
+                );
                 assert!(
                     matches!(
                         outcome,

@@ -8,7 +8,7 @@ use std::time::Duration;
 use super::reduce::finish_avg;
 use crate::error::{Error, Result};
 use crate::schedule::{BufId, Plan, Span, Step};
-use crate::transport::{FrameHeader, Payload, Space, Transport, TransportError};
+use crate::transport::{Elsewhere, FrameHeader, Payload, Space, Transport, TransportError};
 use crate::types::{Element, OpKind, Rank, ReduceOp};
 
 /// The call's buffers as the plan sees them.
@@ -482,7 +482,19 @@ pub(crate) fn execute<T: Element>(
     plan: &Plan,
     bufs: Bufs<'_, T>,
 ) -> Result<()> {
-    execute_as(transport, (info, info), plan, bufs)
+    execute_as(transport, (info, info), plan, bufs, None)
+}
+
+/// [`execute`] for a point-to-point receive whose receives also watch
+/// `elsewhere` (see [`Transport::recv_into`]).
+pub(crate) fn execute_watching<T: Element>(
+    transport: &Transport,
+    info: &CallInfo,
+    plan: &Plan,
+    bufs: Bufs<'_, T>,
+    elsewhere: Elsewhere<'_>,
+) -> Result<()> {
+    execute_as(transport, (info, info), plan, bufs, elsewhere)
 }
 
 /// Runs the plan of one `send_recv` (`schedule::exchange`): its sends
@@ -494,22 +506,26 @@ pub(crate) fn execute_exchange<T: Element>(
     (sending, receiving): (&CallInfo, &CallInfo),
     plan: &Plan,
     bufs: Bufs<'_, T>,
+    elsewhere: Elsewhere<'_>,
 ) -> Result<()> {
     debug_assert!(
         sending.space == Space::PointToPoint && receiving.space == Space::PointToPoint,
         "an exchange is two point-to-point calls"
     );
-    execute_as(transport, (sending, receiving), plan, bufs)
+    execute_as(transport, (sending, receiving), plan, bufs, elsewhere)
 }
 
 /// Runs `plan`, its sends as `sending` and its receives as `receiving`
 /// (the same call but in `send_recv`): frame headers, and the call an
-/// error names, come from the half that sent or received.
+/// error names, come from the half that sent or received. Its plain
+/// receives ([`Step::Recv`], the only ones point-to-point plans have) also
+/// watch `elsewhere`.
 fn execute_as<T: Element>(
     transport: &Transport,
     (sending, receiving): (&CallInfo, &CallInfo),
     plan: &Plan,
     bufs: Bufs<'_, T>,
+    mut elsewhere: Elsewhere<'_>,
 ) -> Result<()> {
     // A lone call passes its one `CallInfo` twice; the two halves of an
     // exchange share the rest: world, operator, deadline, space.
@@ -600,6 +616,9 @@ fn execute_as<T: Element>(
                         &header::<T>(receiving, step, dst.len),
                         info.timeout,
                         out,
+                        elsewhere
+                            .as_mut()
+                            .map(|came| &mut **came as &mut dyn FnMut() -> bool),
                     )
                     .map_err(|e| receiving.error(peer, e))?;
             }

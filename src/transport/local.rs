@@ -59,6 +59,9 @@ pub(crate) struct LocalGroup {
     failed: Mutex<HashMap<(u64, usize), Option<FailureCause>>>,
 }
 
+/// How long a receive that also watches another way sleeps at most.
+const ELSEWHERE_EVERY: Duration = Duration::from_millis(1);
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // A panic while holding one of these locks cannot leave the maps
     // inconsistent (each critical section is a single insert or remove).
@@ -208,6 +211,19 @@ impl LocalEndpoint {
         expect: &FrameHeader,
         timeout: Duration,
     ) -> Result<Payload, TransportError> {
+        self.recv_watching(peer, expect, timeout, None)
+    }
+
+    /// [`recv`](Self::recv), asking `elsewhere` (if any) at least every
+    /// [`ELSEWHERE_EVERY`] while it waits (see
+    /// [`Transport::recv_into`](super::Transport::recv_into)).
+    pub fn recv_watching(
+        &self,
+        peer: usize,
+        expect: &FrameHeader,
+        timeout: Duration,
+        mut elsewhere: super::Elsewhere<'_>,
+    ) -> Result<Payload, TransportError> {
         let source = self.members[peer];
         let key = (source, expect.ctx, expect.space, expect.seq, expect.step);
         let mailbox = &self.group.mailboxes[self.members[self.rank]];
@@ -246,13 +262,21 @@ impl LocalEndpoint {
                 }
             }
             drop(failed);
+            if elsewhere.as_mut().is_some_and(|came| came()) {
+                return Err(super::came_elsewhere());
+            }
             let now = Instant::now();
             if now >= deadline {
                 return Err(TransportError::Timeout(now - start));
             }
+            let nap = if elsewhere.is_some() {
+                ELSEWHERE_EVERY.min(deadline - now)
+            } else {
+                deadline - now
+            };
             frames = mailbox
                 .arrived
-                .wait_timeout(frames, deadline - now)
+                .wait_timeout(frames, nap)
                 .map(|(guard, _)| guard)
                 .unwrap_or_else(|poisoned| poisoned.into_inner().0);
         }

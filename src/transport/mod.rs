@@ -68,6 +68,18 @@ impl std::hash::Hasher for FrameKeyHasher {
     }
 }
 
+/// What a receive over the links also watches while it waits (see
+/// [`Transport::recv_into`]): `true` once its message is known to have come
+/// another way, a pair lane of the arena (sent small to a receive too large
+/// for the lane, a length mismatch the caller reports).
+pub(crate) type Elsewhere<'a> = Option<&'a mut dyn FnMut() -> bool>;
+
+/// The error a receive ends with when [`Elsewhere`] said so; its caller
+/// words the mismatch.
+pub(crate) fn came_elsewhere() -> TransportError {
+    TransportError::Mismatch("the message came through a pair lane".into())
+}
+
 /// Which numbering a frame's sequence number belongs to: collectives are
 /// numbered per communicator, point-to-point calls per ordered pair of ranks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -484,21 +496,24 @@ impl Transport {
     }
 
     /// [`recv`](Self::recv) into `dst`: the multi-process transport reads a
-    /// frame that arrives while this waits straight into `dst`.
+    /// frame that arrives while this waits straight into `dst`. While it
+    /// waits it also asks `elsewhere` (if any) now and then, and ends with
+    /// a `Mismatch` once that says the message came another way.
     pub fn recv_into(
         &self,
         peer: usize,
         expect: &FrameHeader,
         timeout: Duration,
         dst: &mut [u8],
+        elsewhere: Elsewhere<'_>,
     ) -> Result<(), TransportError> {
         match self {
             Transport::Local(t) => {
-                let payload = t.recv(peer, expect, timeout)?;
+                let payload = t.recv_watching(peer, expect, timeout, elsewhere)?;
                 dst.copy_from_slice(payload.as_bytes());
                 Ok(())
             }
-            Transport::Net(t) => t.recv_into(peer, expect, timeout, dst),
+            Transport::Net(t) => t.recv_into(peer, expect, timeout, dst, elsewhere),
         }
     }
 

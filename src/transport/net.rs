@@ -1371,9 +1371,10 @@ impl NetEndpoint {
         timeout: Duration,
     ) -> std::result::Result<Payload, TransportError> {
         // Without a destination the frame always comes back as a buffer.
-        self.receive(peer, expect, timeout, None)?.ok_or_else(|| {
-            TransportError::Mismatch("a frame landed in another receive's buffer".into())
-        })
+        self.receive(peer, expect, timeout, None, None)?
+            .ok_or_else(|| {
+                TransportError::Mismatch("a frame landed in another receive's buffer".into())
+            })
     }
 
     /// [`recv`](Self::recv) into `dst` (`expect.bytes` long): while this
@@ -1385,11 +1386,12 @@ impl NetEndpoint {
         expect: &FrameHeader,
         timeout: Duration,
         dst: &mut [u8],
+        elsewhere: super::Elsewhere<'_>,
     ) -> std::result::Result<(), TransportError> {
         // The destination's own length bounds what is read into it; a frame
         // of another length is refused (`Posted::takes`).
         let to = Posted::new(dst.as_mut_ptr(), dst.len(), expect);
-        if let Some(payload) = self.receive(peer, expect, timeout, Some(to))? {
+        if let Some(payload) = self.receive(peer, expect, timeout, Some(to), elsewhere)? {
             dst.copy_from_slice(payload.as_bytes());
         }
         Ok(())
@@ -1465,6 +1467,7 @@ impl NetEndpoint {
         expect: &FrameHeader,
         timeout: Duration,
         to: Option<Posted>,
+        mut elsewhere: super::Elsewhere<'_>,
     ) -> std::result::Result<Option<Payload>, TransportError> {
         let key = self.key(peer, expect);
         let source = key.0;
@@ -1511,6 +1514,10 @@ impl NetEndpoint {
                 if self.shared.aborted.load(Ordering::SeqCst) {
                     fabric.unpost(key);
                     return Err(TransportError::Aborted);
+                }
+                if elsewhere.as_mut().is_some_and(|came| came()) {
+                    fabric.unpost(key);
+                    return Err(super::came_elsewhere());
                 }
                 if let Some(e) = self.failure(&fabric, peer, Some(expect)) {
                     // A peer that left in the middle of a call usually left
@@ -2522,7 +2529,9 @@ mod tests {
             })
         };
         let mut dst = [0u8; 64];
-        endpoint.recv_into(1, &header, wait, &mut dst).unwrap();
+        endpoint
+            .recv_into(1, &header, wait, &mut dst, None)
+            .unwrap();
         writer.join().unwrap();
         assert_eq!(dst, [5u8; 64]);
         // Half a frame, then the receive gives up: what was read moves into
@@ -2534,7 +2543,7 @@ mod tests {
         let mut gone = [0u8; 64];
         let short = Duration::from_millis(100);
         assert!(matches!(
-            endpoint.recv_into(1, &second, short, &mut gone),
+            endpoint.recv_into(1, &second, short, &mut gone, None),
             Err(TransportError::Timeout(_))
         ));
         assert!(endpoint.shared.lock().posted.is_empty());

@@ -29,8 +29,8 @@
 //! may also arrive. Both ends pick the lane by their own message size, so
 //! a length mismatch across [`MAX_BYTES`] is still found: a small receive
 //! meets the large message on the links and compares lengths there, and a
-//! large receive checks the lane first (`lane_holds`) and again when its
-//! wait over the links ends.
+//! large receive looks at the lane (`pair_lane_holds`) before and while it
+//! waits over the links.
 //!
 //! Lanes exist for groups of 2 to [`MAX_WORLD`] ranks (`world²` rings of
 //! 16.6 KiB, 4.2 MiB at 16 ranks, touched only where used) and are off when
