@@ -1357,7 +1357,8 @@ fn messages_outlive_a_sender_that_left_and_split_groups_have_their_own_lanes() {
 /// length `Mismatch` on the receiver, whether it was there before the
 /// receive or came while it waited; never a timeout, nor a wait until
 /// the deadline (20 s here): the sender stays, in a barrier that the
-/// receiver's failure ends.
+/// receiver's failure ends. (TCP has no arena, so no lanes: there both
+/// sizes go over the links, and their headers differ.)
 #[test]
 fn a_length_mismatch_across_the_lane_size_is_reported_as_one() {
     for transport in EVERY_TRANSPORT {

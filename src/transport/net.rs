@@ -1379,7 +1379,9 @@ impl NetEndpoint {
 
     /// [`recv`](Self::recv) into `dst` (`expect.bytes` long): while this
     /// waits, a matching frame that starts arriving is read straight into
-    /// `dst`; one that arrived earlier is copied from its buffer.
+    /// `dst`; one that arrived earlier is copied from its buffer. Each pass
+    /// of the wait also asks `elsewhere` (see
+    /// [`Transport::recv_into`](super::Transport::recv_into)).
     pub fn recv_into(
         &self,
         peer: usize,

@@ -29,12 +29,13 @@
 //! may also arrive. Both ends pick the lane by their own message size, so
 //! a length mismatch across [`MAX_BYTES`] is still found: a small receive
 //! meets the large message on the links and compares lengths there, and a
-//! large receive looks at the lane (`pair_lane_holds`) before and while it
-//! waits over the links.
+//! large receive looks at the lane (`pair_lane_holds`) before, while and
+//! after (when it failed) it waits over the links.
 //!
 //! Lanes exist for groups of 2 to [`MAX_WORLD`] ranks (`world²` rings of
-//! 16.6 KiB, 4.2 MiB at 16 ranks, touched only where used) and are off when
-//! `OXCCL_ALGO=ring` keeps everything on the links.
+//! 16.6 KiB, 4.2 MiB at 16 ranks, reserved in `/dev/shm` with the rest of
+//! the arena: `docs/launching.md` has the sizes); `OXCCL_ALGO=ring` makes
+//! no arena, so no lanes, and everything goes over the links.
 
 use super::*;
 use crate::transport::FrameHeader;
@@ -73,9 +74,8 @@ struct EntryHeader {
 /// Bytes the pair lanes of a `world`-rank arena take.
 pub(crate) fn region_bytes(world: usize) -> usize {
     if enabled_for(world) {
-        // A ring per ordered pair, the unused diagonal included: plain
-        // indexing, and 16.6 KiB per rank of address space that is never
-        // touched.
+        // A ring per ordered pair, the unused diagonal included (16.6 KiB
+        // per rank) for plain indexing.
         world * world * RING_BYTES
     } else {
         0
