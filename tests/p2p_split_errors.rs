@@ -1134,14 +1134,23 @@ fn send_recv_refuses_bad_peers_and_reports_a_mismatch() {
         assert_eq!(out, [next as u32 + 10; 4]);
         Ok(())
     });
+    every_rank_finds_its_receive_mismatched(|comm| {
+        let peer = 1 - comm.rank();
+        // Each sends 5 elements and expects 4.
+        let mut recv = [0u32; 4];
+        comm.send_recv(&[7u32; 5], peer, &mut recv, peer)
+    });
+}
+
+/// Runs `exchange` on two ranks over every transport and checks that it
+/// fails on both with a `Mismatch` of its receive.
+fn every_rank_finds_its_receive_mismatched<F>(exchange: F)
+where
+    F: Fn(&mut Communicator) -> oxccl::Result<()> + Send + Sync + Copy + 'static,
+{
     for transport in EVERY_TRANSPORT {
-        let outcomes = run_on(transport, 2, |comm| {
-            let peer = 1 - comm.rank();
-            // Each sends 5 elements and expects 4.
-            let mut recv = [0u32; 4];
-            Ok(comm.send_recv(&[7u32; 5], peer, &mut recv, peer))
-        })
-        .unwrap_or_else(|e| panic!("{transport:?}: {e}"));
+        let outcomes = run_on(transport, 2, move |comm| Ok(exchange(comm)))
+            .unwrap_or_else(|e| panic!("{transport:?}: {e}"));
         for (rank, outcome) in outcomes.iter().enumerate() {
             assert!(
                 matches!(
@@ -1421,27 +1430,12 @@ fn a_length_mismatch_across_the_lane_size_is_reported_as_one() {
 /// of an exchange.
 #[test]
 fn a_lane_message_of_another_type_is_a_mismatch() {
-    for transport in EVERY_TRANSPORT {
-        let outcomes = run_on(transport, 2, |comm| {
-            let peer = 1 - comm.rank();
-            Ok(if comm.rank() == 0 {
-                comm.send_recv(&[1u32, 2], peer, &mut [0u32; 2], peer)
-            } else {
-                comm.send_recv(&[1f32, 2.0], peer, &mut [0f32; 2], peer)
-            })
-        })
-        .unwrap_or_else(|e| panic!("{transport:?}: {e}"));
-        for (rank, outcome) in outcomes.iter().enumerate() {
-            assert!(
-                matches!(
-                    outcome,
-                    Err(Error::Mismatch {
-                        op: OpKind::Recv,
-                        ..
-                    })
-                ),
-                "{transport:?}, rank {rank}: {outcome:?}"
-            );
+    every_rank_finds_its_receive_mismatched(|comm| {
+        let peer = 1 - comm.rank();
+        if comm.rank() == 0 {
+            comm.send_recv(&[1u32, 2], peer, &mut [0u32; 2], peer)
+        } else {
+            comm.send_recv(&[1f32, 2.0], peer, &mut [0f32; 2], peer)
         }
-    }
+    });
 }
