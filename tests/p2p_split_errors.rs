@@ -1439,3 +1439,34 @@ fn a_lane_message_of_another_type_is_a_mismatch() {
         }
     });
 }
+
+/// A point-to-point receive fails with its peer, not with any rank of the
+/// group, as over the links: rank 2 fails at once (a length mismatch),
+/// while rank 1 still receives what rank 0 sends it afterwards.
+#[test]
+fn a_receive_does_not_fail_with_a_third_rank() {
+    for transport in EVERY_TRANSPORT {
+        let outcomes = run_on(transport, 3, |comm| match comm.rank() {
+            0 => {
+                comm.send(&[1u32], 2)?;
+                std::thread::sleep(Duration::from_millis(100));
+                comm.send(&[7u32, 8], 1)?;
+                Ok(true)
+            }
+            1 => {
+                let mut got = [0u32; 2];
+                comm.recv(&mut got, 0)?;
+                Ok(got == [7, 8])
+            }
+            _ => {
+                let mut got = [0u32; 2];
+                Ok(matches!(
+                    comm.recv(&mut got, 0),
+                    Err(Error::Mismatch { .. })
+                ))
+            }
+        })
+        .unwrap_or_else(|e| panic!("{transport:?}: {e}"));
+        assert_eq!(outcomes, [true, true, true], "{transport:?}");
+    }
+}
