@@ -2255,11 +2255,12 @@ impl Communicator {
 
     /// [`send_recv`](Self::send_recv) with one buffer
     /// (`MPI_Sendrecv_replace`): sends `buf` to `dst` and replaces it with
-    /// the message from `src`, of the same length. The whole message is
-    /// copied out (into the frames queued for `dst`) before any of the
-    /// peer's lands, and the peer's cannot be posted ahead into a buffer
-    /// still being sent: across processes this costs copies that
-    /// `send_recv` with two buffers does not make.
+    /// the message from `src`, of the same length. Across processes the
+    /// sends lend `buf` to the links, and each piece received first copies
+    /// whatever of its span is still queued for `dst` into a frame of its
+    /// own; the peer's pieces cannot be posted ahead into a buffer still
+    /// being sent, so they land when their turn comes (`send_recv` with two
+    /// buffers posts them all at once).
     ///
     /// # Errors
     ///

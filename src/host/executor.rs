@@ -268,6 +268,11 @@ struct Lending {
     /// by the first send that needs it: a send at or after it lends without
     /// the table, which a small broadcast's root would build on every call.
     after_last_write: Option<usize>,
+    /// Sends lend even what later steps write, and each receive first
+    /// takes back (copies) what is still queued of the span it writes
+    /// ([`Transport::own_borrowed_within`]): an exchange in place, whose
+    /// plan is sends, then receives into the spans sent.
+    reclaims: bool,
 }
 
 impl Lending {
@@ -278,6 +283,7 @@ impl Lending {
             && match src.buf {
                 BufId::Send if !self.in_place => true,
                 BufId::Scratch => false,
+                _ if self.reclaims => true,
                 // In place, "send" names the one buffer the plan may write.
                 // No later step writes at all (a broadcast root's sends, the
                 // last steps of many plans): clear without the table.
@@ -482,7 +488,7 @@ pub(crate) fn execute<T: Element>(
     plan: &Plan,
     bufs: Bufs<'_, T>,
 ) -> Result<()> {
-    execute_as(transport, (info, info), plan, bufs, None)
+    execute_as(transport, (info, info), plan, bufs, (None, false))
 }
 
 /// [`execute`] for a point-to-point receive whose receives also watch
@@ -494,7 +500,7 @@ pub(crate) fn execute_watching<T: Element>(
     bufs: Bufs<'_, T>,
     elsewhere: Elsewhere<'_>,
 ) -> Result<()> {
-    execute_as(transport, (info, info), plan, bufs, elsewhere)
+    execute_as(transport, (info, info), plan, bufs, (elsewhere, false))
 }
 
 /// Runs the plan of one `send_recv` (`schedule::exchange`): its sends
@@ -512,21 +518,39 @@ pub(crate) fn execute_exchange<T: Element>(
         sending.space == Space::PointToPoint && receiving.space == Space::PointToPoint,
         "an exchange is two point-to-point calls"
     );
-    execute_as(transport, (sending, receiving), plan, bufs, elsewhere)
+    // In place, the sends lend the buffer and each receive takes back what
+    // is still queued of its span before writing it (`Lending::reclaims`),
+    // instead of every send copying its span into a frame.
+    let reclaims = matches!(bufs, Bufs::InPlace(_));
+    execute_as(
+        transport,
+        (sending, receiving),
+        plan,
+        bufs,
+        (elsewhere, reclaims),
+    )
 }
 
 /// Runs `plan`, its sends as `sending` and its receives as `receiving`
 /// (the same call but in `send_recv`): frame headers, and the call an
 /// error names, come from the half that sent or received. Its plain
 /// receives ([`Step::Recv`], the only ones point-to-point plans have) also
-/// watch `elsewhere`.
+/// watch `elsewhere`; `reclaims`: see [`Lending::reclaims`].
 fn execute_as<T: Element>(
     transport: &Transport,
     (sending, receiving): (&CallInfo, &CallInfo),
     plan: &Plan,
     bufs: Bufs<'_, T>,
-    mut elsewhere: Elsewhere<'_>,
+    (mut elsewhere, reclaims): (Elsewhere<'_>, bool),
 ) -> Result<()> {
+    debug_assert!(
+        !reclaims
+            || plan
+                .steps
+                .iter()
+                .all(|s| matches!(s, Step::Send { .. } | Step::Recv { .. })),
+        "only receives take lent spans back"
+    );
     // A lone call passes its one `CallInfo` twice; the two halves of an
     // exchange share the rest: world, operator, deadline, space.
     let info = receiving;
@@ -547,6 +571,7 @@ fn execute_as<T: Element>(
         in_place: bufs.in_place,
         clear: None,
         after_last_write: None,
+        reclaims,
     };
     let mut guard = BorrowGuard {
         transport,
@@ -609,6 +634,10 @@ fn execute_as<T: Element>(
             Step::Recv { peer, dst } => {
                 let step = counters.received[peer];
                 counters.received[peer] += 1;
+                if lending.reclaims && guard.lent {
+                    let at = bufs.write_ptr(dst) as usize;
+                    transport.own_borrowed_within(at..at + dst.len * std::mem::size_of::<T>());
+                }
                 let out = bytemuck::cast_slice_mut(bufs.write(dst));
                 transport
                     .recv_into(
@@ -697,6 +726,57 @@ fn execute_as<T: Element>(
 mod tests {
     use super::*;
 
+    /// An exchange in place: its receives overwrite every span it sends,
+    /// so its sends copy, unless the receives take back what is still
+    /// queued (`reclaims`), when every non-empty send lends.
+    #[test]
+    fn an_exchange_in_place_lends_only_when_its_receives_take_spans_back() {
+        let piece = |offset| Span::new(BufId::Send, offset, 4);
+        let send = Plan {
+            steps: vec![
+                Step::Send {
+                    peer: 1,
+                    src: piece(0),
+                },
+                Step::Send {
+                    peer: 1,
+                    src: piece(4),
+                },
+            ],
+            scratch_len: 0,
+        };
+        let recv = Plan {
+            steps: vec![
+                Step::Recv {
+                    peer: 1,
+                    dst: Span::new(BufId::Recv, 0, 4),
+                },
+                Step::Recv {
+                    peer: 1,
+                    dst: Span::new(BufId::Recv, 4, 4),
+                },
+            ],
+            scratch_len: 0,
+        };
+        let plan = crate::schedule::exchange(send, recv, true);
+        for reclaims in [false, true] {
+            let mut lending = Lending {
+                allowed: true,
+                in_place: true,
+                clear: None,
+                after_last_write: None,
+                reclaims,
+            };
+            let lent: Vec<bool> = (0..2)
+                .map(|index| match plan.steps[index] {
+                    Step::Send { src, .. } => lending.lends(&plan, index, src),
+                    _ => unreachable!("the sends come first"),
+                })
+                .collect();
+            assert_eq!(lent, [reclaims, reclaims]);
+        }
+    }
+
     /// Which ring sends may lend the caller's buffer: those of spans no
     /// later step writes. An all-gather's or reduce-scatter's sends all
     /// read parts the call never writes. An all-reduce's reduce-scatter
@@ -716,6 +796,7 @@ mod tests {
                 in_place,
                 clear: None,
                 after_last_write: None,
+                reclaims: false,
             };
             let sends: Vec<bool> = plan
                 .steps
@@ -767,6 +848,7 @@ mod tests {
             in_place: true,
             clear: None,
             after_last_write: None,
+            reclaims: false,
         };
         assert!(plan.steps.iter().enumerate().all(|(index, s)| match *s {
             Step::Send { src, .. } => !lending.lends(&plan, index, src),
@@ -810,6 +892,7 @@ mod tests {
                 in_place: true,
                 clear: None,
                 after_last_write: None,
+                reclaims: false,
             };
             for (index, step) in plan.steps.iter().enumerate() {
                 if let Step::Send { src, .. } = *step {
@@ -892,6 +975,7 @@ mod tests {
             in_place: true,
             clear: None,
             after_last_write: None,
+            reclaims: false,
         };
         let lends: Vec<(usize, bool)> = plan
             .steps

@@ -214,6 +214,14 @@ impl Payload {
         }
     }
 
+    /// Whether this payload borrows the byte at any address of `range`.
+    pub fn borrows_from(&self, range: &std::ops::Range<usize>) -> bool {
+        self.external.is_some_and(|p| {
+            let start = p.as_ptr() as usize;
+            start < range.end && range.start < start + self.bytes
+        })
+    }
+
     /// Copies borrowed bytes into a buffer of its own (no-op when owned).
     pub fn make_owned(&mut self) {
         if self.external.is_some() {
@@ -565,6 +573,15 @@ impl Transport {
     pub fn own_borrowed(&self) {
         if let Transport::Net(t) = self {
             t.own_borrowed();
+        }
+    }
+
+    /// [`own_borrowed`](Self::own_borrowed) for the queued payloads that
+    /// borrow any byte at the addresses `range` only: what a call runs
+    /// before it overwrites bytes it may have lent.
+    pub fn own_borrowed_within(&self, range: std::ops::Range<usize>) {
+        if let Transport::Net(t) = self {
+            t.own_borrowed_within(range);
         }
     }
 

@@ -1561,6 +1561,18 @@ impl NetEndpoint {
         }
     }
 
+    /// See [`Transport::own_borrowed_within`](super::Transport::own_borrowed_within).
+    pub fn own_borrowed_within(&self, range: std::ops::Range<usize>) {
+        let mut fabric = self.shared.lock();
+        for peer in fabric.peers.iter_mut().flatten() {
+            for outgoing in &mut peer.out {
+                if outgoing.payload.borrows_from(&range) {
+                    outgoing.payload.make_owned();
+                }
+            }
+        }
+    }
+
     /// Waits until everything this communicator queued for its members has
     /// been handed to the links, still receiving meanwhile. On failure
     /// returns the communicator rank concerned.
