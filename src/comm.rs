@@ -1326,7 +1326,8 @@ impl Communicator {
     /// rounds: [`uses_arena`](Self::uses_arena)), and runs the send, then
     /// the receive: one after the other where either half is small enough
     /// for a pair lane, else as one plan over the links
-    /// ([`schedule::exchange`]), whose receives are posted first.
+    /// ([`schedule::exchange`]), whose receives of 64 KiB or more are posted
+    /// first out of place.
     fn run_exchange<T: Element>(
         &mut self,
         (sending, receiving): (CollectiveDesc, CollectiveDesc),
@@ -2257,10 +2258,11 @@ impl Communicator {
     /// (`MPI_Sendrecv_replace`): sends `buf` to `dst` and replaces it with
     /// the message from `src`, of the same length. Across processes the
     /// sends lend `buf` to the links, and each piece received first copies
-    /// whatever of its span is still queued for `dst` into a frame of its
-    /// own; the peer's pieces cannot be posted ahead into a buffer still
-    /// being sent, so they land when their turn comes (`send_recv` with two
-    /// buffers posts them all at once).
+    /// the pieces still queued for `dst` that cover its span (whole, even
+    /// one the link has partly taken) into frames of their own; the peer's
+    /// pieces cannot be posted ahead into a buffer still being sent, so
+    /// they land when their turn comes (`send_recv` with two buffers posts
+    /// them all at once).
     ///
     /// # Errors
     ///

@@ -106,7 +106,9 @@ impl<'a, T: Element> RawBufs<'a, T> {
         );
         // SAFETY: in bounds of the written buffer, borrowed mutably for
         // 'a. No other step's live slice or lent send covers the span
-        // ([`Lending::lends`]); a receive posted ahead into it
+        // ([`Lending::lends`]; with `reclaims`, the receive writing it
+        // first had the transport copy every queued frame borrowing it,
+        // under the transport's lock); a receive posted ahead into it
         // (`receives_to_post_ahead`) is written only by that receive's own
         // step, whose `recv_into` replaces the posted pointer with this
         // slice under the transport's lock before reading into it.
@@ -256,7 +258,8 @@ pub(crate) fn header<T: Element>(info: &CallInfo, step: u32, len: usize) -> Fram
 /// when it is queued, and a receive posted ahead into the span would be a
 /// later step's, so it is counted there. Empty sends (a barrier's) are
 /// copied: there is nothing to save, and a lent frame makes the call walk
-/// the queues when it ends.
+/// the queues when it ends. An exchange in place lends even what its
+/// receives overwrite: each takes its span back first (`reclaims`).
 struct Lending {
     allowed: bool,
     in_place: bool,
@@ -622,8 +625,10 @@ fn execute_as<T: Element>(
                 let payload = if lending.lends(plan, index, src) {
                     guard.lent = true;
                     // SAFETY: `lends` holds: no later step writes these
-                    // bytes during the call, and `guard` copies whatever is still
-                    // queued before the call returns (the flush below
+                    // bytes during the call, or (`reclaims`) the receive
+                    // that does first has the transport copy every queued
+                    // frame borrowing them; and `guard` copies whatever is
+                    // still queued before the call returns (the flush below
                     // leaves nothing queued on success).
                     unsafe { Payload::borrowed(bytes) }
                 } else {

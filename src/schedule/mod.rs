@@ -291,9 +291,10 @@ pub fn plan(desc: &CollectiveDesc, chunk_bytes: usize) -> Plan {
 /// every wait makes progress on every link: the queued sends drain and the
 /// peer's frames arrive. In place (`in_place`: one buffer, which the
 /// receives overwrite) the send steps name [`BufId::Recv`], as every
-/// in-place plan does, and the executor copies each piece as it queues it
-/// (it does not lend a span a later step writes): the whole message is
-/// copied before any of it is received, as `MPI_Sendrecv_replace` does.
+/// in-place plan does. Across processes the executor lends each piece to
+/// the links and, before a receive overwrites a span, copies the frames
+/// still queued that borrow it (`Lending::reclaims`); between threads it
+/// copies each piece as it queues it, as `MPI_Sendrecv_replace` does.
 ///
 /// # Panics
 ///

@@ -214,11 +214,12 @@ impl Payload {
         }
     }
 
-    /// Whether this payload borrows the byte at any address of `range`.
-    pub fn borrows_from(&self, range: &std::ops::Range<usize>) -> bool {
-        self.external.is_some_and(|p| {
+    /// How many of the bytes at the addresses `range` this payload borrows.
+    pub fn borrowed_within(&self, range: &std::ops::Range<usize>) -> usize {
+        self.external.map_or(0, |p| {
             let start = p.as_ptr() as usize;
-            start < range.end && range.start < start + self.bytes
+            let end = start + self.bytes;
+            end.min(range.end).saturating_sub(start.max(range.start))
         })
     }
 
@@ -567,7 +568,8 @@ impl Transport {
     }
 
     /// Turns every queued payload that borrows a caller's buffer into an
-    /// owned copy (of what is still unwritten): what a call that queued
+    /// owned copy (of all its bytes, a frame partly written included,
+    /// which goes on from where it was): what a call that queued
     /// borrowed payloads runs before returning early, so nothing reads its
     /// buffers afterwards.
     pub fn own_borrowed(&self) {

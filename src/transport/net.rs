@@ -1563,11 +1563,22 @@ impl NetEndpoint {
 
     /// See [`Transport::own_borrowed_within`](super::Transport::own_borrowed_within).
     pub fn own_borrowed_within(&self, range: std::ops::Range<usize>) {
+        // Queued frames borrow disjoint bytes (each call's pieces are
+        // disjoint, and its sends are flushed before it returns), so the
+        // walk ends once the range is covered: the frame an exchange's
+        // receive overwrites is near the front of its peer's queue, and a
+        // call of many small pieces does not walk the whole queue per piece.
+        let mut uncovered = range.len();
         let mut fabric = self.shared.lock();
         for peer in fabric.peers.iter_mut().flatten() {
             for outgoing in &mut peer.out {
-                if outgoing.payload.borrows_from(&range) {
+                if uncovered == 0 {
+                    return;
+                }
+                let borrowed = outgoing.payload.borrowed_within(&range);
+                if borrowed > 0 {
                     outgoing.payload.make_owned();
+                    uncovered = uncovered.saturating_sub(borrowed);
                 }
             }
         }
@@ -2525,6 +2536,55 @@ mod tests {
         endpoint.flush(Duration::from_secs(20)).unwrap();
         let got = reader.join().unwrap();
         assert!(got[FRAME_HEADER_BYTES..].iter().all(|&b| b == 3));
+    }
+
+    /// An exchange in place takes back only the span it is about to
+    /// overwrite: the frame borrowing it (queued, perhaps partly written)
+    /// becomes an owned copy, the others keep borrowing, and what goes out
+    /// is what the buffer held when each frame was sent.
+    #[test]
+    fn taking_back_a_span_copies_only_the_frames_that_borrow_it() {
+        let (endpoint, mut raw) = endpoint_with_raw_peer();
+        let half = 16 << 20;
+        let mut data = vec![3u8; 2 * half];
+        let (first, second) = data.split_at(half);
+        for (seq, part) in [first, second].into_iter().enumerate() {
+            let header = FrameHeader {
+                bytes: half,
+                ..frame(0, seq as u64)
+            };
+            // SAFETY: neither half is written before its frame is owned
+            // or written out (below), nor dropped before the flush.
+            endpoint
+                .send(1, header, unsafe { Payload::borrowed(part) })
+                .unwrap();
+        }
+        let borrowing = |endpoint: &NetEndpoint| {
+            let fabric = endpoint.shared.lock();
+            let peer = fabric.peers[1].as_ref().unwrap();
+            peer.out
+                .iter()
+                .filter(|o| o.payload.external.is_some())
+                .count()
+        };
+        assert_eq!(borrowing(&endpoint), 2, "both frames still queued, lent");
+        let at = data.as_ptr() as usize + half;
+        endpoint.own_borrowed_within(at..at + half);
+        assert_eq!(borrowing(&endpoint), 1, "only the second half taken back");
+        data[half..].fill(9);
+        let reader = std::thread::spawn(move || {
+            let mut got = vec![0u8; 2 * (FRAME_HEADER_BYTES + half)];
+            raw.read_exact(&mut got).unwrap();
+            got
+        });
+        endpoint.flush(Duration::from_secs(20)).unwrap();
+        drop(data);
+        let got = reader.join().unwrap();
+        let payloads = [
+            &got[FRAME_HEADER_BYTES..FRAME_HEADER_BYTES + half],
+            &got[2 * FRAME_HEADER_BYTES + half..],
+        ];
+        assert!(payloads.iter().all(|p| p.iter().all(|&b| b == 3)));
     }
 
     #[test]
