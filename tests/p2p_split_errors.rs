@@ -1361,6 +1361,85 @@ fn messages_outlive_a_sender_that_left_and_split_groups_have_their_own_lanes() {
     }
 }
 
+/// A send that lends its buffer (the receive copies straight out of it)
+/// is done with it when it returns: the sender overwrites the buffer at
+/// once, while its receiver is copying the last message out of it (each
+/// round, both ways) or before the receiver has started (between threads:
+/// a burst received after a barrier; across processes sends this large
+/// wait for their receiver), and every message arrives as it was sent.
+/// Messages of one pipeline piece (a lender with nothing else to take
+/// back returns while its receiver copies) and of several, out of place
+/// and in place.
+#[test]
+fn a_lent_buffer_may_change_as_soon_as_its_send_returns() {
+    const LEN: usize = 300_000;
+    for transport in EVERY_TRANSPORT {
+        let in_process = transport.is_none();
+        run_on(transport, 2, move |comm| {
+            let (rank, peer) = (comm.rank(), 1 - comm.rank());
+            let mut buf = vec![0u32; LEN];
+            let mut got = vec![0u32; LEN];
+            let fill = |buf: &mut [u32], rank: usize, round: u32| {
+                buf.iter_mut()
+                    .for_each(|x| *x = (rank as u32) << 24 ^ round);
+            };
+            for round in 0..100 {
+                // 200 KiB: one piece.
+                let len = if round % 2 == 0 { 50_000 } else { LEN };
+                let (buf, got) = (&mut buf[..len], &mut got[..len]);
+                fill(buf, rank, round);
+                if rank == 0 {
+                    comm.send(buf, peer)?;
+                    buf.fill(u32::MAX);
+                    comm.recv(got, peer)?;
+                } else {
+                    comm.recv(got, peer)?;
+                    comm.send(buf, peer)?;
+                    buf.fill(u32::MAX);
+                }
+                assert!(
+                    got.iter().all(|&x| x == (peer as u32) << 24 ^ round),
+                    "round {round}, rank {rank}"
+                );
+                fill(buf, rank, 100 + round);
+                comm.send_recv(buf, peer, got, peer)?;
+                buf.fill(u32::MAX);
+                assert!(
+                    got.iter()
+                        .all(|&x| x == (peer as u32) << 24 ^ (100 + round)),
+                    "exchange {round}, rank {rank}"
+                );
+                fill(buf, rank, 200 + round);
+                comm.send_recv_in_place(buf, peer, peer)?;
+                assert!(
+                    buf.iter()
+                        .all(|&x| x == (peer as u32) << 24 ^ (200 + round)),
+                    "in place {round}, rank {rank}"
+                );
+            }
+            if !in_process {
+                return Ok(());
+            }
+            if rank == 0 {
+                for round in 0..4 {
+                    fill(&mut buf, rank, 300 + round);
+                    comm.send(&buf, peer)?;
+                }
+                buf.fill(u32::MAX);
+            }
+            comm.barrier()?;
+            if rank == 1 {
+                for round in 0..4 {
+                    comm.recv(&mut got, peer)?;
+                    assert!(got.iter().all(|&x| x == 300 + round), "burst {round}");
+                }
+            }
+            Ok(())
+        })
+        .unwrap_or_else(|e| panic!("{transport:?}: {e}"));
+    }
+}
+
 /// A message sent small (through a pair lane) to a receive too large for
 /// the lane, or sent large (over the links) to a small receive, is a
 /// length `Mismatch` on the receiver, whether it was there before the

@@ -246,8 +246,9 @@ pub(crate) fn header<T: Element>(info: &CallInfo, step: u32, len: usize) -> Fram
 }
 
 /// Which sends read the caller's buffer in place (no copy into a frame):
-/// when the transport writes frames out before the call returns
-/// (`allowed`) and no *later* step of the call writes those elements. The
+/// when the transport lets the call's sends borrow (`allowed`,
+/// [`Transport::takes_borrowed`]) and no *later* step of the call writes
+/// those elements. The
 /// input of an out-of-place call is never written; elsewhere (in place, or
 /// the output out of place) that holds for a broadcast root's buffer, an
 /// all-gather's own part, the parts a reduce-scatter sends, and an
@@ -382,8 +383,9 @@ fn sends_clear_of_later_writes(plan: &Plan) -> Vec<bool> {
 }
 
 /// Withdraws the caller's buffers from the transport's queues when a call
-/// that sent from them in place ends: frames still queued (the call failed
-/// before its flush) get copies of their own.
+/// that sent from them in place ends: frames still queued get copies of
+/// their own (over the links, those of a call that failed before its
+/// flush; in process, those no receive has taken yet).
 struct BorrowGuard<'a> {
     transport: &'a Transport,
     lent: bool,
@@ -523,8 +525,9 @@ pub(crate) fn execute_exchange<T: Element>(
     );
     // In place, the sends lend the buffer and each receive takes back what
     // is still queued of its span before writing it (`Lending::reclaims`),
-    // instead of every send copying its span into a frame.
-    let reclaims = matches!(bufs, Bufs::InPlace(_));
+    // instead of every send copying its span into a frame, where the
+    // transport takes spans back cheaply.
+    let reclaims = matches!(bufs, Bufs::InPlace(_)) && transport.takes_back_cheaply();
     execute_as(
         transport,
         (sending, receiving),
@@ -570,7 +573,7 @@ fn execute_as<T: Element>(
     let op = info.reduce_op;
     let bufs = RawBufs::new(bufs);
     let mut lending = Lending {
-        allowed: transport.takes_borrowed(),
+        allowed: transport.takes_borrowed(info.space),
         in_place: bufs.in_place,
         clear: None,
         after_last_write: None,
