@@ -1368,8 +1368,8 @@ fn messages_outlive_a_sender_that_left_and_split_groups_have_their_own_lanes() {
 /// a burst received after a barrier; across processes sends this large
 /// wait for their receiver), and every message arrives as it was sent.
 /// Messages of one pipeline piece (a lender with nothing else to take
-/// back returns while its receiver copies) and of several, out of place
-/// and in place.
+/// back reaches the end of its call while its receiver copies, and must
+/// wait for that copy) and of several, out of place and in place.
 #[test]
 fn a_lent_buffer_may_change_as_soon_as_its_send_returns() {
     const LEN: usize = 300_000;
@@ -1521,7 +1521,9 @@ fn a_lane_message_of_another_type_is_a_mismatch() {
 
 /// A point-to-point receive fails with its peer, not with any rank of the
 /// group, as over the links: rank 2 fails at once (a length mismatch),
-/// while rank 1 still receives what rank 0 sends it afterwards.
+/// while rank 1 still receives what rank 0 sends it afterwards, small
+/// (through a pair lane) and large (over the links, or the in-process
+/// mailboxes).
 #[test]
 fn a_receive_does_not_fail_with_a_third_rank() {
     for transport in EVERY_TRANSPORT {
@@ -1530,12 +1532,17 @@ fn a_receive_does_not_fail_with_a_third_rank() {
                 comm.send(&[1u32], 2)?;
                 std::thread::sleep(Duration::from_millis(100));
                 comm.send(&[7u32, 8], 1)?;
+                // Rank 1 waits for this one, rank 2 long failed.
+                std::thread::sleep(Duration::from_millis(50));
+                comm.send(&message(0, 1, 100_000), 1)?;
                 Ok(true)
             }
             1 => {
                 let mut got = [0u32; 2];
                 comm.recv(&mut got, 0)?;
-                Ok(got == [7, 8])
+                let mut large = vec![0u32; 100_000];
+                comm.recv(&mut large, 0)?;
+                Ok(got == [7, 8] && large == message(0, 1, 100_000))
             }
             _ => {
                 let mut got = [0u32; 2];

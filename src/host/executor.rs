@@ -385,7 +385,8 @@ fn sends_clear_of_later_writes(plan: &Plan) -> Vec<bool> {
 /// Withdraws the caller's buffers from the transport's queues when a call
 /// that sent from them in place ends: frames still queued get copies of
 /// their own (over the links, those of a call that failed before its
-/// flush; in process, those no receive has taken yet).
+/// flush; in process, those no receive has taken yet, after which it waits
+/// for the receives still copying out of the buffers).
 struct BorrowGuard<'a> {
     transport: &'a Transport,
     lent: bool,
@@ -631,8 +632,9 @@ fn execute_as<T: Element>(
                     // bytes during the call, or (`reclaims`) the receive
                     // that does first has the transport copy every queued
                     // frame borrowing them; and `guard` copies whatever is
-                    // still queued before the call returns (the flush below
-                    // leaves nothing queued on success).
+                    // still queued before the call returns (over the links
+                    // the flush below leaves nothing queued on success; in
+                    // process it also waits for receives still copying).
                     unsafe { Payload::borrowed(bytes) }
                 } else {
                     Payload::from_bytes(bytes)

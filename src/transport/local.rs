@@ -4,7 +4,7 @@
 //!
 //! A frame may borrow the sender's buffer ([`Payload::borrowed`], when the
 //! executor's `Lending` allows): its receive copies straight out of that
-//! buffer (counted in the sender's [`Mailbox::lent_reads`] meanwhile), and
+//! buffer (counted in the sending endpoint's `lent_reads` meanwhile), and
 //! the sender, before its call returns ([`LocalEndpoint::own_borrowed`]),
 //! copies whatever of its lent frames is still waiting and waits for those
 //! being read. A message then crosses in one copy when its receive takes it
@@ -33,18 +33,21 @@ struct Mailbox {
     /// Frames ever filed here, bumped after each (under the lock): a
     /// receive spins on it without the lock before it sleeps.
     filed: AtomicU64,
-    /// Receives copying, outside any lock, out of frames that borrow this
-    /// mailbox's rank's buffers: counted up under the receiving mailbox's
-    /// lock as such a frame leaves it, down once copied.
-    /// [`LocalEndpoint::own_borrowed`] waits for none before the lending
-    /// call returns.
-    lent_reads: AtomicUsize,
+}
+
+/// A frame in a mailbox.
+struct Filed {
+    header: FrameHeader,
+    payload: Payload,
+    /// For a payload that borrows its sender's buffer: the sending
+    /// endpoint's [`lent_reads`](LocalEndpoint::lent_reads).
+    lender_reads: Option<Arc<AtomicUsize>>,
 }
 
 /// A mailbox's frames, counted per call ([`CollectiveArrivals`]).
 #[derive(Default)]
 struct Frames {
-    map: HashMap<Key, (FrameHeader, Payload)>,
+    map: HashMap<Key, Filed>,
     collective: CollectiveArrivals,
     /// Receives asleep on `arrived`: a send wakes them only if there are
     /// any (a wake is a system call even when nobody sleeps).
@@ -52,13 +55,13 @@ struct Frames {
 }
 
 impl Frames {
-    fn insert(&mut self, key: Key, frame: (FrameHeader, Payload)) {
+    fn insert(&mut self, key: Key, frame: Filed) {
         if self.map.insert(key, frame).is_none() {
             self.collective.filed(key.1, key.2, key.3);
         }
     }
 
-    fn remove(&mut self, key: &Key) -> Option<(FrameHeader, Payload)> {
+    fn remove(&mut self, key: &Key) -> Option<Filed> {
         let frame = self.map.remove(key)?;
         self.collective.taken(key.1, key.2, key.3);
         Some(frame)
@@ -151,6 +154,36 @@ pub(crate) struct LocalEndpoint {
     /// receiving mailbox (group index) and the frame's key, until
     /// [`own_borrowed`](Self::own_borrowed) runs.
     lent: Mutex<Vec<(usize, Key)>>,
+    /// Receives copying, outside any lock, out of frames this endpoint
+    /// lent: counted up under the receiving mailbox's lock as such a frame
+    /// leaves it, down once copied (a [`ReadingLent`] guard).
+    /// [`own_borrowed`](Self::own_borrowed) waits for none before the
+    /// lending call returns. Per endpoint, so a lender never waits on reads
+    /// of another communicator's frames.
+    lent_reads: Arc<AtomicUsize>,
+}
+
+/// A receive copying out of a lent frame, counted in its lender's
+/// `lent_reads` until dropped (also when the copy unwinds: a count left
+/// behind would hold the lender's every later call).
+struct ReadingLent(Arc<AtomicUsize>);
+
+impl ReadingLent {
+    /// Counts a read of a frame lent with `reads`: under the lock of the
+    /// mailbox the frame leaves, which the lender's `own_borrowed` takes
+    /// before it looks at the count, so Relaxed suffices here.
+    fn start(reads: Arc<AtomicUsize>) -> ReadingLent {
+        reads.fetch_add(1, Ordering::Relaxed);
+        ReadingLent(reads)
+    }
+}
+
+impl Drop for ReadingLent {
+    fn drop(&mut self) {
+        // Release: the copy happens-before the lender's Acquire load that
+        // sees the count fall, and so before it reuses its buffer.
+        self.0.fetch_sub(1, Ordering::Release);
+    }
 }
 
 impl LocalEndpoint {
@@ -161,6 +194,7 @@ impl LocalEndpoint {
             members,
             rank,
             lent: Mutex::new(Vec::new()),
+            lent_reads: Arc::new(AtomicUsize::new(0)),
         }
     }
 
@@ -183,9 +217,9 @@ impl LocalEndpoint {
             .map
             .iter()
             .find(|(k, _)| k.1 == self.ctx && k.2 == Space::Collective && k.3 <= seq)
-            .and_then(|(k, (header, _))| {
+            .and_then(|(k, frame)| {
                 let member = self.members.iter().position(|&g| g == k.0)?;
-                Some((member, *header))
+                Some((member, frame.header))
             })
     }
 
@@ -231,13 +265,23 @@ impl LocalEndpoint {
             return Ok(());
         }
         let lent = payload.is_borrowed();
-        frames.insert(key, (header, payload));
-        if lent {
-            lock(&self.lent).push((self.members[peer], key));
-        }
+        frames.insert(
+            key,
+            Filed {
+                header,
+                payload,
+                lender_reads: lent.then(|| self.lent_reads.clone()),
+            },
+        );
         mailbox.filed.fetch_add(1, Ordering::Release);
         let sleepers = frames.sleepers > 0;
         drop(frames);
+        if lent {
+            // After the mailbox's lock is let go (`own_borrowed` takes the
+            // two the other way round); a frame taken meanwhile is one its
+            // wait for readers covers.
+            lock(&self.lent).push((self.members[peer], key));
+        }
         if sleepers {
             mailbox.arrived.notify_all();
         }
@@ -246,13 +290,17 @@ impl LocalEndpoint {
 
     /// See [`Transport::own_borrowed`](super::Transport::own_borrowed):
     /// each lent frame still waiting in its receiver's mailbox gets a
-    /// copy of its own (under that mailbox's lock), then this waits until
-    /// no receive copies out of a lent frame any more.
+    /// copy of its own (made outside that mailbox's lock, swapped in under
+    /// it), then this waits until no receive copies out of a frame this
+    /// endpoint lent.
     pub fn own_borrowed(&self) {
         self.own_borrowed_where(|_| true);
     }
 
-    /// See [`Transport::own_borrowed_within`](super::Transport::own_borrowed_within).
+    /// See [`Transport::own_borrowed_within`](super::Transport::own_borrowed_within);
+    /// it waits for every receive reading a lent frame, not only those in
+    /// `range`. (No call reaches it through `Transport` today: in process
+    /// an exchange in place copies its sends, `takes_back_cheaply`.)
     pub fn own_borrowed_within(&self, range: std::ops::Range<usize>) {
         self.own_borrowed_where(|payload| payload.borrowed_within(&range) > 0);
     }
@@ -268,9 +316,9 @@ impl LocalEndpoint {
             let frames = &self.group.mailboxes[*mailbox].frames;
             let lent_bytes = match lock(frames).map.get(key) {
                 None => return false,
-                Some((_, payload)) if !takes_back(payload) => return true,
-                Some((_, payload)) => {
-                    let bytes = payload.as_bytes();
+                Some(frame) if !takes_back(&frame.payload) => return true,
+                Some(frame) => {
+                    let bytes = frame.payload.as_bytes();
                     (bytes.as_ptr(), bytes.len())
                 }
             };
@@ -285,17 +333,17 @@ impl LocalEndpoint {
             let own = Payload::from_bytes(unsafe {
                 std::slice::from_raw_parts(lent_bytes.0, lent_bytes.1)
             });
-            if let Some((_, payload)) = lock(frames).map.get_mut(key) {
-                *payload = own;
+            if let Some(frame) = lock(frames).map.get_mut(key) {
+                frame.payload = own;
+                frame.lender_reads = None;
             }
             false
         });
         // A receive that took a lent frame counted itself under the lock
         // taken above, so it is seen here; it copies for as long as a
         // copy takes, and this yields to it when it is not running.
-        let reads = &self.group.mailboxes[self.members[self.rank]].lent_reads;
         let mut looks = 0u32;
-        while reads.load(Ordering::Acquire) != 0 {
+        while self.lent_reads.load(Ordering::Acquire) != 0 {
             looks += 1;
             if looks < 1024 {
                 std::hint::spin_loop();
@@ -345,9 +393,9 @@ impl LocalEndpoint {
     /// any) at each wake-up, asleep at most [`ELSEWHERE_EVERY`] at first.
     /// With `into`, copies the frame there and returns `None`; else returns
     /// its payload, owned. A payload that borrows its sender's buffer is
-    /// read after the lock is let go, counted in the sender's
-    /// [`Mailbox::lent_reads`], for which the sender's
-    /// [`own_borrowed`](Self::own_borrowed) waits before its call returns.
+    /// read after the lock is let go, counted in the sending endpoint's
+    /// `lent_reads`, for which its [`own_borrowed`](Self::own_borrowed)
+    /// waits before the sending call returns.
     fn receive(
         &self,
         peer: usize,
@@ -364,16 +412,12 @@ impl LocalEndpoint {
         let mut frames = lock(&mailbox.frames);
         let mut elsewhere_nap = ELSEWHERE_EVERY;
         loop {
-            if let Some((header, mut payload)) = frames.remove(&key) {
-                header.check_matches(expect)?;
+            if let Some(frame) = frames.remove(&key) {
+                frame.header.check_matches(expect)?;
+                let mut payload = frame.payload;
                 // Counted before the lock is let go: the lender's
                 // `own_borrowed` then waits for this copy.
-                let lender = payload
-                    .is_borrowed()
-                    .then(|| &self.group.mailboxes[source].lent_reads);
-                if let Some(reads) = lender {
-                    reads.fetch_add(1, Ordering::Relaxed);
-                }
+                let reading = frame.lender_reads.map(ReadingLent::start);
                 drop(frames);
                 let received = match into {
                     Some(dst) => {
@@ -385,9 +429,7 @@ impl LocalEndpoint {
                         Some(payload)
                     }
                 };
-                if let Some(reads) = lender {
-                    reads.fetch_sub(1, Ordering::Release);
-                }
+                drop(reading);
                 return Ok(received);
             }
             if self.group.aborted.load(Ordering::SeqCst) {
@@ -399,13 +441,19 @@ impl LocalEndpoint {
             let failed = lock(&self.group.failed);
             if !failed.is_empty() {
                 // The awaited peer first: it is the one that will not send.
+                // A collective's receive also fails with any other rank (a
+                // ring's rank two hops after a lost one waits on a rank
+                // that will not send either); a point-to-point one only
+                // with its peer, as over the processes' links.
                 let me = self.members[self.rank];
-                let lost = std::iter::once(peer)
-                    .chain(0..self.members.len())
-                    .find_map(|r| {
-                        let cause = failed.get(&(self.ctx, self.members[r]))?;
-                        (self.members[r] != me).then_some((r, *cause))
-                    });
+                let others = match expect.space {
+                    Space::PointToPoint => 0..0,
+                    _ => 0..self.members.len(),
+                };
+                let lost = std::iter::once(peer).chain(others).find_map(|r| {
+                    let cause = failed.get(&(self.ctx, self.members[r]))?;
+                    (self.members[r] != me).then_some((r, *cause))
+                });
                 if let Some((rank, cause)) = lost {
                     // Named by its cause where it gave one (global ranks
                     // back to this communicator's).
@@ -531,7 +579,7 @@ mod tests {
         let borrowed = |seq: u64| {
             let frames = lock(&group.mailboxes[1].frames);
             frames.map[&(0, 7, Space::PointToPoint, seq, 0)]
-                .1
+                .payload
                 .is_borrowed()
         };
         let mut buf: Vec<u8> = (0..8192).map(|i| i as u8).collect();
