@@ -1,9 +1,10 @@
-//! Criterion benches of the host collectives, over threads (`threads2`: an
-//! in-process group) and over processes (`procs2`: this binary re-run as
-//! rank 1, linked by shared memory), with throughput set to the bus bytes
-//! so criterion prints bus bandwidth (nccl-tests' busbw: algbw × 2(N-1)/N
-//! for all-reduce, × (N-1)/N for all-gather and reduce-scatter, × 1 for
-//! broadcast).
+//! Criterion benches of the host collectives and of `send_recv` (a pair
+//! exchanging, as pipeline stages and ring attention do), over threads
+//! (`threads2`: an in-process group) and over processes (`procs2`: this
+//! binary re-run as rank 1, linked by shared memory), with throughput set
+//! to the bus bytes so criterion prints bus bandwidth (nccl-tests' busbw:
+//! algbw × 2(N-1)/N for all-reduce, × (N-1)/N for all-gather and
+//! reduce-scatter, × 1 for broadcast and sendrecv).
 //!
 //! `cargo bench --bench collectives -- --test` runs every case once (what
 //! CI does); `OXCCL_ALGO=ring` benches the schedules instead of the arena.
@@ -26,13 +27,15 @@ enum Coll {
     AllGather,
     ReduceScatter,
     Broadcast,
+    SendRecv,
 }
 
-const COLLS: [Coll; 4] = [
+const COLLS: [Coll; 5] = [
     Coll::AllReduce,
     Coll::AllGather,
     Coll::ReduceScatter,
     Coll::Broadcast,
+    Coll::SendRecv,
 ];
 
 impl Coll {
@@ -47,7 +50,7 @@ impl Coll {
         match self {
             Coll::AllReduce => 2.0 * (n - 1.0) / n,
             Coll::AllGather | Coll::ReduceScatter => (n - 1.0) / n,
-            Coll::Broadcast => 1.0,
+            Coll::Broadcast | Coll::SendRecv => 1.0,
         }
     }
 }
@@ -57,14 +60,22 @@ impl Coll {
 struct Bufs {
     full: Vec<f32>,
     part: Vec<f32>,
+    /// What `send_recv` receives (it sends `full`).
+    received: Vec<f32>,
 }
 
 impl Bufs {
-    fn new(bytes: usize) -> Bufs {
+    fn new(coll: Coll, bytes: usize) -> Bufs {
         let count = (bytes / 4 / RANKS * RANKS).max(RANKS);
+        let exchanged = if matches!(coll, Coll::SendRecv) {
+            count
+        } else {
+            0
+        };
         Bufs {
             full: vec![1.0; count],
             part: vec![1.0; count / RANKS],
+            received: vec![0.0; exchanged],
         }
     }
 }
@@ -75,6 +86,12 @@ fn run_op(comm: &mut Communicator, coll: Coll, b: &mut Bufs) -> oxccl::Result<()
         Coll::AllGather => comm.all_gather(&b.part, &mut b.full),
         Coll::ReduceScatter => comm.reduce_scatter(&b.full, &mut b.part, ReduceOp::Sum),
         Coll::Broadcast => comm.broadcast_in_place(&mut b.full, 0),
+        Coll::SendRecv => {
+            // A shift around the ranks (two: each with the other).
+            let rank = comm.rank();
+            let (next, prev) = ((rank + 1) % RANKS, (rank + RANKS - 1) % RANKS);
+            comm.send_recv(&b.full, next, &mut b.received, prev)
+        }
     }
 }
 
@@ -95,7 +112,7 @@ fn run_threads(coll: Coll, bytes: usize, iters: u64) -> Duration {
         .into_iter()
         .map(|mut comm| {
             std::thread::spawn(move || {
-                let mut b = Bufs::new(bytes);
+                let mut b = Bufs::new(coll, bytes);
                 run_op(&mut comm, coll, &mut b).expect("warm-up");
                 timed(&mut comm, coll, &mut b, iters)
             })
@@ -144,7 +161,7 @@ impl ProcessGroup {
     fn run(&mut self, coll: Coll, bytes: usize, iters: u64) -> Duration {
         let mut order = [coll.code(), bytes as u64, iters];
         self.comm.broadcast_in_place(&mut order, 0).expect("order");
-        let mut b = Bufs::new(bytes);
+        let mut b = Bufs::new(coll, bytes);
         run_op(&mut self.comm, coll, &mut b).expect("warm-up");
         let mine = timed(&mut self.comm, coll, &mut b, iters);
         let mut slowest = [mine.as_nanos() as u64];
@@ -175,7 +192,7 @@ fn worker() {
         let Some(coll) = Coll::from_code(code).filter(|_| iters > 0) else {
             return;
         };
-        let mut b = Bufs::new(bytes as usize);
+        let mut b = Bufs::new(coll, bytes as usize);
         run_op(&mut comm, coll, &mut b).expect("warm-up");
         let mine = timed(&mut comm, coll, &mut b, iters);
         let mut slowest = [mine.as_nanos() as u64];
