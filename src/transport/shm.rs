@@ -23,6 +23,12 @@
 //! them with a release store of `tail`; the consumer reads up to `tail`
 //! (acquire) and releases space with a release store of `head`. Each counter
 //! has one writer and sits on its own cache line.
+//!
+//! Beside each counter, on the second line of its pair, the same side
+//! publishes what the other needs to choose how large writes store
+//! ([`StoreChoice`]): after `tail`, the writer's log of where its writes
+//! changed between cached and streaming stores ([`WayLog`]); after
+//! `head`, the reader's speeds reading each ([`ReadTimings`]).
 
 use crate::host::stream::{copy_cached, copy_streaming_unfenced, fence};
 use std::ffi::CString;
@@ -377,6 +383,8 @@ impl Segment {
             Some(RingPtr {
                 head: self.base.add(offset) as *const AtomicU64,
                 tail: self.base.add(offset + LINE) as *const AtomicU64,
+                read_speeds: self.base.add(offset + LINE / 2) as *const AtomicU64,
+                ways: self.base.add(offset + LINE + LINE / 2) as *const AtomicU64,
                 data: self.base.add(offset + 2 * LINE),
                 cap: self.ring_bytes,
             })
@@ -428,8 +436,129 @@ fn corrupt_counters(head: u64, tail: u64, cap: usize) -> io::Error {
 struct RingPtr {
     head: *const AtomicU64,
     tail: *const AtomicU64,
+    /// The reader's speeds (`f64` bits, bytes per ns), cached then
+    /// streamed: [`READ_SPEEDS`] words on the head's second line.
+    read_speeds: *const AtomicU64,
+    /// The writer's [`WayLog`]: a count, then [`WAY_LOG_LEN`] entries, on
+    /// the tail's second line.
+    ways: *const AtomicU64,
     data: *mut u8,
     cap: usize,
+}
+
+/// Words of [`RingPtr::read_speeds`]: one per way.
+const READ_SPEEDS: usize = 2;
+/// Entries of the writer's way log. Streaming, each frame makes two
+/// changes (its header cached, its payload streamed), so the log places
+/// the last three frames' payloads: a reader keeping up reads them; one
+/// further behind skips its timing.
+const WAY_LOG_LEN: usize = 6;
+const _: () = assert!(READ_SPEEDS * 8 <= LINE / 2 && (1 + WAY_LOG_LEN) * 8 <= LINE / 2);
+
+/// The writer's log of the ring positions where its writes changed way
+/// (small writes are cached): entry `k` (in slot `k % WAY_LOG_LEN`) is
+/// `position << 1 | streamed` of the `k`-th change, the first write
+/// counting as one; the count is published (release) after its entry and
+/// before the write's `tail`. Only an adapting writer logs.
+struct WayLog;
+
+impl WayLog {
+    /// Logs that the write at `position` stores `streamed`, if that changes
+    /// the way (`last`: this writer's last logged way).
+    ///
+    /// # Safety
+    /// `ways` must be a ring's log, written by this side alone.
+    unsafe fn note(ways: *const AtomicU64, last: &mut Option<bool>, position: u64, streamed: bool) {
+        if *last == Some(streamed) {
+            return;
+        }
+        *last = Some(streamed);
+        // SAFETY: the log's words (the caller's contract).
+        let count = unsafe { &*ways };
+        let k = count.load(Ordering::Relaxed);
+        let slot = unsafe { &*ways.add(1 + (k as usize) % WAY_LOG_LEN) };
+        // Release: a reader whose entry load sees this one, after its
+        // fence, sees the count past it (`way_of`'s re-check).
+        slot.store(position << 1 | u64::from(streamed), Ordering::Release);
+        // Wrapping: the count lies in memory the peer can write.
+        count.store(k.wrapping_add(1), Ordering::Release);
+    }
+
+    /// How the bytes at positions `from..to` were stored, when the log
+    /// tells: `Some(true)` streamed. `None` when they straddle a change, or
+    /// lie before the first logged write or the oldest change kept, or the
+    /// log moved while it was read.
+    ///
+    /// # Safety
+    /// `ways` must be a ring's log; `to` at most the `tail` this side read.
+    unsafe fn way_of(ways: *const AtomicU64, from: u64, to: u64) -> Option<bool> {
+        // SAFETY: the log's words (the caller's contract).
+        let count = unsafe { &*ways };
+        let k = count.load(Ordering::Acquire);
+        let kept = usize::try_from(k).unwrap_or(usize::MAX).min(WAY_LOG_LEN);
+        let mut entries = [0u64; WAY_LOG_LEN];
+        for (i, entry) in entries.iter_mut().enumerate().take(kept) {
+            let change = k as usize - kept + i;
+            *entry = unsafe { &*ways.add(1 + change % WAY_LOG_LEN) }.load(Ordering::Relaxed);
+        }
+        // An entry overwritten meanwhile (its change at or past `to`) may
+        // have replaced the one that places `from`: a count moved since
+        // says so. An entry stored but not yet counted lies at or past
+        // `to` too and only makes `way_at` refuse.
+        std::sync::atomic::fence(Ordering::Acquire);
+        if count.load(Ordering::Relaxed) != k {
+            return None;
+        }
+        way_at(&entries[..kept], from, to)
+    }
+}
+
+/// [`WayLog::way_of`] over a snapshot of its entries, oldest first.
+fn way_at(entries: &[u64], from: u64, to: u64) -> Option<bool> {
+    let at = entries.iter().rposition(|&e| e >> 1 <= from)?;
+    if entries[at + 1..].iter().any(|&e| e >> 1 < to) {
+        return None;
+    }
+    Some(entries[at] & 1 == 1)
+}
+
+/// The reader's side of [`StoreChoice`]: it times its copies out of large
+/// writes whose way the [`WayLog`] tells, and publishes a running average
+/// per way for the writer, whose own timings do not see what its stores
+/// cost the reader. Near, cached writes into the ring timed 15–27 GB/s
+/// and streamed ones 17, but the reader then read 27–34 against 13 (from
+/// memory), and the cached link was the faster (a 32 KiB exchange 3.8–4.7
+/// against 5.7–7.3 µs); far, cached writes time 2.1–2.4 GB/s.
+#[derive(Default)]
+struct ReadTimings {
+    /// Bytes per ns, cached then streamed; 0: not yet timed.
+    speed: [f64; READ_SPEEDS],
+}
+
+impl ReadTimings {
+    /// Records a read of `bytes` in `ns` of data stored `streamed` and
+    /// publishes the way's new figure.
+    ///
+    /// # Safety
+    /// `published` must be a ring's read speeds, written by this side alone.
+    unsafe fn record(
+        &mut self,
+        published: *const AtomicU64,
+        streamed: bool,
+        bytes: usize,
+        ns: u64,
+    ) {
+        let sample = bytes as f64 / ns.max(1) as f64;
+        let figure = &mut self.speed[usize::from(streamed)];
+        *figure = if *figure == 0.0 {
+            sample
+        } else {
+            0.5 * (*figure + sample)
+        };
+        // SAFETY: the caller's contract.
+        unsafe { &*published.add(usize::from(streamed)) }
+            .store(figure.to_bits(), Ordering::Relaxed);
+    }
 }
 
 /// How a link stores what it writes into its peer's ring, for writes of
@@ -455,6 +584,11 @@ const CHOSEN_WRITE_MIN_BYTES: usize = 32 * 1024;
 /// 1 MiB exchange about 1.5× slower than forced streaming (136–161
 /// against 90–100 µs).
 const EXPLORE_MIN: u32 = 32;
+/// Writes the other way per exploration, the last one timed: the first
+/// write after a change of way times unlike the way's steady writes (near,
+/// a cached 32 KiB write after streamed ones 2–8 GB/s against 15–27 in a
+/// run of cached ones).
+const EXPLORE_WRITES: u32 = 2;
 /// The widest spacing of explorations: at 256 KiB per write, 64 MiB (a
 /// few milliseconds of writing) before a move back to a shared cache is
 /// noticed. (A move away from it shows in the current way's own timings.)
@@ -473,6 +607,12 @@ const TIME_EVERY: u32 = 4;
 const STREAMING_GAIN: f64 = 2.0;
 const CACHED_AGAIN: f64 = 0.8;
 
+/// With the reader's cost counted ([`ReadTimings`]): streaming is taken
+/// when a byte goes through (written, then read) this many times as fast,
+/// and cached stores again once they go through at least as fast.
+const THROUGH_STREAMING_GAIN: f64 = 1.25;
+const THROUGH_CACHED_AGAIN: f64 = 1.0;
+
 /// Which stores a link's large writes use, when adapting. The ring's lines
 /// were last read by the peer: where the two cores share a cache, ordinary
 /// stores take them back through it; where they do not (two dies, or a VM's
@@ -484,8 +624,12 @@ const CACHED_AGAIN: f64 = 0.8;
 /// exchange took 58 µs cached against 130–185 non-temporal near, 440–510
 /// against 90–100 far. Each writer decides for itself: the reader reads
 /// whatever landed. It times one chosen write in [`TIME_EVERY`] (a running
-/// average, bytes per ns) and, now and then ([`EXPLORE_MIN`]), writes the
-/// other way (its last such timing is that way's figure), and switches by
+/// average, bytes per ns) and, now and then ([`EXPLORE_MIN`]), writes
+/// [`EXPLORE_WRITES`] the other way (the last one's timing is that way's
+/// figure). It switches by the bytes through the ring, its time and its
+/// reader's ([`ReadTimings`]) per byte added, at
+/// [`THROUGH_STREAMING_GAIN`] and [`THROUGH_CACHED_AGAIN`], once the reader
+/// has timed both ways; until then by its own speeds, at
 /// [`STREAMING_GAIN`] and [`CACHED_AGAIN`].
 #[derive(Debug)]
 struct StoreChoice {
@@ -493,6 +637,13 @@ struct StoreChoice {
     streaming: bool,
     /// Chosen writes since the last exploration.
     writes: u32,
+    /// Writes the other way still to come in the exploration under way.
+    exploring: u32,
+    /// The reader's speeds (bytes per ns, cached then streamed) as it last
+    /// published them; 0: not yet.
+    reader: [f64; READ_SPEEDS],
+    /// The way this writer last logged ([`WayLog`]).
+    logged: Option<bool>,
     /// Chosen writes between explorations now.
     explore_every: u32,
     /// Bytes per ns of each way (`[cached, streaming]`); 0: not yet timed.
@@ -505,6 +656,9 @@ impl StoreChoice {
             policy,
             streaming: policy == LinkStores::Streaming,
             writes: 0,
+            exploring: 0,
+            reader: [0.0; READ_SPEEDS],
+            logged: None,
             explore_every: EXPLORE_MIN,
             speed: [0.0; 2],
         }
@@ -516,12 +670,56 @@ impl StoreChoice {
         if self.policy != LinkStores::Adaptive {
             return (self.streaming, false);
         }
+        if self.exploring > 0 {
+            self.exploring -= 1;
+            return (!self.streaming, self.exploring == 0);
+        }
         self.writes += 1;
         if self.writes >= self.explore_every {
             self.writes = 0;
-            (!self.streaming, true)
+            self.exploring = EXPLORE_WRITES - 1;
+            (!self.streaming, self.exploring == 0)
         } else {
             (self.streaming, self.writes.is_multiple_of(TIME_EVERY))
+        }
+    }
+
+    /// The speeds to compare, cached then streamed, with the thresholds
+    /// for them: through the ring (the writer's and the reader's time per
+    /// byte added) once the reader has timed both ways, else the writer's
+    /// alone, which must then favour cached stores (the reader's cost,
+    /// unseen, favours them near).
+    fn through(&self) -> (f64, f64, f64, f64) {
+        let [cached, streamed] = self.speed;
+        let [read_cached, read_streamed] = self.reader;
+        if cached > 0.0 && streamed > 0.0 && read_cached > 0.0 && read_streamed > 0.0 {
+            let through = |write: f64, read: f64| 1.0 / (1.0 / write + 1.0 / read);
+            (
+                through(cached, read_cached),
+                through(streamed, read_streamed),
+                THROUGH_STREAMING_GAIN,
+                THROUGH_CACHED_AGAIN,
+            )
+        } else {
+            (cached, streamed, STREAMING_GAIN, CACHED_AGAIN)
+        }
+    }
+
+    /// Takes the reader's published speeds (see [`ReadTimings`]).
+    ///
+    /// # Safety
+    /// `published` must be a ring's read speeds.
+    unsafe fn reader_published(&mut self, published: *const AtomicU64) {
+        for (way, figure) in self.reader.iter_mut().enumerate() {
+            // SAFETY: the caller's contract.
+            let bits = unsafe { &*published.add(way) }.load(Ordering::Relaxed);
+            let speed = f64::from_bits(bits);
+            // Memory the peer writes: only a plausible figure counts.
+            *figure = if speed.is_finite() && speed > 0.0 {
+                speed
+            } else {
+                0.0
+            };
         }
     }
 
@@ -535,12 +733,12 @@ impl StoreChoice {
         } else {
             0.5 * (*figure + sample)
         };
-        let [cached, streamed] = self.speed;
         let was = self.streaming;
+        let (cached, streamed, gain, again) = self.through();
         if cached > 0.0 && streamed > 0.0 {
-            if !self.streaming && streamed >= cached * STREAMING_GAIN {
+            if !self.streaming && streamed >= cached * gain {
                 self.streaming = true;
-            } else if self.streaming && cached >= streamed * CACHED_AGAIN {
+            } else if self.streaming && cached >= streamed * again {
                 self.streaming = false;
             }
         }
@@ -563,6 +761,8 @@ pub(crate) struct ShmLink {
     inp: RingPtr,
     /// How large writes into `out` store.
     stores: StoreChoice,
+    /// This side's timings of large reads from `inp`, for its writer.
+    reads: ReadTimings,
 }
 
 // SAFETY: see `Segment`; the raw ring pointers point into mappings that the
@@ -589,6 +789,7 @@ impl ShmLink {
             out,
             inp,
             stores: StoreChoice::new(stores),
+            reads: ReadTimings::default(),
         })
     }
 
@@ -616,11 +817,18 @@ impl ShmLink {
         }
         let at = (t as usize) & (r.cap - 1);
         let first = n.min(r.cap - at);
-        let (streaming, timed) = if n >= CHOSEN_WRITE_MIN_BYTES {
+        let chosen = n >= CHOSEN_WRITE_MIN_BYTES;
+        let (streaming, timed) = if chosen {
             self.stores.next()
         } else {
             (false, false)
         };
+        if self.stores.policy == LinkStores::Adaptive {
+            // Small writes (a frame's header) too: a large read of them
+            // must not count as one of the streamed write before.
+            // SAFETY: this side alone writes the ring's way log.
+            unsafe { WayLog::note(r.ways, &mut self.stores.logged, t, streaming) };
+        }
         let start = timed.then(std::time::Instant::now);
         // SAFETY: [at, at+first) and [0, n-first) lie in the ring's data
         // (n <= cap, checked above), and the consumer does not read them
@@ -638,6 +846,8 @@ impl ShmLink {
         }
         if let Some(start) = start {
             let ns = start.elapsed().as_nanos().min(u128::from(u64::MAX)) as u64;
+            // SAFETY: the ring's read speeds are valid atomics.
+            unsafe { self.stores.reader_published(r.read_speeds) };
             self.stores.timed(streaming, n, ns);
         }
         tail.store(t.wrapping_add(n as u64), Ordering::Release);
@@ -665,12 +875,25 @@ impl ShmLink {
         }
         let at = (h as usize) & (r.cap - 1);
         let first = n.min(r.cap - at);
+        // A large read of bytes one way stored is timed for the writer.
+        let way = if n >= CHOSEN_WRITE_MIN_BYTES {
+            // SAFETY: the ring's way log; h + n ≤ the tail read above.
+            unsafe { WayLog::way_of(r.ways, h, h.wrapping_add(n as u64)) }
+        } else {
+            None
+        };
+        let start = way.map(|_| std::time::Instant::now());
         // SAFETY: the producer published these bytes (acquire above) and
         // will not overwrite them until `head` moves past them; n <= cap
         // (checked above), so both ranges lie in the ring's data.
         unsafe {
             copy_cached(r.data.add(at), buf.as_mut_ptr(), first);
             copy_cached(r.data, buf.as_mut_ptr().add(first), n - first);
+        }
+        if let (Some(streamed), Some(start)) = (way, start) {
+            let ns = start.elapsed().as_nanos().min(u128::from(u64::MAX)) as u64;
+            // SAFETY: this side alone writes the ring's read speeds.
+            unsafe { self.reads.record(r.read_speeds, streamed, n, ns) };
         }
         head.store(h.wrapping_add(n as u64), Ordering::Release);
         Ok(n)
@@ -930,9 +1153,14 @@ mod tests {
             );
         }
         // Explorations spaced out to the widest: over 2560 steady writes,
-        // 10 at EXPLORE_MAX (and never more than one per EXPLORE_MIN).
+        // 10 at EXPLORE_MAX (and never more than one per EXPLORE_MIN), each
+        // of EXPLORE_WRITES writes the other way.
         let (_, explored) = feed(&mut choice, 2560, 30.0, 18.0);
-        assert!((9..=11).contains(&explored), "{explored} explorations");
+        let explorations = explored / EXPLORE_WRITES;
+        assert!(
+            (9..=11).contains(&explorations),
+            "{explorations} explorations"
+        );
         // Far: cached stores collapse to 2 GB/s; streaming's last figure
         // (18) is over twice that after two timings of the current way.
         let (far, _) = feed(&mut choice, 300, 2.0, 17.0);
@@ -953,6 +1181,90 @@ mod tests {
                 assert_eq!(forced.next(), (streams, false), "{policy:?}");
             }
         }
+    }
+
+    /// The way log places a read by the last change at or before its
+    /// start, and refuses reads that straddle a change, start before the
+    /// oldest change kept, or precede every write.
+    #[test]
+    fn the_way_log_places_reads_within_one_way() {
+        let change = |position: u64, streamed: bool| position << 1 | u64::from(streamed);
+        // Header cached at 0, payload streamed at 64, next header at 65 600.
+        let log = [change(0, false), change(64, true), change(65_600, false)];
+        assert_eq!(way_at(&log, 64, 65_600), Some(true));
+        assert_eq!(way_at(&log, 100, 40_000), Some(true));
+        assert_eq!(way_at(&log, 0, 64), Some(false));
+        assert_eq!(way_at(&log, 65_600, 200_000), Some(false));
+        assert_eq!(way_at(&log, 32, 40_000), None, "straddles a change");
+        assert_eq!(way_at(&log[1..], 0, 64), None, "before the oldest kept");
+        assert_eq!(way_at(&[], 0, 64), None);
+
+        // Through shared words: a writer logging, wrapping the log.
+        let words: Vec<AtomicU64> = (0..=WAY_LOG_LEN).map(|_| AtomicU64::new(0)).collect();
+        let ways = words.as_ptr();
+        let mut last = None;
+        let mut position = 0;
+        // Ten frames, header cached, payload streamed but for every third.
+        for frame in 1..=10u64 {
+            // SAFETY: `words` is a log's count and entries.
+            unsafe {
+                WayLog::note(ways, &mut last, position, false);
+                WayLog::note(ways, &mut last, position + 64, frame % 3 != 0);
+            }
+            position += 64 + 32_768;
+        }
+        let count = words[0].load(Ordering::Relaxed);
+        assert!(
+            count > WAY_LOG_LEN as u64,
+            "{count} changes, the log wrapped"
+        );
+        let last_payload = position - 32_768;
+        // SAFETY: as above; the reads end at the last write's end.
+        unsafe {
+            assert_eq!(WayLog::way_of(ways, last_payload, position), Some(true));
+            assert_eq!(WayLog::way_of(ways, 64, 32_832), None, "long overwritten");
+        }
+    }
+
+    /// With the reader's timings, the choice compares bytes through the
+    /// ring: near, cached writes that time no faster than streamed ones
+    /// (the writer's view) stay cached because the reader reads them 2–3×
+    /// faster; far, cached writes so slow that no read makes up for them
+    /// stream; and a reader that reads streamed data slowly enough brings
+    /// cached stores back.
+    #[test]
+    fn the_readers_timings_keep_cached_stores_near_and_stream_far() {
+        let read = |choice: &mut StoreChoice, cached: f64, streamed: f64| {
+            let words = [
+                AtomicU64::new(cached.to_bits()),
+                AtomicU64::new(streamed.to_bits()),
+            ];
+            // SAFETY: two speed words.
+            unsafe { choice.reader_published(words.as_ptr()) };
+        };
+        // Near: writes 15 cached against 35 streamed (the writer alone
+        // would stream: 2.3×), reads 30 against 12.
+        let mut near = StoreChoice::new(LinkStores::Adaptive);
+        read(&mut near, 30.0, 12.0);
+        let (modes, _) = feed(&mut near, 600, 15.0, 35.0);
+        assert!(modes.iter().all(|&s| !s), "near stays cached");
+        // Far: writes 2.2 against 18, reads 13 against 10.7.
+        let mut far = StoreChoice::new(LinkStores::Adaptive);
+        read(&mut far, 13.0, 10.7);
+        let (modes, _) = feed(&mut far, 300, 2.2, 18.0);
+        let first = modes.iter().position(|&s| s).expect("streams far");
+        assert!(modes[first..].iter().all(|&s| s), "steady once streaming");
+        // The reader slows on streamed data: cached again.
+        read(&mut far, 13.0, 2.0);
+        let (back, _) = feed(&mut far, 600, 6.0, 18.0);
+        assert!(
+            back.iter().any(|&s| !s) && !back[back.len() - 1],
+            "cached again"
+        );
+        // A garbage figure from the peer's memory is ignored.
+        let mut odd = StoreChoice::new(LinkStores::Adaptive);
+        read(&mut odd, f64::NAN, -1.0);
+        assert_eq!(odd.reader, [0.0, 0.0]);
     }
 
     /// Writes of 32 KiB and more through a ring, streamed (forced), chosen
@@ -980,6 +1292,13 @@ mod tests {
             assert!(got == data, "{stores:?}");
             let counted = p.a_to_b.stores.writes > 0 || p.a_to_b.stores.speed != [0.0; 2];
             assert_eq!(counted, stores == LinkStores::Adaptive, "{stores:?}");
+            // Only an adapting writer logs its ways, and only then does its
+            // reader time reads (a 77 777-byte buffer takes whole payloads).
+            // SAFETY: the ring's log count is a valid atomic while `b` lives.
+            let logged = unsafe { (*p.a_to_b.out.ways).load(Ordering::Relaxed) } > 0;
+            assert_eq!(logged, stores == LinkStores::Adaptive, "{stores:?}");
+            let timed = p.b_to_a.reads.speed != [0.0; READ_SPEEDS];
+            assert_eq!(timed, stores == LinkStores::Adaptive, "{stores:?}");
         }
     }
 
