@@ -420,10 +420,16 @@ fn launch_on_a_terminal(port: &str, script: &str) -> (Child, i32) {
     ]);
     // The terminal in place of the pipes.
     cmd.stdin(tty(slave)).stdout(tty(slave)).stderr(tty(slave));
-    // SAFETY: setsid and ioctl are async-signal-safe; the child makes the
-    // terminal its controlling one.
+    // SAFETY: setsid, ioctl and signal are async-signal-safe; the child
+    // makes the terminal its controlling one, and takes the terminal's
+    // signals as a launcher started there does, whatever this test process
+    // inherited: under `nohup` (SIGHUP ignored) or a shell's `&` (SIGINT
+    // ignored) the launcher rightly keeps an ignored signal ignored, and
+    // the tests on a terminal would see no signal reach the ranks.
     unsafe {
         cmd.pre_exec(|| {
+            libc::signal(libc::SIGHUP, libc::SIG_DFL);
+            libc::signal(libc::SIGINT, libc::SIG_DFL);
             if libc::setsid() < 0 || libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
                 return Err(std::io::Error::last_os_error());
             }
