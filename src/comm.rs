@@ -183,8 +183,9 @@ impl ShmStores {
 /// `Auto` picks by operation, size, world size and what links the ranks:
 /// see `docs/performance.md` for the table. The others force one family
 /// at every size; operations that have no form in it (all-to-all,
-/// barrier, send/recv) keep their usual schedules, except that `Ring`
-/// also keeps small sends and receives off the arena's pair lanes.
+/// barrier, send/recv) keep their usual schedules, except that `Ring` and
+/// `Tree`, which build no arena, also keep small sends and receives off the
+/// arena's pair lanes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Algo {
@@ -199,17 +200,30 @@ pub enum Algo {
     /// rank is on one host (one-shot all-reduce for small messages, two-shot
     /// for large ones), else direct schedules over the links.
     Direct,
+    /// Recursive doubling (all-reduce, reduce-scatter, all-gather) and
+    /// binomial trees (broadcast, reduce) over the point-to-point links, at
+    /// every size, even where the shared arena exists: what `Auto` runs for
+    /// small calls among many ranks across hosts. The device backends run
+    /// as under `Auto`.
+    Tree,
 }
 
 impl Algo {
-    /// Parses `auto`, `ring` or `direct` (case-insensitive).
+    /// Parses `auto`, `ring`, `direct` or `tree` (case-insensitive).
     pub fn from_name(name: &str) -> Option<Algo> {
         match name.trim().to_ascii_lowercase().as_str() {
             "" | "auto" => Some(Algo::Auto),
             "ring" => Some(Algo::Ring),
             "direct" | "arena" => Some(Algo::Direct),
+            "tree" => Some(Algo::Tree),
             _ => None,
         }
+    }
+
+    /// Whether collectives run over the point-to-point links only, with
+    /// no shared arena (nor its lanes) even among ranks of one host.
+    pub(crate) fn links_only(self) -> bool {
+        matches!(self, Algo::Ring | Algo::Tree)
     }
 }
 
@@ -283,7 +297,7 @@ impl CommConfig {
             config.algo = Algo::from_name(&value).ok_or_else(|| Error::Config {
                 name: "OXCCL_ALGO".into(),
                 value: value.clone(),
-                reason: "expected auto, ring or direct".into(),
+                reason: "expected auto, ring, direct or tree".into(),
             })?;
         }
         if let Some(value) = env_value("OXCCL_SHM_STORES")? {
@@ -703,7 +717,7 @@ impl CommBuilder {
                 ShmStores::Streaming => LinkStores::Streaming,
                 ShmStores::Auto { .. } => LinkStores::Adaptive,
             },
-            arena_bytes: if config.algo == Algo::Ring {
+            arena_bytes: if config.algo.links_only() {
                 0
             } else {
                 Arena::region_bytes(world_size)
@@ -765,7 +779,7 @@ impl CommBuilder {
         check_rank(0, n)?;
         let group = LocalGroup::new(n);
         let members: Vec<usize> = (0..n).collect();
-        let mut arenas: Vec<Option<Arena>> = if n > 1 && config.algo != Algo::Ring {
+        let mut arenas: Vec<Option<Arena>> = if n > 1 && !config.algo.links_only() {
             Arena::local_group(n, group.abort_flag(), config.timeout)
                 .ok_or_else(|| Error::Bootstrap {
                     context: format!("local_group of {n} ranks"),
@@ -1133,8 +1147,8 @@ impl Communicator {
 
     /// `n` communicators of one in-process group with settings from the
     /// environment (every `OXCCL_*` setting of [`CommConfig::from_env`]: a
-    /// malformed one is an error, and `OXCCL_ALGO=ring` leaves out the
-    /// shared arena).
+    /// malformed one is an error, and `OXCCL_ALGO=ring` or `tree` leaves out
+    /// the shared arena).
     ///
     /// # Errors
     ///
@@ -1233,7 +1247,8 @@ impl Communicator {
         let result = match (in_arena, self.arena.as_mut()) {
             _ if transport.is_aborted() => Err(info.error(self.rank, TransportError::Aborted)),
             (true, Some(arena)) => run_in_arena(arena, &desc, (&info, self.segment_tag), bufs),
-            // (No arena exists under `OXCCL_ALGO=ring`, so neither do lanes.)
+            // (No arena exists under `OXCCL_ALGO=ring` or `tree`, so neither
+            // do lanes.)
             (false, Some(arena)) if arena.has_pair_lanes() => match (desc.op, bufs) {
                 (OpKind::Send, Bufs::OutOfPlace { send, .. }) => {
                     send_by_lane(arena, transport, &info, (send, peer), links)
@@ -1417,7 +1432,7 @@ impl Communicator {
     /// of place and 0.0999 → 0.0859 in place (near, medians of ten
     /// alternating rounds, faster in all ten).
     ///
-    /// `None` where `run` takes the call: no arena, `OXCCL_ALGO=ring`, a
+    /// `None` where `run` takes the call: no arena, `OXCCL_ALGO=ring` or `tree`, a
     /// failed communicator, nothing to move, or a root out of range (which
     /// `run` reports). `count` is the call's count as
     /// `CollectiveDesc::count` has it (per rank for all-gather and
@@ -1448,7 +1463,7 @@ impl Communicator {
             FastCall::Broadcast { root } | FastCall::Reduce { root, .. } => root < self.world,
             FastCall::AllReduce(_) | FastCall::AllGather | FastCall::ReduceScatter(_) => true,
         };
-        if count == 0 || !in_range || self.failed.is_some() || self.config.algo == Algo::Ring {
+        if count == 0 || !in_range || self.failed.is_some() || self.config.algo.links_only() {
             return None;
         }
         let arena = self.arena.as_mut()?;
@@ -1518,13 +1533,14 @@ impl Communicator {
     /// Whether this call runs through the shared arena.
     fn uses_arena(&self, desc: &CollectiveDesc) -> bool {
         let arena_op = !matches!(desc.op, OpKind::Send | OpKind::Recv);
-        arena_op && self.arena.is_some() && self.config.algo != Algo::Ring
+        arena_op && self.arena.is_some() && !self.config.algo.links_only()
     }
 
     /// The algorithm a collective of `bytes` (nccl-tests' size: the largest
     /// buffer) and element type `T` would use on this communicator, as
     /// `oxccl-perf` reports it: `zerocopy`, `lane`, `mailbox`, `oneshot`,
-    /// `twoshot`, `cma`, `direct`, `ring`, `chain` or `dissemination`.
+    /// `twoshot`, `cma`, `direct`, `ring`, `chain`, `doubling`, `binomial`
+    /// or `dissemination`.
     pub fn algorithm_for<T: Element>(&self, op: OpKind, bytes: usize) -> &'static str {
         let elem = T::DTYPE.size();
         let desc = self.desc::<T>(op);
@@ -1622,6 +1638,7 @@ impl Communicator {
         match self.config.algo {
             Algo::Ring => schedule::Family::Ring,
             Algo::Direct => schedule::Family::Direct,
+            Algo::Tree => schedule::Family::Tree,
             Algo::Auto => schedule::choose(desc),
         }
     }
@@ -2322,7 +2339,7 @@ impl Communicator {
     /// whose buffers on every rank lie in one such allocation (e.g.
     /// `all_reduce_in_place(&mut buf, ..)` on every rank) runs zero-copy:
     /// ranks fold straight out of each other's buffers. Between threads, and
-    /// over TCP or with `OXCCL_ALGO=ring`, it is ordinary memory (threads
+    /// over TCP or with `OXCCL_ALGO=ring` or `tree`, it is ordinary memory (threads
     /// already run zero-copy on any buffer). One exception across
     /// processes: an `f16` Avg reduces a scaled copy of its input (see
     /// [`ReduceOp::Avg`](crate::ReduceOp) in `types`), which no peer maps,
@@ -2367,7 +2384,7 @@ impl Communicator {
             self.fail(&aborted);
             return Err(aborted);
         }
-        let uses_arena = self.arena.is_some() && self.config.algo != Algo::Ring;
+        let uses_arena = self.arena.is_some() && !self.config.algo.links_only();
         let region = match self.arena.as_mut() {
             Some(arena) if uses_arena => {
                 self.seq += 1;

@@ -1465,14 +1465,15 @@ fn peer_direct_allowed(ring: &RingComm, algo: Algo) -> bool {
 }
 
 /// `OXCCL_ALGO` for the cuda-ring: `ring` keeps every call on the ring;
-/// `auto` (the default) and `direct` run all-reduce, reduce-scatter,
+/// `auto` (the default), `direct` and `tree` (the host's latency schedules,
+/// which the cuda-ring does not lower) run all-reduce, reduce-scatter,
 /// all-gather and broadcast peer-direct where the ranks allow it.
 fn ring_algo_from_env() -> Result<Algo> {
     match crate::comm::env_value("OXCCL_ALGO")? {
         Some(value) => Algo::from_name(&value).ok_or_else(|| Error::Config {
             name: "OXCCL_ALGO".into(),
             value,
-            reason: "expected auto, ring or direct".into(),
+            reason: "expected auto, ring, direct or tree".into(),
         }),
         None => Ok(Algo::Auto),
     }

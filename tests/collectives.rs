@@ -49,6 +49,28 @@ fn every_collective_ring_tiny_chunks() {
     matrix(64, Algo::Ring);
 }
 
+/// Recursive doubling and binomial trees over the point-to-point links
+/// (what small calls among many ranks across hosts run): power-of-two
+/// worlds and those whose first ranks pair up.
+#[test]
+fn every_collective_tree() {
+    matrix(oxccl::DEFAULT_CHUNK_BYTES, Algo::Tree);
+}
+
+/// Trees among 32 ranks (threads here; over the links the table takes them
+/// from 32 ranks): five rounds of recursive doubling, no pairs.
+#[test]
+fn every_collective_tree_among_32_ranks() {
+    use oxccl::check::every_collective;
+    let builder = Communicator::builder()
+        .timeout(Duration::from_secs(60))
+        .algo(Algo::Tree);
+    run_ranks_with(32, builder, |comm| {
+        every_collective::<i32>(comm, &[1, 33]).map_err(|e| fail(e.to_string()))
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+}
+
 /// The shared arena (what runs among ranks of one host).
 #[test]
 fn every_collective_direct() {

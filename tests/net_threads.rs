@@ -42,6 +42,33 @@ fn every_collective_over_tcp() {
     matrix(TransportKind::Tcp, oxccl::DEFAULT_CHUNK_BYTES);
 }
 
+/// Sixteen ranks over TCP, as across hosts, running trees (recursive
+/// doubling, binomial; `OXCCL_ALGO=tree`, which the table takes from 32
+/// ranks): every result checks.
+#[test]
+fn sixteen_ranks_over_tcp_run_trees() {
+    use oxccl::check::every_collective;
+    use oxccl::OpKind;
+    let builder = Communicator::builder()
+        .timeout(Duration::from_secs(60))
+        .algo(oxccl::Algo::Tree);
+    run_ranks_net(16, builder, TransportKind::Tcp, |comm| {
+        let chose = |op| comm.algorithm_for::<i32>(op, 4096);
+        let names = [
+            chose(OpKind::AllReduce),
+            chose(OpKind::ReduceScatter),
+            chose(OpKind::AllGather),
+            chose(OpKind::Broadcast),
+            chose(OpKind::Reduce),
+        ];
+        if names != ["doubling", "doubling", "doubling", "binomial", "binomial"] {
+            return Err(fail(format!("rank {}: ran {names:?}", comm.rank())));
+        }
+        every_collective::<i32>(comm, &[1, 15, 17, 300]).map_err(|e| fail(e.to_string()))
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+}
+
 #[test]
 fn tiny_pieces_over_shm_and_tcp() {
     matrix(TransportKind::Shm, 64);
@@ -721,6 +748,41 @@ fn all_reduce_is_all_gather_of_reduce_scatter_over_tcp_for_both_families() {
         // Direct while a rank sends at most 256 KiB: bytes · (N − 1).
         let expected = if per_rank <= 5_000 { "oneshot" } else { "ring" };
         assert_eq!(algo, expected, "per_rank {per_rank}");
+    }
+}
+
+/// The same for the trees (`OXCCL_ALGO=tree`), with worlds whose first
+/// ranks pair up before the rounds (3, 6) and one that needs no pairs (4):
+/// recursive doubling folds the lower ranks first on every rank, and the
+/// reduce-scatter runs the same rounds.
+#[test]
+fn all_reduce_is_all_gather_of_reduce_scatter_over_tcp_for_trees() {
+    for (world, per_rank) in [(3usize, 3usize), (4, 5_000), (6, 1_001)] {
+        let builder = Communicator::builder()
+            .timeout(Duration::from_secs(30))
+            .algo(oxccl::Algo::Tree);
+        let results = run_ranks_net(world, builder, TransportKind::Tcp, move |comm| {
+            let rank = comm.rank();
+            let count = per_rank * world;
+            let x: Vec<f32> = (0..count)
+                .map(|i| ((i * 7919 + rank * 104_729) % 1000) as f32 * 0.001 + 0.1)
+                .collect();
+            let mut ar = vec![0.0f32; count];
+            comm.all_reduce(&x, &mut ar, ReduceOp::Sum)?;
+            let mut part = vec![0.0f32; per_rank];
+            comm.reduce_scatter(&x, &mut part, ReduceOp::Sum)?;
+            let mut composed = vec![0.0f32; count];
+            comm.all_gather(&part, &mut composed)?;
+            let algo = comm.algorithm_for::<f32>(oxccl::OpKind::AllReduce, count * 4);
+            Ok((ar, composed, algo))
+        })
+        .unwrap_or_else(|e| panic!("world {world}: {e}"));
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for (rank, (ar, composed, algo)) in results.iter().enumerate() {
+            assert_eq!(bits(ar), bits(composed), "world {world} rank {rank}");
+            assert_eq!(bits(ar), bits(&results[0].0), "world {world} rank {rank}");
+            assert_eq!(*algo, "doubling");
+        }
     }
 }
 

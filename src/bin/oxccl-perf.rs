@@ -72,7 +72,7 @@ NCCL_TESTS_MIN_BW=<GB/s>, as for nccl-tests: the footer's average bus bandwidth
 is marked FAILED, and the exit status is 1, below 0.9 times this figure.
 
 The last column, algo, is the algorithm oxccl chose for that size
-(OXCCL_ALGO=auto|ring|direct overrides the choice).";
+(OXCCL_ALGO=auto|ring|direct|tree overrides the choice).";
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Coll {

@@ -30,8 +30,20 @@ struct RawBufs<'a, T> {
     /// The written buffer: the output, in place the one buffer.
     recv: *mut T,
     recv_len: usize,
+    /// The plan's scratch ([`Plan::scratch_len`] elements, the executor's).
+    scratch: *mut T,
+    scratch_len: usize,
     in_place: bool,
     _borrow: std::marker::PhantomData<&'a mut [T]>,
+}
+
+/// The memory a span names: the send buffer (out of place), the written
+/// buffer (the output; in place also what `BufId::Send` names) or scratch.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Memory {
+    Send,
+    Written,
+    Scratch,
 }
 
 /// Whether `len` elements at `offset` lie within a buffer of `buf_len`
@@ -41,7 +53,9 @@ fn within(offset: usize, len: usize, buf_len: usize) -> bool {
 }
 
 impl<'a, T: Element> RawBufs<'a, T> {
-    fn new(bufs: Bufs<'a, T>) -> Self {
+    /// The call's buffers and the plan's `scratch` (which lives as long).
+    fn new(bufs: Bufs<'a, T>, scratch: &'a mut [T]) -> Self {
+        let (scratch, scratch_len) = (scratch.as_mut_ptr(), scratch.len());
         match bufs {
             Bufs::InPlace(buf) => {
                 let (recv, recv_len) = (buf.as_mut_ptr(), buf.len());
@@ -50,6 +64,8 @@ impl<'a, T: Element> RawBufs<'a, T> {
                     send_len: recv_len,
                     recv,
                     recv_len,
+                    scratch,
+                    scratch_len,
                     in_place: true,
                     _borrow: std::marker::PhantomData,
                 }
@@ -59,47 +75,66 @@ impl<'a, T: Element> RawBufs<'a, T> {
                 send_len: send.len(),
                 recv: recv.as_mut_ptr(),
                 recv_len: recv.len(),
+                scratch,
+                scratch_len,
                 in_place: false,
                 _borrow: std::marker::PhantomData,
             },
         }
     }
 
-    /// `span` of the send buffer (out of place) or of the written buffer
-    /// (scratch is the executor's). Panics out of bounds, as slicing would.
+    /// The memory `buf` names in this call.
+    fn memory(&self, buf: BufId) -> Memory {
+        match buf {
+            BufId::Send if !self.in_place => Memory::Send,
+            BufId::Send | BufId::Recv => Memory::Written,
+            BufId::Scratch => Memory::Scratch,
+        }
+    }
+
+    /// Base and length of `memory`.
+    fn base(&self, memory: Memory) -> (*mut T, usize) {
+        match memory {
+            Memory::Send => (self.send.cast_mut(), self.send_len),
+            Memory::Written => (self.recv, self.recv_len),
+            Memory::Scratch => (self.scratch, self.scratch_len),
+        }
+    }
+
+    /// `span` of the buffer it names. Panics out of bounds, as slicing would.
     fn read(&self, span: Span) -> &[T] {
-        // Scratch lives apart from the user's buffers: only the steps that
-        // take it (`Send`, `Copy`, `ReduceLocal`) may name it, and they
-        // read it themselves. Anywhere else it would read the output here.
-        debug_assert!(
-            span.buf != BufId::Scratch,
-            "scratch span read as a user buffer"
-        );
-        let (base, len) = match span.buf {
-            BufId::Send if !self.in_place => (self.send, self.send_len),
-            _ => (self.recv.cast_const(), self.recv_len),
-        };
+        let (base, len) = self.base(self.memory(span.buf));
         assert!(
             within(span.offset, span.len, len),
             "span outside its buffer"
         );
-        // SAFETY: in bounds of a buffer borrowed for 'a; no `&mut` to these
-        // elements lives while the returned slice does (steps write only
-        // through `write`, whose slices end with the step).
-        unsafe { std::slice::from_raw_parts(base.add(span.offset), span.len) }
+        // SAFETY: in bounds of a buffer borrowed for 'a (scratch: the
+        // executor's, alive as long); no `&mut` to these elements lives
+        // while the returned slice does (steps write only through `write`,
+        // whose slices end with the step, and never read and write one
+        // range at once: see `execute_as`).
+        unsafe { std::slice::from_raw_parts(base.cast_const().add(span.offset), span.len) }
     }
 
-    /// `span`'s range of the written buffer, whatever its `BufId` (every
-    /// destination of a plan lies there). Panics out of bounds.
+    /// `span` of the written buffer or of scratch, the only memory a plan
+    /// writes. Panics out of bounds.
     #[allow(clippy::mut_from_ref)]
     fn write(&self, span: Span) -> &mut [T] {
-        // As in `read`: a plan writes scratch only through the steps that
-        // take it, and never the send buffer.
-        debug_assert!(
-            span.buf != BufId::Scratch && (span.buf != BufId::Send || self.in_place),
-            "span {:?} written as the output",
-            span.buf
-        );
+        let memory = self.memory(span.buf);
+        // A plan never writes the caller's input (its pointer came from a
+        // shared borrow): checked always, since writing it would be UB.
+        assert!(memory != Memory::Send, "span {:?} written", span.buf);
+        if memory == Memory::Scratch {
+            assert!(
+                within(span.offset, span.len, self.scratch_len),
+                "span outside the scratch"
+            );
+            // SAFETY: in bounds of the executor's scratch, which nothing
+            // else borrows and no send lends (`Lending::lends`).
+            return unsafe {
+                std::slice::from_raw_parts_mut(self.scratch.add(span.offset), span.len)
+            };
+        }
         assert!(
             within(span.offset, span.len, self.recv_len),
             "span outside the output"
@@ -128,14 +163,29 @@ impl<'a, T: Element> RawBufs<'a, T> {
         unsafe { self.recv.add(span.offset) }
     }
 
-    /// Moves `len` elements within the written buffer (ranges may overlap).
-    fn move_within(&self, from: usize, to: usize, len: usize) {
+    /// Moves `len` elements within `memory`, written buffer or scratch
+    /// (ranges may overlap).
+    fn move_in(&self, memory: Memory, from: usize, to: usize, len: usize) {
+        assert!(memory != Memory::Send, "the send buffer is never written");
+        let (base, buf_len) = self.base(memory);
         assert!(
-            within(from, len, self.recv_len) && within(to, len, self.recv_len),
-            "span outside the output"
+            within(from, len, buf_len) && within(to, len, buf_len),
+            "span outside its buffer"
         );
         // SAFETY: both ranges in bounds; `copy` allows overlap.
-        unsafe { std::ptr::copy(self.recv.add(from), self.recv.add(to), len) }
+        unsafe { std::ptr::copy(base.add(from), base.add(to), len) }
+    }
+
+    /// Copies `src` into `dst`, wherever each lies (they may overlap only
+    /// within one buffer, where the copy is a move).
+    fn copy(&self, src: Span, dst: Span) {
+        let (from, to) = (self.memory(src.buf), self.memory(dst.buf));
+        if from == to {
+            assert_eq!(src.len, dst.len, "copy between spans of different lengths");
+            self.move_in(to, src.offset, dst.offset, src.len);
+        } else {
+            self.write(dst).copy_from_slice(self.read(src));
+        }
     }
 }
 
@@ -348,11 +398,10 @@ impl SpanSet {
 
 /// What `step` writes in the written buffer (the output; in place the one
 /// buffer): every destination lies there in `execute`, whatever its
-/// `BufId`, except a copy into scratch.
+/// `BufId`, except one in scratch.
 fn written_by(step: &Step) -> Option<Span> {
     match *step {
         Step::Send { .. } | Step::RecvReduceSend { .. } => None,
-        Step::Copy { dst, .. } if dst.buf == BufId::Scratch => None,
         Step::Recv { dst, .. }
         | Step::RecvCopySend { dst, .. }
         | Step::RecvReduce { dst, .. }
@@ -360,6 +409,7 @@ fn written_by(step: &Step) -> Option<Span> {
         | Step::ReduceLocal { dst, .. }
         | Step::DivideByWorld { span: dst } => Some(dst),
     }
+    .filter(|dst| dst.buf != BufId::Scratch)
 }
 
 /// Per step of `plan`: for a send from the written buffer, whether no later
@@ -407,18 +457,6 @@ impl Drop for BorrowGuard<'_> {
 /// later.
 const POST_AHEAD_MIN_BYTES: usize = 64 << 10;
 
-/// The spans a step reads or writes.
-fn spans(step: &Step) -> [Option<Span>; 2] {
-    match *step {
-        Step::Send { src, .. } => [Some(src), None],
-        Step::Recv { dst, .. } | Step::RecvCopySend { dst, .. } => [Some(dst), None],
-        Step::RecvReduce { local, dst, .. } => [Some(local), Some(dst)],
-        Step::RecvReduceSend { local, .. } => [Some(local), None],
-        Step::Copy { src, dst } | Step::ReduceLocal { src, dst } => [Some(src), Some(dst)],
-        Step::DivideByWorld { span } => [Some(span), None],
-    }
-}
-
 /// The peer a step receives from, if it receives.
 fn receives_from(step: &Step) -> Option<Rank> {
     match *step {
@@ -462,7 +500,7 @@ fn receives_to_post_ahead(
         if let Some(peer) = receives_from(step) {
             frames[peer] += 1;
         }
-        for span in spans(step).into_iter().flatten() {
+        for span in step.spans().into_iter().flatten() {
             if in_written(span) {
                 touched.insert(span);
             }
@@ -572,7 +610,10 @@ fn execute_as<T: Element>(
     let (sent, received) = counts.split_at_mut(info.world);
     let mut counters = Counters { sent, received };
     let op = info.reduce_op;
-    let bufs = RawBufs::new(bufs);
+    // Only the tree and direct plans use scratch, and only for small
+    // messages (or under `OXCCL_ALGO=tree`).
+    let mut scratch = vec![T::zeroed(); plan.scratch_len];
+    let bufs = RawBufs::new(bufs, &mut scratch);
     let mut lending = Lending {
         allowed: transport.takes_borrowed(info.space),
         in_place: bufs.in_place,
@@ -602,8 +643,6 @@ fn execute_as<T: Element>(
         // withdraws whatever is left before the buffers' borrow ends.
         unsafe { transport.post_ahead(&posted_ahead.recvs) };
     }
-    // Only direct plans use scratch, and only for small messages.
-    let mut scratch = vec![T::zeroed(); plan.scratch_len];
     let send = |counters: &mut Counters, peer: Rank, payload: Payload, len: usize| -> Result<()> {
         let step = counters.sent[peer];
         counters.sent[peer] += 1;
@@ -621,11 +660,7 @@ fn execute_as<T: Element>(
     for (index, step) in plan.steps.iter().enumerate() {
         match *step {
             Step::Send { peer, src } => {
-                let data = match src.buf {
-                    BufId::Scratch => &scratch[src.range()],
-                    _ => bufs.read(src),
-                };
-                let bytes: &[u8] = bytemuck::cast_slice(data);
+                let bytes: &[u8] = bytemuck::cast_slice(bufs.read(src));
                 let payload = if lending.lends(plan, index, src) {
                     guard.lent = true;
                     // SAFETY: `lends` holds: no later step writes these
@@ -645,6 +680,8 @@ fn execute_as<T: Element>(
                 let step = counters.received[peer];
                 counters.received[peer] += 1;
                 if lending.reclaims && guard.lent {
+                    // Exchanges receive into the written buffer only.
+                    debug_assert!(dst.buf != BufId::Scratch, "an exchange names no scratch");
                     let at = bufs.write_ptr(dst) as usize;
                     transport.own_borrowed_within(at..at + dst.len * std::mem::size_of::<T>());
                 }
@@ -664,11 +701,12 @@ fn execute_as<T: Element>(
             Step::RecvReduce { peer, local, dst } => {
                 let payload = recv(&mut counters, peer, dst.len)?;
                 let incoming: &[T] = bytemuck::cast_slice(payload.as_bytes());
-                if local.buf == BufId::Send && !bufs.in_place {
+                let memory = bufs.memory(dst.buf);
+                if bufs.memory(local.buf) != memory {
                     T::combine_into(op, bufs.write(dst), bufs.read(local), incoming);
                 } else {
                     if local.offset != dst.offset {
-                        bufs.move_within(local.offset, dst.offset, local.len);
+                        bufs.move_in(memory, local.offset, dst.offset, local.len);
                     }
                     T::combine_assign(op, bufs.write(dst), incoming);
                 }
@@ -685,26 +723,17 @@ fn execute_as<T: Element>(
                     .copy_from_slice(bytemuck::cast_slice(payload.as_bytes()));
                 send(&mut counters, to, payload, dst.len)?;
             }
-            Step::Copy { src, dst } => match (src.buf, dst.buf) {
-                (_, BufId::Scratch) => scratch[dst.range()].copy_from_slice(bufs.read(src)),
-                (BufId::Scratch, _) => bufs.write(dst).copy_from_slice(&scratch[src.range()]),
-                (BufId::Send, _) if !bufs.in_place => {
-                    bufs.write(dst).copy_from_slice(bufs.read(src))
-                }
-                _ => bufs.move_within(src.offset, dst.offset, src.len),
-            },
-            Step::ReduceLocal { src, dst } => match src.buf {
-                BufId::Scratch => T::combine_assign(op, bufs.write(dst), &scratch[src.range()]),
-                BufId::Send if !bufs.in_place => {
+            Step::Copy { src, dst } => bufs.copy(src, dst),
+            Step::ReduceLocal { src, dst } => {
+                if bufs.memory(src.buf) != bufs.memory(dst.buf) {
                     T::combine_assign(op, bufs.write(dst), bufs.read(src))
-                }
-                _ => {
-                    // Both in the written buffer: the plans keep them apart,
-                    // but the source is copied out rather than relied on.
+                } else {
+                    // Both in one buffer: the plans keep them apart, but
+                    // the source is copied out rather than relied on.
                     let data = bufs.read(src).to_vec();
                     T::combine_assign(op, bufs.write(dst), &data);
                 }
-            },
+            }
             // The plans' last step of `Avg`; a type whose inputs were
             // premultiplied skips it, as the arena's folds do.
             Step::DivideByWorld { span } => finish_avg(ReduceOp::Avg, bufs.write(span), info.world),

@@ -8,7 +8,7 @@
 //! fold straight out of each other's buffers and write each other's outputs,
 //! exactly as threads of one process do — instead of staging every byte
 //! through the arena's slots. Between threads, and on communicators that
-//! have no arena (TCP, `OXCCL_ALGO=ring`), the buffer is ordinary memory and
+//! have no arena (TCP, `OXCCL_ALGO=ring` or `tree`), the buffer is ordinary memory and
 //! every collective works on it as on any slice.
 
 use std::marker::PhantomData;

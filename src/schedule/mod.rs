@@ -21,6 +21,7 @@
 //!   derive lengths from the same [`ChunkLayout`].
 
 pub mod direct;
+pub mod doubling;
 pub mod ring;
 pub mod tree;
 
@@ -131,6 +132,20 @@ pub enum Step {
     },
 }
 
+impl Step {
+    /// The spans this step reads or writes (`None`: no second one).
+    pub fn spans(&self) -> [Option<Span>; 2] {
+        match *self {
+            Step::Send { src, .. } => [Some(src), None],
+            Step::Recv { dst, .. } | Step::RecvCopySend { dst, .. } => [Some(dst), None],
+            Step::RecvReduce { local, dst, .. } => [Some(local), Some(dst)],
+            Step::RecvReduceSend { local, .. } => [Some(local), None],
+            Step::Copy { src, dst } | Step::ReduceLocal { src, dst } => [Some(src), Some(dst)],
+            Step::DivideByWorld { span } => [Some(span), None],
+        }
+    }
+}
+
 /// The steps one rank runs for one collective.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Plan {
@@ -147,8 +162,12 @@ pub enum Family {
     /// (broadcast, reduce): bandwidth-optimal.
     Ring,
     /// One step, straight to every peer, folds in rank order:
-    /// latency-optimal for small messages.
+    /// latency-optimal for small messages among few ranks.
     Direct,
+    /// Recursive doubling (all-reduce, reduce-scatter, all-gather) and
+    /// binomial trees (broadcast, reduce), [`doubling`]: `⌈log2 N⌉` rounds,
+    /// latency-optimal for small messages among many ranks.
+    Tree,
 }
 
 /// Largest number of bytes a rank sends in one direct call: up to here one
@@ -162,9 +181,32 @@ pub enum Family {
 /// `comm::AVG_SEGMENT_BYTES`, so segments plan as their whole call.)
 pub const DIRECT_MAX_BYTES_SENT: usize = 256 * 1024;
 
+/// Worlds from this size run small calls over the links as trees
+/// ([`Family::Tree`]) rather than direct. A model, not a measurement: this
+/// project's machine has two cores and one host, where 8 and 16 ranks over
+/// loopback TCP share the cores and every round waits for a wake-up (trees
+/// ran up to 1.7× slower than direct there, even at 32 KiB among 8 ranks;
+/// `docs/performance.md`, stop 45).
+/// With a per-message cost `o` (a system call and the stack's work, 2–5 µs
+/// over TCP) and a latency `L` (10–50 µs between hosts), a direct call
+/// costs about `2(N-1)·o + L` and a tree `⌈log2 N⌉·(2o + L)`: at `o = 3`,
+/// `L = 20` µs, 62 against 78 µs at 8 ranks, 110 against 104 at 16, 206
+/// against 130 at 32. The trees start where the model puts them well
+/// ahead. (Within one host the shared arena runs small calls, whatever the
+/// world.)
+pub const TREE_MIN_WORLD: usize = 32;
+
+/// Largest number of bytes a rank sends in one tree call, counted as the
+/// largest buffer once per round (`⌈log2 N⌉` times): the same bound as
+/// [`DIRECT_MAX_BYTES_SENT`], above which the ring's bandwidth wins.
+pub const TREE_MAX_BYTES_SENT: usize = DIRECT_MAX_BYTES_SENT;
+
 /// The table: which family a call of `desc` uses when nothing forces one.
-/// A direct call sends at most `bytes · (N-1)` per rank; it is chosen while
-/// that stays within [`DIRECT_MAX_BYTES_SENT`]. Reduce-scatter and
+/// Below [`TREE_MIN_WORLD`] ranks a direct call sends at most
+/// `bytes · (N-1)` per rank; it is chosen while that stays within
+/// [`DIRECT_MAX_BYTES_SENT`]. From [`TREE_MIN_WORLD`] ranks a tree call
+/// sends `bytes` in each of `⌈log2 N⌉` rounds; it is chosen while that stays
+/// within [`TREE_MAX_BYTES_SENT`]. Larger calls take the ring. Reduce-scatter and
 /// all-reduce of the same buffer size always get the same family (the table
 /// looks at the largest buffer), which keeps all-reduce equal to
 /// all-gather ∘ reduce-scatter bit for bit.
@@ -178,11 +220,18 @@ pub fn choose(desc: &CollectiveDesc) -> Family {
             | OpKind::Broadcast
             | OpKind::Reduce
     );
-    if direct_ops && desc.bytes().saturating_mul(peers) <= DIRECT_MAX_BYTES_SENT {
-        Family::Direct
-    } else {
-        Family::Ring
+    if !direct_ops {
+        return Family::Ring;
     }
+    if desc.world_size >= TREE_MIN_WORLD {
+        let rounds = desc.world_size.next_power_of_two().trailing_zeros() as usize;
+        if desc.bytes().saturating_mul(rounds) <= TREE_MAX_BYTES_SENT {
+            return Family::Tree;
+        }
+    } else if desc.bytes().saturating_mul(peers) <= DIRECT_MAX_BYTES_SENT {
+        return Family::Direct;
+    }
+    Family::Ring
 }
 
 /// The name `oxccl-perf` prints for a plan family running `op`.
@@ -190,6 +239,10 @@ pub fn family_name(family: Family, op: OpKind) -> &'static str {
     match (family, op) {
         (Family::Direct, OpKind::AllReduce) => "oneshot",
         (Family::Direct, _) => "direct",
+        (Family::Tree, OpKind::Broadcast | OpKind::Reduce) => "binomial",
+        (Family::Tree, OpKind::AllReduce | OpKind::ReduceScatter | OpKind::AllGather) => "doubling",
+        (Family::Tree, OpKind::Barrier) => "dissemination",
+        (Family::Tree, _) => "direct",
         (Family::Ring, OpKind::Broadcast | OpKind::Reduce) => "chain",
         (Family::Ring, OpKind::Barrier) => "dissemination",
         (Family::Ring, OpKind::AllToAll | OpKind::Send | OpKind::Recv) => "direct",
@@ -346,6 +399,13 @@ pub fn plan_with(desc: &CollectiveDesc, chunk_bytes: usize, family: Family) -> P
             return plan;
         }
     }
+    // A tree step moves a whole buffer too (a reduce-scatter's whole
+    // input, in scratch).
+    if family == Family::Tree && desc.bytes() <= MAX_PIECE_BYTES {
+        if let Some(plan) = plan_tree(desc) {
+            return plan;
+        }
+    }
     // At most MAX_PIECES pieces whatever the chunk size: frames are
     // numbered per call and peer in 32 bits (a wrapped number would reuse
     // one still unread), and the plan holds a step per piece. Counted over
@@ -454,6 +514,26 @@ fn plan_direct(desc: &CollectiveDesc) -> Option<Plan> {
     Some(plan)
 }
 
+/// The tree plan of `desc` ([`doubling`]), for the operations that have one.
+fn plan_tree(desc: &CollectiveDesc) -> Option<Plan> {
+    let (rank, world, count) = (desc.rank, desc.world_size, desc.count());
+    let in_place = desc.in_place;
+    let avg = desc.reduce_op == Some(ReduceOp::Avg);
+    let root = desc.root.unwrap_or(0);
+    let mut plan = Plan::default();
+    match desc.op {
+        OpKind::AllReduce => doubling::all_reduce(rank, world, count, in_place, avg, &mut plan),
+        OpKind::ReduceScatter => {
+            doubling::reduce_scatter(rank, world, count, in_place, avg, &mut plan)
+        }
+        OpKind::AllGather => doubling::all_gather(rank, world, count, in_place, &mut plan),
+        OpKind::Broadcast => doubling::broadcast(rank, world, root, count, in_place, &mut plan),
+        OpKind::Reduce => doubling::reduce(rank, world, root, count, in_place, avg, &mut plan),
+        _ => return None,
+    }
+    Some(plan)
+}
+
 /// Splits `len` elements starting at `offset` into pieces of at most
 /// `piece_elems`, calling `f(offset, len)` for each non-empty piece.
 pub(crate) fn for_each_piece(
@@ -520,9 +600,11 @@ mod tests {
         .with_reduce_op(ReduceOp::Sum)
         .with_send(buf(huge))
         .with_recv(buf(huge));
-        let plan = plan_with(&all_reduce, 256 << 10, Family::Direct);
-        assert!(frame_bytes(&plan, 4).count() > 0);
-        assert!(frame_bytes(&plan, 4).all(|b| b <= MAX_PIECE_BYTES));
+        for family in [Family::Direct, Family::Tree] {
+            let plan = plan_with(&all_reduce, 256 << 10, family);
+            assert!(frame_bytes(&plan, 4).count() > 0);
+            assert!(frame_bytes(&plan, 4).all(|b| b <= MAX_PIECE_BYTES));
+        }
 
         let broadcast = CollectiveDesc::new(
             OpKind::Broadcast,
@@ -538,6 +620,47 @@ mod tests {
             frame_bytes(&plan, 1).collect::<Vec<_>>(),
             vec![MAX_PIECE_BYTES; 2]
         );
+    }
+
+    /// The table by world size and buffer size: direct below
+    /// [`TREE_MIN_WORLD`] ranks, trees from it, the ring past each one's
+    /// bytes; all-reduce and reduce-scatter of one buffer size alike.
+    #[test]
+    fn the_table_chooses_trees_for_small_calls_among_many_ranks() {
+        let host = |len| BufDesc {
+            len,
+            memory: crate::desc::MemoryKind::Host,
+        };
+        let family = |op, world: usize, bytes: usize| {
+            let desc = CollectiveDesc::new(op, DType::U8, 0, world, crate::desc::MemoryKind::Host);
+            let desc = match op {
+                OpKind::AllReduce => desc
+                    .with_reduce_op(ReduceOp::Sum)
+                    .with_send(host(bytes))
+                    .with_recv(host(bytes)),
+                OpKind::ReduceScatter => desc
+                    .with_reduce_op(ReduceOp::Sum)
+                    .with_send(host(bytes))
+                    .with_recv(host(bytes / world)),
+                _ => desc.with_root(0).with_in_place(host(bytes)),
+            };
+            choose(&desc)
+        };
+        assert_eq!(family(OpKind::AllReduce, 8, 8), Family::Direct);
+        assert_eq!(family(OpKind::AllReduce, 31, 8), Family::Direct);
+        assert_eq!(family(OpKind::AllReduce, 32, 8), Family::Tree);
+        assert_eq!(family(OpKind::Broadcast, 64, 4096), Family::Tree);
+        // 32 ranks: five rounds of 51 KiB is the tree's bound; 33: six.
+        assert_eq!(family(OpKind::AllReduce, 32, 51 << 10), Family::Tree);
+        assert_eq!(family(OpKind::AllReduce, 33, 51 << 10), Family::Ring);
+        assert_eq!(family(OpKind::AllReduce, 32, 1 << 20), Family::Ring);
+        for (world, bytes) in [(8, 4096), (32, 4096), (32, 1 << 20), (64, 32 << 10)] {
+            assert_eq!(
+                family(OpKind::ReduceScatter, world, bytes),
+                family(OpKind::AllReduce, world, bytes),
+                "world {world}, {bytes} bytes"
+            );
+        }
     }
 
     #[test]

@@ -317,7 +317,8 @@ fn reduced(elem: usize, world: usize, avg: bool) -> Sym {
     }
 }
 
-const WORLDS: [usize; 8] = [1, 2, 3, 4, 5, 6, 7, 8];
+/// Up to 8, and beyond: the tree family pairs ranks below the power of two.
+const WORLDS: [usize; 11] = [1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 17];
 const PIECES: [usize; 3] = [1, 3, 1000];
 
 fn counts(world: usize) -> [usize; 5] {
@@ -326,7 +327,7 @@ fn counts(world: usize) -> [usize; 5] {
 
 #[test]
 fn all_reduce_plans_reduce_every_element_exactly_once_per_rank() {
-    for family in [Family::Ring, Family::Direct] {
+    for family in [Family::Ring, Family::Direct, Family::Tree] {
         for world in WORLDS {
             for count in counts(world) {
                 for piece in PIECES {
@@ -367,7 +368,7 @@ fn all_reduce_plans_reduce_every_element_exactly_once_per_rank() {
 
 #[test]
 fn reduce_scatter_and_all_gather_plans_match_their_definitions() {
-    for family in [Family::Ring, Family::Direct] {
+    for family in [Family::Ring, Family::Direct, Family::Tree] {
         for world in WORLDS {
             for per in [0, 1, 2, 9] {
                 for piece in PIECES {
@@ -393,6 +394,14 @@ fn reduce_scatter_and_all_gather_plans_match_their_definitions() {
                             };
                             for (i, s) in mine.iter().enumerate() {
                                 assert_eq!(s.ungrouped(), reduced(r * per + i, world, false));
+                            }
+                            // In place, the other blocks keep the input.
+                            if in_place {
+                                for (i, s) in buf.iter().enumerate() {
+                                    if i / per.max(1) != r {
+                                        assert_eq!(*s, input(i, r), "{family:?} world {world}");
+                                    }
+                                }
                             }
                         }
                         let out = run(
@@ -437,7 +446,7 @@ fn reduce_scatter_and_all_gather_plans_match_their_definitions() {
 
 #[test]
 fn rooted_plans_match_their_definitions() {
-    for family in [Family::Ring, Family::Direct] {
+    for family in [Family::Ring, Family::Direct, Family::Tree] {
         for world in WORLDS {
             for root in [0, world / 2, world - 1] {
                 for count in counts(world) {
@@ -510,7 +519,7 @@ fn rooted_plans_match_their_definitions() {
 
 #[test]
 fn all_to_all_and_barrier_plans_match_their_definitions() {
-    for family in [Family::Ring, Family::Direct] {
+    for family in [Family::Ring, Family::Direct, Family::Tree] {
         for world in WORLDS {
             for per in [0, 1, 5] {
                 for piece in PIECES {
@@ -595,7 +604,7 @@ fn a_plan_with_a_missing_receive_is_caught() {
 /// folds.
 #[test]
 fn reductions_group_alike_on_every_rank() {
-    for family in [Family::Ring, Family::Direct] {
+    for family in [Family::Ring, Family::Direct, Family::Tree] {
         for world in WORLDS {
             for per in [1, 2, 9] {
                 for piece in PIECES {

@@ -34,8 +34,8 @@
 //!
 //! Lanes exist for groups of 2 to [`MAX_WORLD`] ranks (`world²` rings of
 //! 16.6 KiB, 4.2 MiB at 16 ranks, reserved in `/dev/shm` with the rest of
-//! the arena: `docs/launching.md` has the sizes); `OXCCL_ALGO=ring` makes
-//! no arena, so no lanes, and everything goes over the links.
+//! the arena: `docs/launching.md` has the sizes); `OXCCL_ALGO=ring` or
+//! `tree` makes no arena, so no lanes, and everything goes over the links.
 
 use super::*;
 use crate::transport::FrameHeader;
