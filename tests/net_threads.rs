@@ -710,6 +710,40 @@ fn rendezvous_through_a_file_store() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Runs an all-reduce, and an all-gather of a reduce-scatter, of the same
+/// inputs (`per_rank` elements per rank) on `world` ranks over TCP; checks
+/// that every rank holds the same bits both ways; returns the algorithm
+/// the all-reduce ran.
+fn all_reduce_and_composed_agree(
+    world: usize,
+    per_rank: usize,
+    builder: oxccl::CommBuilder,
+) -> &'static str {
+    let results = run_ranks_net(world, builder, TransportKind::Tcp, move |comm| {
+        let rank = comm.rank();
+        let count = per_rank * world;
+        let x: Vec<f32> = (0..count)
+            .map(|i| ((i * 7919 + rank * 104_729) % 1000) as f32 * 0.001 + 0.1)
+            .collect();
+        let mut ar = vec![0.0f32; count];
+        comm.all_reduce(&x, &mut ar, ReduceOp::Sum)?;
+        let mut part = vec![0.0f32; per_rank];
+        comm.reduce_scatter(&x, &mut part, ReduceOp::Sum)?;
+        let mut composed = vec![0.0f32; count];
+        comm.all_gather(&part, &mut composed)?;
+        let algo = comm.algorithm_for::<f32>(oxccl::OpKind::AllReduce, count * 4);
+        Ok((ar, composed, algo))
+    })
+    .unwrap_or_else(|e| panic!("world {world} per_rank {per_rank}: {e}"));
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for (rank, (ar, composed, _)) in results.iter().enumerate() {
+        let what = format!("world {world} per_rank {per_rank} rank {rank}");
+        assert_eq!(bits(ar), bits(composed), "{what}");
+        assert_eq!(bits(ar), bits(&results[0].0), "{what} differs from rank 0");
+    }
+    results[0].2
+}
+
 /// Over TCP the table picks direct schedules for small buffers and the ring
 /// for large ones; either way all-reduce equals all-gather of reduce-scatter
 /// bit for bit, and every rank holds the same bits. The largest size cuts
@@ -719,32 +753,7 @@ fn rendezvous_through_a_file_store() {
 fn all_reduce_is_all_gather_of_reduce_scatter_over_tcp_for_both_families() {
     for per_rank in [3usize, 5_000, 40_000, 700_001] {
         let builder = Communicator::builder().timeout(Duration::from_secs(30));
-        let results = run_ranks_net(3, builder, TransportKind::Tcp, move |comm| {
-            let (rank, world) = (comm.rank(), comm.world_size());
-            let count = per_rank * world;
-            let x: Vec<f32> = (0..count)
-                .map(|i| ((i * 7919 + rank * 104_729) % 1000) as f32 * 0.001 + 0.1)
-                .collect();
-            let mut ar = vec![0.0f32; count];
-            comm.all_reduce(&x, &mut ar, ReduceOp::Sum)?;
-            let mut part = vec![0.0f32; per_rank];
-            comm.reduce_scatter(&x, &mut part, ReduceOp::Sum)?;
-            let mut composed = vec![0.0f32; count];
-            comm.all_gather(&part, &mut composed)?;
-            let algo = comm.algorithm_for::<f32>(oxccl::OpKind::AllReduce, count * 4);
-            Ok((ar, composed, algo))
-        })
-        .unwrap_or_else(|e| panic!("per_rank {per_rank}: {e}"));
-        for (rank, (ar, composed, _)) in results.iter().enumerate() {
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(ar), bits(composed), "rank {rank} per_rank {per_rank}");
-            assert_eq!(
-                bits(ar),
-                bits(&results[0].0),
-                "rank {rank} differs from rank 0"
-            );
-        }
-        let algo = results[0].2;
+        let algo = all_reduce_and_composed_agree(3, per_rank, builder);
         // Direct while a rank sends at most 256 KiB: bytes · (N − 1).
         let expected = if per_rank <= 5_000 { "oneshot" } else { "ring" };
         assert_eq!(algo, expected, "per_rank {per_rank}");
@@ -761,28 +770,8 @@ fn all_reduce_is_all_gather_of_reduce_scatter_over_tcp_for_trees() {
         let builder = Communicator::builder()
             .timeout(Duration::from_secs(30))
             .algo(oxccl::Algo::Tree);
-        let results = run_ranks_net(world, builder, TransportKind::Tcp, move |comm| {
-            let rank = comm.rank();
-            let count = per_rank * world;
-            let x: Vec<f32> = (0..count)
-                .map(|i| ((i * 7919 + rank * 104_729) % 1000) as f32 * 0.001 + 0.1)
-                .collect();
-            let mut ar = vec![0.0f32; count];
-            comm.all_reduce(&x, &mut ar, ReduceOp::Sum)?;
-            let mut part = vec![0.0f32; per_rank];
-            comm.reduce_scatter(&x, &mut part, ReduceOp::Sum)?;
-            let mut composed = vec![0.0f32; count];
-            comm.all_gather(&part, &mut composed)?;
-            let algo = comm.algorithm_for::<f32>(oxccl::OpKind::AllReduce, count * 4);
-            Ok((ar, composed, algo))
-        })
-        .unwrap_or_else(|e| panic!("world {world}: {e}"));
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        for (rank, (ar, composed, algo)) in results.iter().enumerate() {
-            assert_eq!(bits(ar), bits(composed), "world {world} rank {rank}");
-            assert_eq!(bits(ar), bits(&results[0].0), "world {world} rank {rank}");
-            assert_eq!(*algo, "doubling");
-        }
+        let algo = all_reduce_and_composed_agree(world, per_rank, builder);
+        assert_eq!(algo, "doubling", "world {world}");
     }
 }
 

@@ -394,15 +394,15 @@ pub const MAX_PIECE_BYTES: usize = 1 << 36;
 pub fn plan_with(desc: &CollectiveDesc, chunk_bytes: usize, family: Family) -> Plan {
     // A direct step moves a whole buffer (all-gather, reduce-scatter:
     // a rank's block) in one frame; `bytes()` bounds them all.
-    if family == Family::Direct && desc.bytes() <= MAX_PIECE_BYTES {
-        if let Some(plan) = plan_direct(desc) {
-            return plan;
-        }
-    }
     // A tree step moves a whole buffer too (a reduce-scatter's whole
     // input, in scratch).
-    if family == Family::Tree && desc.bytes() <= MAX_PIECE_BYTES {
-        if let Some(plan) = plan_tree(desc) {
+    let whole = match family {
+        Family::Direct => Some(&DIRECT_SCHEDULES),
+        Family::Tree => Some(&TREE_SCHEDULES),
+        Family::Ring => None,
+    };
+    if let Some(schedules) = whole.filter(|_| desc.bytes() <= MAX_PIECE_BYTES) {
+        if let Some(plan) = plan_whole(desc, schedules) {
             return plan;
         }
     }
@@ -494,41 +494,47 @@ pub fn plan_with(desc: &CollectiveDesc, chunk_bytes: usize, family: Family) -> P
     }
 }
 
-/// The direct plan of `desc`, for the operations that have one.
-fn plan_direct(desc: &CollectiveDesc) -> Option<Plan> {
-    let (rank, world, count) = (desc.rank, desc.world_size, desc.count());
-    let in_place = desc.in_place;
-    let avg = desc.reduce_op == Some(ReduceOp::Avg);
-    let root = desc.root.unwrap_or(0);
-    let mut plan = Plan::default();
-    match desc.op {
-        OpKind::AllReduce => direct::all_reduce(rank, world, count, in_place, avg, &mut plan),
-        OpKind::ReduceScatter => {
-            direct::reduce_scatter(rank, world, count, in_place, avg, &mut plan)
-        }
-        OpKind::AllGather => direct::all_gather(rank, world, count, in_place, &mut plan),
-        OpKind::Broadcast => direct::broadcast(rank, world, root, count, in_place, &mut plan),
-        OpKind::Reduce => direct::reduce(rank, world, root, count, in_place, avg, &mut plan),
-        _ => return None,
-    }
-    Some(plan)
+/// The one-frame-per-step schedules of a family: each moves a whole buffer
+/// (or a rank's block) per step, with the same arguments in both families.
+struct WholeBufferSchedules {
+    all_reduce: fn(Rank, usize, usize, bool, bool, &mut Plan),
+    reduce_scatter: fn(Rank, usize, usize, bool, bool, &mut Plan),
+    all_gather: fn(Rank, usize, usize, bool, &mut Plan),
+    broadcast: fn(Rank, usize, Rank, usize, bool, &mut Plan),
+    reduce: fn(Rank, usize, Rank, usize, bool, bool, &mut Plan),
 }
 
-/// The tree plan of `desc` ([`doubling`]), for the operations that have one.
-fn plan_tree(desc: &CollectiveDesc) -> Option<Plan> {
+const DIRECT_SCHEDULES: WholeBufferSchedules = WholeBufferSchedules {
+    all_reduce: direct::all_reduce,
+    reduce_scatter: direct::reduce_scatter,
+    all_gather: direct::all_gather,
+    broadcast: direct::broadcast,
+    reduce: direct::reduce,
+};
+
+const TREE_SCHEDULES: WholeBufferSchedules = WholeBufferSchedules {
+    all_reduce: doubling::all_reduce,
+    reduce_scatter: doubling::reduce_scatter,
+    all_gather: doubling::all_gather,
+    broadcast: doubling::broadcast,
+    reduce: doubling::reduce,
+};
+
+/// The plan of `desc` from `schedules` (direct or tree), for the
+/// operations that have one.
+fn plan_whole(desc: &CollectiveDesc, schedules: &WholeBufferSchedules) -> Option<Plan> {
     let (rank, world, count) = (desc.rank, desc.world_size, desc.count());
     let in_place = desc.in_place;
     let avg = desc.reduce_op == Some(ReduceOp::Avg);
     let root = desc.root.unwrap_or(0);
     let mut plan = Plan::default();
+    let p = &mut plan;
     match desc.op {
-        OpKind::AllReduce => doubling::all_reduce(rank, world, count, in_place, avg, &mut plan),
-        OpKind::ReduceScatter => {
-            doubling::reduce_scatter(rank, world, count, in_place, avg, &mut plan)
-        }
-        OpKind::AllGather => doubling::all_gather(rank, world, count, in_place, &mut plan),
-        OpKind::Broadcast => doubling::broadcast(rank, world, root, count, in_place, &mut plan),
-        OpKind::Reduce => doubling::reduce(rank, world, root, count, in_place, avg, &mut plan),
+        OpKind::AllReduce => (schedules.all_reduce)(rank, world, count, in_place, avg, p),
+        OpKind::ReduceScatter => (schedules.reduce_scatter)(rank, world, count, in_place, avg, p),
+        OpKind::AllGather => (schedules.all_gather)(rank, world, count, in_place, p),
+        OpKind::Broadcast => (schedules.broadcast)(rank, world, root, count, in_place, p),
+        OpKind::Reduce => (schedules.reduce)(rank, world, root, count, in_place, avg, p),
         _ => return None,
     }
     Some(plan)
