@@ -13,7 +13,7 @@ use crate::error::{Error, Result};
 use crate::host::arena::{self, pair_lanes, Arena, Buffers, CallSig, Geometry};
 use crate::host::executor::{self, Bufs, CallInfo};
 use crate::host::shared::{SharedBuffer, SharedRegion};
-use crate::schedule;
+use crate::schedule::{self, RingOrder};
 use crate::transport::local::{LocalEndpoint, LocalGroup};
 use crate::transport::net::{self, TransportKind};
 use crate::transport::shm::LinkStores;
@@ -882,11 +882,12 @@ struct LinksPlanner<'d> {
     desc: &'d CollectiveDesc,
     chunk_bytes: usize,
     family: schedule::Family,
+    order: &'d RingOrder,
 }
 
 impl LinksPlanner<'_> {
     fn plan(&self) -> schedule::Plan {
-        schedule::plan_with(self.desc, self.chunk_bytes, self.family)
+        schedule::plan_in_order(self.desc, self.chunk_bytes, self.family, self.order)
     }
 }
 
@@ -1122,8 +1123,27 @@ pub(crate) fn launch_store(
     Ok((store, toward))
 }
 
+/// Whether `OXCCL_DEBUG` asks for INFO lines (`INFO` or `TRACE`), printed
+/// to stderr as `oxccl INFO …` (NCCL's `NCCL_DEBUG=INFO`).
+pub(crate) fn debug_info() -> bool {
+    std::env::var("OXCCL_DEBUG")
+        .is_ok_and(|v| matches!(v.trim().to_ascii_uppercase().as_str(), "INFO" | "TRACE"))
+}
+
 impl Communicator {
     fn new(rank: Rank, world: usize, config: CommConfig, transport: Transport) -> Communicator {
+        if world > 1 && debug_info() {
+            // As NCCL's "Channel 00 : 0 1 2 3": which ranks the ring (and
+            // the chains) joins in turn, so a ring that crosses between
+            // hosts more than it must shows.
+            let order = transport.ring_order();
+            let ring: Vec<String> = (0..world).map(|q| order.rank_at(q).to_string()).collect();
+            eprintln!(
+                "oxccl INFO rank {rank}/{world}: ring {} over {}",
+                ring.join(" "),
+                transport.describe()
+            );
+        }
         Communicator {
             rank,
             world,
@@ -1241,9 +1261,9 @@ impl Communicator {
         }
         let in_arena = self.uses_arena(&desc);
         let info = self.number_call(&desc, in_arena);
-        let links = self.links_planner(&desc);
-        let peer = desc.peer.unwrap_or(0);
         let Backend::Host(transport) = &self.backend;
+        let links = self.links_planner(&desc, transport.ring_order());
+        let peer = desc.peer.unwrap_or(0);
         let result = match (in_arena, self.arena.as_mut()) {
             _ if transport.is_aborted() => Err(info.error(self.rank, TransportError::Aborted)),
             (true, Some(arena)) => run_in_arena(arena, &desc, (&info, self.segment_tag), bufs),
@@ -1313,11 +1333,18 @@ impl Communicator {
     /// What the plan of a call over the links (not in the arena) needs of
     /// this communicator, taken before the arena is borrowed: a pair-lane
     /// call builds its plan only when it goes over the links after all.
-    fn links_planner<'d>(&self, desc: &'d CollectiveDesc) -> LinksPlanner<'d> {
+    /// `order`: the transport's [`Transport::ring_order`] (borrowed from
+    /// the backend, not from all of `self`).
+    fn links_planner<'d>(
+        &self,
+        desc: &'d CollectiveDesc,
+        order: &'d RingOrder,
+    ) -> LinksPlanner<'d> {
         LinksPlanner {
             desc,
             chunk_bytes: self.chunk_bytes_for(desc.op),
             family: self.plan_family(desc),
+            order,
         }
     }
 
@@ -1359,12 +1386,15 @@ impl Communicator {
         }
         let send_info = self.number_call(&sending, false);
         let recv_info = self.number_call(&receiving, false);
-        let (send_links, recv_links) =
-            (self.links_planner(&sending), self.links_planner(&receiving));
+        let Backend::Host(transport) = &self.backend;
+        let order = transport.ring_order();
+        let (send_links, recv_links) = (
+            self.links_planner(&sending, order),
+            self.links_planner(&receiving, order),
+        );
         let (dst, src) = (sending.peer.unwrap_or(0), receiving.peer.unwrap_or(0));
         let bytes = |d: &CollectiveDesc| d.count() * d.dtype.size();
         let by_lane = bytes(&sending).min(bytes(&receiving)) <= pair_lanes::MAX_BYTES;
-        let Backend::Host(transport) = &self.backend;
         let result = match self.arena.as_mut().filter(|a| a.has_pair_lanes()) {
             _ if transport.is_aborted() => Err(send_info.error(self.rank, TransportError::Aborted)),
             // Each half alone, the send first. A small one never waits (a

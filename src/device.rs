@@ -582,7 +582,7 @@ impl DeviceBackend {
 
 /// Says which backend a group was given, with `OXCCL_DEBUG=INFO`.
 fn log_choice(what: &str) {
-    if crate::cuda::ring::debug_info() {
+    if crate::comm::debug_info() {
         eprintln!("oxccl INFO backend: {what}");
     }
 }

@@ -9,14 +9,19 @@
 //! never touched, and every namespace is deleted at the end, also when the
 //! test fails (a `Drop` guard).
 //!
-//! Three runs of `oxccl-run ... -- oxccl-check --quick`, one launcher per
-//! host, all started together:
+//! Four runs of `oxccl-check --quick`, every process started together:
+//! the first three under `oxccl-run`, one launcher per host, the fourth
+//! rank by rank:
 //! 1. `OXCCL_SOCKET_IFNAME=oxv`, 2 ranks per host: every rank passes over
 //!    `shm+tcp (oxv0 <its own address>)`.
 //! 2. `OXCCL_SOCKET_IFNAME==aa0` (the decoy), 1 rank per host: it must fail,
 //!    within a bounded time, saying what it could not reach.
 //! 3. No `OXCCL_SOCKET_IFNAME`, 1 rank per host: the interface toward
 //!    `MASTER_ADDR` (the veth) is chosen, and every rank passes.
+//! 4. Ranks started one by one with the launchers' variables, placed
+//!    round-robin (rank `r` on host `r % 3`), every call on the ring
+//!    (`OXCCL_ALGO=ring`): every rank passes, and with `OXCCL_DEBUG=INFO`
+//!    says its ring stands each host's ranks together.
 //!
 //! Needs root and `ip netns`; without them the test is skipped, unless `CI`
 //! is set, where it fails.
@@ -183,26 +188,93 @@ fn collect(mut pipe: impl Read + Send + 'static) -> mpsc::Receiver<String> {
     rx
 }
 
-/// Starts one launcher per host, all at once, with a clean environment
-/// plus `env`; waits for all of them, killing every one still running
-/// after `deadline` and failing.
-fn run_job(net: &Net, nproc: usize, env: &[(&str, &str)], deadline: Duration) -> RunResult {
+/// How a run places its ranks on the hosts.
+#[derive(Clone, Copy)]
+enum Placement {
+    /// One `oxccl-run` per host, `nproc` ranks each, numbered host by host
+    /// (as `torchrun` does); its output lines carry `[rank R] `.
+    Launchers { nproc: usize },
+    /// Rank `r` on host `r % HOSTS`, `per_host` ranks a host, each started
+    /// on its own with the launchers' variables (`mpirun --map-by node`,
+    /// Slurm's cyclic distribution): hosts' ranks are not consecutive.
+    RoundRobin { per_host: usize },
+}
+
+/// The command of each process of a run and the host it runs on: the
+/// launchers, or every rank.
+fn commands(net: &Net, placement: Placement) -> Vec<(usize, Command)> {
+    let in_host = |ns: &str, program: &str| {
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", ns, program]);
+        cmd
+    };
+    let hosts = &net.hosts;
+    match placement {
+        Placement::Launchers { nproc } => {
+            let (nproc, nnodes) = (nproc.to_string(), HOSTS.to_string());
+            hosts
+                .iter()
+                .enumerate()
+                .map(|(i, ns)| {
+                    let mut cmd = in_host(ns, LAUNCHER);
+                    cmd.args(["--nnodes", &nnodes, "--node-rank", &i.to_string()])
+                        .args(["--master-addr", MASTER_ADDR, "--master-port", MASTER_PORT])
+                        .args(["--nproc-per-node", &nproc, "--", CHECK, "--quick"]);
+                    (i, cmd)
+                })
+                .collect()
+        }
+        Placement::RoundRobin { per_host } => {
+            let world = HOSTS * per_host;
+            (0..world)
+                .map(|rank| {
+                    let host = rank % HOSTS;
+                    // Not `ip netns exec`: each of its runs mounts its own
+                    // /sys in a mount namespace of its own, and ranks in
+                    // different mount namespaces are different hosts to
+                    // oxccl (`host_identity`). `nsenter` enters only the
+                    // network namespace, so a host's ranks share memory.
+                    let mut cmd = Command::new("nsenter");
+                    cmd.arg(format!("--net=/run/netns/{}", hosts[host]))
+                        .args([CHECK, "--quick"])
+                        .env("RANK", rank.to_string())
+                        .env("WORLD_SIZE", world.to_string())
+                        .env("LOCAL_RANK", (rank / HOSTS).to_string())
+                        .env("LOCAL_WORLD_SIZE", per_host.to_string())
+                        .env("MASTER_ADDR", MASTER_ADDR)
+                        .env("MASTER_PORT", MASTER_PORT);
+                    (host, cmd)
+                })
+                .collect()
+        }
+    }
+}
+
+/// Starts every process of `placement` at once, with a clean environment
+/// plus `env` (and the ranks' variables); waits for all of them, killing
+/// every one still running after `deadline` and failing. One result per
+/// process (per host for launchers, per rank otherwise).
+fn run_job(net: &Net, placement: Placement, env: &[(&str, &str)], deadline: Duration) -> RunResult {
     let started = Instant::now();
-    let nproc = nproc.to_string();
-    let nnodes = HOSTS.to_string();
     let mut launchers = Launchers(Vec::new());
     let mut pipes = Vec::new();
-    for (i, ns) in net.hosts.iter().enumerate() {
-        let node_rank = i.to_string();
-        let mut cmd = Command::new("ip");
-        cmd.args(["netns", "exec", ns, LAUNCHER])
-            .args(["--nnodes", &nnodes, "--node-rank", &node_rank])
-            .args(["--master-addr", MASTER_ADDR, "--master-port", MASTER_PORT])
-            .args(["--nproc-per-node", &nproc, "--", CHECK, "--quick"])
-            // Nothing of the caller's job (OXCCL_*, MASTER_*, SLURM_*,
-            // TORCHELASTIC_*) leaks in.
-            .env_clear()
-            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+    let processes = commands(net, placement);
+    let count = processes.len();
+    for (i, (host, mut cmd)) in processes.into_iter().enumerate() {
+        // Nothing of the caller's job (OXCCL_*, MASTER_*, SLURM_*,
+        // TORCHELASTIC_*) leaks in: cleared, then the ranks' variables
+        // set again.
+        let ranks_vars: Vec<_> = cmd
+            .get_envs()
+            .map(|(k, v)| (k.to_owned(), v.map(|v| v.to_owned())))
+            .collect();
+        cmd.env_clear();
+        for (k, v) in ranks_vars {
+            if let Some(v) = v {
+                cmd.env(k, v);
+            }
+        }
+        cmd.env("PATH", std::env::var_os("PATH").unwrap_or_default())
             // All namespaces share one /dev/shm: a job id of this test
             // process's own keeps concurrent runs' segment names apart.
             .env("OXCCL_JOB_ID", format!("multihost{}", std::process::id()))
@@ -214,17 +286,17 @@ fn run_job(net: &Net, nproc: usize, env: &[(&str, &str)], deadline: Duration) ->
         }
         let mut child = cmd
             .spawn()
-            .unwrap_or_else(|e| panic!("cannot start the launcher of host {i}: {e}"));
+            .unwrap_or_else(|e| panic!("cannot start process {i} (host {host}): {e}"));
         pipes.push((
             collect(child.stdout.take().unwrap()),
             collect(child.stderr.take().unwrap()),
         ));
         launchers.0.push(Some(child));
     }
-    let mut codes = vec![None; HOSTS];
-    let mut done = [false; HOSTS];
+    let mut codes = vec![None; count];
+    let mut done = vec![false; count];
     while !done.iter().all(|&d| d) {
-        for i in 0..HOSTS {
+        for i in 0..count {
             if done[i] {
                 continue;
             }
@@ -236,19 +308,19 @@ fn run_job(net: &Net, nproc: usize, env: &[(&str, &str)], deadline: Duration) ->
             }
         }
         if started.elapsed() > deadline {
-            let running: Vec<usize> = (0..HOSTS).filter(|&i| !done[i]).collect();
+            let running: Vec<usize> = (0..count).filter(|&i| !done[i]).collect();
             drop(launchers);
             let mut outputs = String::new();
             for (i, (out, err)) in pipes.iter().enumerate() {
                 let grace = Duration::from_secs(5);
                 outputs += &format!(
-                    "--- host {i} stdout\n{}--- host {i} stderr\n{}",
+                    "--- process {i} stdout\n{}--- process {i} stderr\n{}",
                     out.recv_timeout(grace).unwrap_or_default(),
                     err.recv_timeout(grace).unwrap_or_default()
                 );
             }
             panic!(
-                "launchers of hosts {running:?} still running after {deadline:?}; \
+                "processes {running:?} still running after {deadline:?}; \
                  killed them\n{outputs}"
             );
         }
@@ -265,46 +337,59 @@ fn run_job(net: &Net, nproc: usize, env: &[(&str, &str)], deadline: Duration) ->
                 code,
                 stdout: out
                     .recv_timeout(grace)
-                    .unwrap_or_else(|_| panic!("host {i}: launcher stdout still open")),
+                    .unwrap_or_else(|_| panic!("process {i}: stdout still open")),
                 stderr: err
                     .recv_timeout(grace)
-                    .unwrap_or_else(|_| panic!("host {i}: launcher stderr still open")),
+                    .unwrap_or_else(|_| panic!("process {i}: stderr still open")),
             };
             eprintln!(
-                "--- host {i}: exit {:?}\n--- stdout\n{}--- stderr\n{}",
+                "--- process {i}: exit {:?}\n--- stdout\n{}--- stderr\n{}",
                 node.code, node.stdout, node.stderr
             );
             node
         })
         .collect();
-    eprintln!("--- all hosts done after {elapsed:?}");
+    eprintln!("--- all processes done after {elapsed:?}");
     RunResult { nodes, elapsed }
 }
 
 /// Checks that every rank of every host passed over `transport(host)`.
-fn assert_all_correct(r: &RunResult, nproc: usize, transport: impl Fn(usize) -> String) {
-    let world = HOSTS * nproc;
-    for (i, node) in r.nodes.iter().enumerate() {
+fn assert_all_correct(r: &RunResult, placement: Placement, transport: impl Fn(usize) -> String) {
+    let (per_host, launchers) = match placement {
+        Placement::Launchers { nproc } => (nproc, true),
+        Placement::RoundRobin { per_host } => (per_host, false),
+    };
+    let world = HOSTS * per_host;
+    for rank in 0..world {
+        // Which process printed the rank's line, on which host.
+        let (process, host) = if launchers {
+            (rank / per_host, rank / per_host)
+        } else {
+            (rank, rank % HOSTS)
+        };
+        let node = &r.nodes[process];
         assert_eq!(
             node.code,
             Some(0),
-            "host {i}'s launcher failed\n{}{}",
+            "process {process} (host {host}) failed\n{}{}",
             node.stdout,
             node.stderr
         );
-        for local in 0..nproc {
-            let rank = i * nproc + local;
-            let want = format!(
-                "[rank {rank}] oxccl-check: rank {rank}/{world}: every collective correct over {}, counts ",
-                transport(i)
-            );
-            assert!(
-                node.stdout.lines().any(|l| l.starts_with(&want)),
-                "host {i}: no line starting {want:?} in\n{}{}",
-                node.stdout,
-                node.stderr
-            );
-        }
+        let prefix = if launchers {
+            format!("[rank {rank}] ")
+        } else {
+            String::new()
+        };
+        let want = format!(
+            "{prefix}oxccl-check: rank {rank}/{world}: every collective correct over {}, counts ",
+            transport(host)
+        );
+        assert!(
+            node.stdout.lines().any(|l| l.starts_with(&want)),
+            "process {process}: no line starting {want:?} in\n{}{}",
+            node.stdout,
+            node.stderr
+        );
     }
 }
 
@@ -330,18 +415,20 @@ fn collectives_across_three_namespace_hosts() {
     eprintln!("=== run 1: OXCCL_SOCKET_IFNAME=oxv, 3 hosts x 2 ranks");
     let good = run_job(
         &net,
-        2,
+        Placement::Launchers { nproc: 2 },
         &[("OXCCL_SOCKET_IFNAME", "oxv"), ("OXCCL_TIMEOUT", "20s")],
         Duration::from_secs(90),
     );
-    assert_all_correct(&good, 2, |i| format!("shm+tcp (oxv0 10.213.0.{})", i + 1));
+    assert_all_correct(&good, Placement::Launchers { nproc: 2 }, |i| {
+        format!("shm+tcp (oxv0 10.213.0.{})", i + 1)
+    });
 
     // 2. The decoy: it is up and has an address, but reaches nobody.
     eprintln!("=== run 2: OXCCL_SOCKET_IFNAME==aa0 (the decoy), 3 hosts x 1 rank");
     let decoy_deadline = Duration::from_secs(40);
     let bad = run_job(
         &net,
-        1,
+        Placement::Launchers { nproc: 1 },
         &[("OXCCL_SOCKET_IFNAME", "=aa0"), ("OXCCL_TIMEOUT", "3s")],
         decoy_deadline,
     );
@@ -383,17 +470,48 @@ fn collectives_across_three_namespace_hosts() {
     eprintln!("=== run 3: no OXCCL_SOCKET_IFNAME, 3 hosts x 1 rank");
     let auto = run_job(
         &net,
-        1,
+        Placement::Launchers { nproc: 1 },
         &[("OXCCL_TIMEOUT", "20s")],
         Duration::from_secs(60),
     );
-    assert_all_correct(&auto, 1, |i| format!("tcp (oxv0 10.213.0.{})", i + 1));
+    assert_all_correct(&auto, Placement::Launchers { nproc: 1 }, |i| {
+        format!("tcp (oxv0 10.213.0.{})", i + 1)
+    });
+
+    // 4. Ranks placed round-robin (rank r on host r % 3), every call on
+    // the ring: the ring stands each host's ranks together (0 3 | 1 4 |
+    // 2 5), crossing between hosts three times rather than at every step.
+    eprintln!("=== run 4: round-robin placement, 3 hosts x 2 ranks, OXCCL_ALGO=ring");
+    let round_robin = Placement::RoundRobin { per_host: 2 };
+    let cyclic = run_job(
+        &net,
+        round_robin,
+        &[
+            ("OXCCL_SOCKET_IFNAME", "oxv"),
+            ("OXCCL_TIMEOUT", "20s"),
+            ("OXCCL_ALGO", "ring"),
+            ("OXCCL_DEBUG", "INFO"),
+        ],
+        Duration::from_secs(90),
+    );
+    assert_all_correct(&cyclic, round_robin, |i| {
+        format!("shm+tcp (oxv0 10.213.0.{})", i + 1)
+    });
+    for (rank, node) in cyclic.nodes.iter().enumerate() {
+        let want = format!("oxccl INFO rank {rank}/6: ring 0 3 1 4 2 5 over ");
+        assert!(
+            node.stderr.lines().any(|l| l.starts_with(&want)),
+            "rank {rank}: no line starting {want:?} in\n{}",
+            node.stderr
+        );
+    }
 
     eprintln!(
-        "=== runs took {:?}, {:?} (decoy, failing as it must), {:?}; {:?} in all",
+        "=== runs took {:?}, {:?} (decoy, failing as it must), {:?}, {:?}; {:?} in all",
         good.elapsed,
         bad.elapsed,
         auto.elapsed,
+        cyclic.elapsed,
         total.elapsed()
     );
 }

@@ -603,7 +603,7 @@ impl RemoteLinks {
                 })
             })
             .collect::<Result<_>>()?;
-        if super::ring::debug_info() {
+        if crate::comm::debug_info() {
             for from in (0..world).filter(|&p| p != rank) {
                 eprintln!(
                     "oxccl INFO cuda-ring: rank {from} (GPU {}, pid {}) -> rank {rank} (GPU {}): \

@@ -59,12 +59,6 @@ pub(crate) fn p2p_disabled() -> bool {
     std::env::var("OXCCL_P2P_DISABLE").is_ok_and(|v| v.trim() == "1")
 }
 
-/// Whether `OXCCL_DEBUG` asks for INFO lines (`INFO` or `TRACE`).
-pub(crate) fn debug_info() -> bool {
-    std::env::var("OXCCL_DEBUG")
-        .is_ok_and(|v| matches!(v.trim().to_ascii_uppercase().as_str(), "INFO" | "TRACE"))
-}
-
 /// How one ordered pair of ranks moves data.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
@@ -218,7 +212,7 @@ impl RingGroup {
                     Path::HostStaged
                 };
                 paths[from * world + to] = path;
-                if debug_info() && from != to {
+                if crate::comm::debug_info() && from != to {
                     eprintln!(
                         "oxccl INFO cuda-ring: rank {from} (GPU {}) -> rank {to} (GPU {}): {}{}",
                         devices[from],

@@ -824,7 +824,7 @@ mod tests {
     /// place the first phase sends the input, which is never written.
     #[test]
     fn sends_lend_only_what_no_later_step_writes() {
-        use crate::schedule::ring;
+        use crate::schedule::{ring, Place};
         let lent = |steps: Vec<Step>, in_place: bool| {
             let plan = Plan {
                 steps,
@@ -851,13 +851,20 @@ mod tests {
         };
         for (rank, world) in [(0, 2), (1, 2), (2, 3), (1, 4)] {
             let mut steps = Vec::new();
-            ring::all_gather(rank, world, 1000, 64, true, &mut steps);
+            ring::all_gather(Place::by_rank(rank, world), 1000, 64, true, &mut steps);
             assert!(
                 lent(steps, true).iter().all(|&l| l),
                 "all-gather {rank}/{world}"
             );
             let mut steps = Vec::new();
-            ring::reduce_scatter(rank, world, 1000, 64, true, false, &mut steps);
+            ring::reduce_scatter(
+                Place::by_rank(rank, world),
+                1000,
+                64,
+                true,
+                false,
+                &mut steps,
+            );
             assert!(
                 lent(steps, true).iter().all(|&l| l),
                 "reduce-scatter {rank}/{world}"
@@ -865,11 +872,25 @@ mod tests {
             // Each piece sends once per phase: reduce-scatter, all-gather.
             let pieces = 4000usize.div_ceil(world).div_ceil(64);
             let mut steps = Vec::new();
-            ring::all_reduce(rank, world, 4000, 64, true, false, &mut steps);
+            ring::all_reduce(
+                Place::by_rank(rank, world),
+                4000,
+                64,
+                true,
+                false,
+                &mut steps,
+            );
             let phases: Vec<bool> = (0..pieces).flat_map(|_| [false, true]).collect();
             assert_eq!(lent(steps, true), phases, "all-reduce {rank}/{world}");
             let mut steps = Vec::new();
-            ring::all_reduce(rank, world, 4000, 64, false, false, &mut steps);
+            ring::all_reduce(
+                Place::by_rank(rank, world),
+                4000,
+                64,
+                false,
+                false,
+                &mut steps,
+            );
             assert!(
                 lent(steps, false).iter().all(|&l| l),
                 "all-reduce out of place {rank}/{world}"
@@ -877,7 +898,7 @@ mod tests {
         }
         // Not allowed by the transport: nothing lends.
         let mut steps = Vec::new();
-        ring::all_gather(0, 2, 1000, 64, true, &mut steps);
+        ring::all_gather(Place::by_rank(0, 2), 1000, 64, true, &mut steps);
         let plan = Plan {
             steps,
             scratch_len: 0,
@@ -901,22 +922,44 @@ mod tests {
         // the table for sends after the last writing step) says what the
         // table says. Chains whose rank only sends (an in-place broadcast's
         // root, a reduce's first rank) take the shortcut for every piece.
-        use crate::schedule::{ring, tree};
+        use crate::schedule::{ring, tree, Place};
         let mut plans: Vec<Vec<Step>> = Vec::new();
         for (rank, world) in [(0, 2), (1, 2), (0, 3), (2, 3), (1, 4), (3, 4)] {
             for root in 0..world {
                 let mut steps = Vec::new();
-                tree::broadcast_chain(rank, world, root, 1000, 64, true, &mut steps);
+                tree::broadcast_chain(
+                    Place::by_rank(rank, world),
+                    root,
+                    1000,
+                    64,
+                    true,
+                    &mut steps,
+                );
                 plans.push(steps);
                 let mut steps = Vec::new();
-                tree::reduce_chain(rank, world, root, 1000, 64, true, false, &mut steps);
+                tree::reduce_chain(
+                    Place::by_rank(rank, world),
+                    root,
+                    1000,
+                    64,
+                    true,
+                    false,
+                    &mut steps,
+                );
                 plans.push(steps);
             }
             let mut steps = Vec::new();
-            ring::all_reduce(rank, world, 4000, 64, true, false, &mut steps);
+            ring::all_reduce(
+                Place::by_rank(rank, world),
+                4000,
+                64,
+                true,
+                false,
+                &mut steps,
+            );
             plans.push(steps);
             let mut steps = Vec::new();
-            ring::all_gather(rank, world, 1000, 64, true, &mut steps);
+            ring::all_gather(Place::by_rank(rank, world), 1000, 64, true, &mut steps);
             plans.push(steps);
         }
         let mut shortcuts = 0;

@@ -155,6 +155,159 @@ pub struct Plan {
     pub scratch_len: usize,
 }
 
+/// Where each rank stands around the ring, which the ring schedules
+/// (all-reduce, reduce-scatter, all-gather) and the chains of broadcast and
+/// reduce follow: rank [`rank_at`](Self::rank_at)`(q)` stands at position
+/// `q` and sends to the rank at `q + 1`.
+///
+/// Ranks that share a host stand next to each other
+/// ([`grouping_hosts`](Self::grouping_hosts)), so a ring over `H` hosts
+/// crosses between hosts `H` times, whatever the launcher's placement: in
+/// rank order, ranks placed round-robin (`mpirun --map-by node`, Slurm's
+/// cyclic distribution) would send every step across hosts, each host's
+/// network carrying `k` streams for its `k` ranks instead of one. NCCL
+/// orders its rings by topology for the same reason.
+///
+/// Every rank must plan with the same order (it decides which rank owns
+/// which chunk and in what order each chunk is reduced); it is computed
+/// alike on every rank from what all ranks published at rendezvous. The
+/// chunk a rank owns stays its own block (a reduce-scatter's output is
+/// block `rank`), so only the order of the steps and the grouping of
+/// each reduction depend on it, the same way in all-reduce and in
+/// reduce-scatter (all-reduce stays all-gather ∘ reduce-scatter bit for
+/// bit).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RingOrder {
+    /// Position → rank; empty for rank order (nothing to look up).
+    ranks: Vec<Rank>,
+    /// Rank → position, the inverse of `ranks`.
+    positions: Vec<usize>,
+}
+
+/// [`RingOrder::by_rank`], for plans made with no order at hand.
+static BY_RANK: RingOrder = RingOrder::by_rank();
+
+impl RingOrder {
+    /// Rank order: rank `q` at position `q`.
+    pub const fn by_rank() -> RingOrder {
+        RingOrder {
+            ranks: Vec::new(),
+            positions: Vec::new(),
+        }
+    }
+
+    /// The order of the ranks `0..host_of.len()` whose hosts are
+    /// `host_of[rank]` (any labels): hosts in the order of their lowest
+    /// rank, and within a host its ranks ascending. Ranks already grouped
+    /// by host (one launcher per host numbering its ranks in turn, as
+    /// `torchrun` and `oxccl-run` do) keep rank order.
+    pub fn grouping_hosts<H: Eq + std::hash::Hash>(host_of: &[H]) -> RingOrder {
+        // The lowest rank of each rank's host: the sort key, then the rank.
+        let mut first_of = std::collections::HashMap::new();
+        let first_of_host: Vec<Rank> = host_of
+            .iter()
+            .enumerate()
+            .map(|(r, host)| *first_of.entry(host).or_insert(r))
+            .collect();
+        let mut ranks: Vec<Rank> = (0..host_of.len()).collect();
+        ranks.sort_by_key(|&r| (first_of_host[r], r));
+        RingOrder::from_ranks(ranks)
+    }
+
+    /// The order that puts `ranks[q]` at position `q`.
+    ///
+    /// # Panics
+    ///
+    /// If `ranks` is not a permutation of `0..ranks.len()`.
+    pub fn from_ranks(ranks: Vec<Rank>) -> RingOrder {
+        let mut positions = vec![usize::MAX; ranks.len()];
+        for (q, &r) in ranks.iter().enumerate() {
+            assert!(
+                r < ranks.len() && positions[r] == usize::MAX,
+                "a ring order is a permutation of the ranks: {ranks:?}"
+            );
+            positions[r] = q;
+        }
+        if ranks.iter().enumerate().all(|(q, &r)| q == r) {
+            return RingOrder::by_rank();
+        }
+        RingOrder { ranks, positions }
+    }
+
+    /// Whether this is rank order.
+    pub fn is_by_rank(&self) -> bool {
+        self.ranks.is_empty()
+    }
+
+    /// The rank at `position` (below the world size).
+    pub fn rank_at(&self, position: usize) -> Rank {
+        self.ranks.get(position).copied().unwrap_or(position)
+    }
+
+    /// Where `rank` stands.
+    pub fn position_of(&self, rank: Rank) -> usize {
+        self.positions.get(rank).copied().unwrap_or(rank)
+    }
+
+    /// `rank`'s place around a ring of `world` ranks in this order.
+    ///
+    /// # Panics
+    ///
+    /// If the order is of another world size.
+    pub fn place(&self, rank: Rank, world: usize) -> Place<'_> {
+        assert!(
+            self.is_by_rank() || self.ranks.len() == world,
+            "a ring order of {} ranks planning for {world}",
+            self.ranks.len()
+        );
+        Place {
+            world,
+            position: self.position_of(rank),
+            order: self,
+        }
+    }
+}
+
+/// One rank's place around the ring: who stands any number of places
+/// after it. The ring schedules name peers and chunks through it only, so
+/// they follow any [`RingOrder`].
+#[derive(Clone, Copy, Debug)]
+pub struct Place<'a> {
+    world: usize,
+    position: usize,
+    order: &'a RingOrder,
+}
+
+impl Place<'static> {
+    /// `rank`'s place in rank order.
+    pub fn by_rank(rank: Rank, world: usize) -> Place<'static> {
+        BY_RANK.place(rank, world)
+    }
+}
+
+impl Place<'_> {
+    /// The world size.
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
+    /// The rank `steps` places after this one (`world - s`: `s` before it).
+    pub fn after(&self, steps: usize) -> Rank {
+        self.order
+            .rank_at((self.position + steps % self.world) % self.world)
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> Rank {
+        self.after(0)
+    }
+
+    /// How many places after `rank` this one stands.
+    pub fn steps_after(&self, rank: Rank) -> usize {
+        (self.position + self.world - self.order.position_of(rank)) % self.world
+    }
+}
+
 /// The schedule families over point-to-point links.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Family {
@@ -386,12 +539,28 @@ pub const MAX_PIECES: usize = 1 << 20;
 /// whole buffer at once, gives way to the pipelined one above it.
 pub const MAX_PIECE_BYTES: usize = 1 << 36;
 
-/// [`plan`] with the family chosen by the caller.
+/// [`plan`] with the family chosen by the caller, rings and chains in rank
+/// order.
 ///
 /// # Panics
 ///
 /// As [`plan`].
 pub fn plan_with(desc: &CollectiveDesc, chunk_bytes: usize, family: Family) -> Plan {
+    plan_in_order(desc, chunk_bytes, family, &BY_RANK)
+}
+
+/// [`plan_with`], rings and chains in `order` (the direct and tree
+/// families, all-to-all and the barrier go by rank whatever it says).
+///
+/// # Panics
+///
+/// As [`plan`], and if `order` is of another world size.
+pub fn plan_in_order(
+    desc: &CollectiveDesc,
+    chunk_bytes: usize,
+    family: Family,
+    order: &RingOrder,
+) -> Plan {
     // A direct step moves a whole buffer (all-gather, reduce-scatter:
     // a rank's block) in one frame; `bytes()` bounds them all.
     // A tree step moves a whole buffer too (a reduce-scatter's whole
@@ -425,34 +594,22 @@ pub fn plan_with(desc: &CollectiveDesc, chunk_bytes: usize, family: Family) -> P
         .max(elements.div_ceil(MAX_PIECES));
     let rank = desc.rank;
     let world = desc.world_size;
+    let place = order.place(rank, world);
     let in_place = desc.in_place;
     let avg = desc.reduce_op == Some(ReduceOp::Avg);
     let mut steps = Vec::new();
     match desc.op {
-        OpKind::AllReduce => ring::all_reduce(
-            rank,
-            world,
-            desc.count(),
-            piece_elems,
-            in_place,
-            avg,
-            &mut steps,
-        ),
-        OpKind::ReduceScatter => ring::reduce_scatter(
-            rank,
-            world,
-            desc.count(),
-            piece_elems,
-            in_place,
-            avg,
-            &mut steps,
-        ),
+        OpKind::AllReduce => {
+            ring::all_reduce(place, desc.count(), piece_elems, in_place, avg, &mut steps)
+        }
+        OpKind::ReduceScatter => {
+            ring::reduce_scatter(place, desc.count(), piece_elems, in_place, avg, &mut steps)
+        }
         OpKind::AllGather => {
-            ring::all_gather(rank, world, desc.count(), piece_elems, in_place, &mut steps)
+            ring::all_gather(place, desc.count(), piece_elems, in_place, &mut steps)
         }
         OpKind::Broadcast => tree::broadcast_chain(
-            rank,
-            world,
+            place,
             desc.root.unwrap_or(0),
             desc.count(),
             piece_elems,
@@ -460,8 +617,7 @@ pub fn plan_with(desc: &CollectiveDesc, chunk_bytes: usize, family: Family) -> P
             &mut steps,
         ),
         OpKind::Reduce => tree::reduce_chain(
-            rank,
-            world,
+            place,
             desc.root.unwrap_or(0),
             desc.count(),
             piece_elems,
@@ -483,7 +639,7 @@ pub fn plan_with(desc: &CollectiveDesc, chunk_bytes: usize, family: Family) -> P
         ),
         OpKind::AllToAll => tree::all_to_all(rank, world, desc.count(), piece_elems, &mut steps),
         // Split exchanges (color, key) pairs with an in-place all-gather.
-        OpKind::Split => ring::all_gather(rank, world, desc.count(), piece_elems, true, &mut steps),
+        OpKind::Split => ring::all_gather(place, desc.count(), piece_elems, true, &mut steps),
         OpKind::Barrier => tree::barrier(rank, world, &mut steps),
         // Allocation and set-up move no data over the links.
         OpKind::AllocShared | OpKind::Init => {}
@@ -763,6 +919,32 @@ mod tests {
                 (step, lone) => assert_eq!(step, lone),
             }
         }
+    }
+
+    /// Hosts in the order of their lowest rank, each host's ranks
+    /// ascending; places count around that order.
+    #[test]
+    fn a_ring_order_stands_each_hosts_ranks_together() {
+        let order = RingOrder::grouping_hosts(&["b", "a", "b", "c", "a", "c", "b"]);
+        let ranks: Vec<Rank> = (0..7).map(|q| order.rank_at(q)).collect();
+        assert_eq!(ranks, [0, 2, 6, 1, 4, 3, 5]);
+        for (q, &r) in ranks.iter().enumerate() {
+            assert_eq!(order.position_of(r), q);
+        }
+        let place = order.place(6, 7);
+        assert_eq!((place.rank(), place.after(1), place.after(6)), (6, 1, 2));
+        assert_eq!(place.after(7 + 3), place.after(3));
+        assert_eq!((place.steps_after(0), place.steps_after(5)), (2, 3));
+        // Grouped already, or one host: rank order, which costs no lookup.
+        assert!(RingOrder::grouping_hosts(&[0, 0, 1, 1, 2]).is_by_rank());
+        assert!(RingOrder::grouping_hosts(&[7; 4]).is_by_rank());
+        assert_eq!(Place::by_rank(2, 5).after(4), 1);
+    }
+
+    #[test]
+    #[should_panic(expected = "a permutation of the ranks")]
+    fn a_ring_order_is_a_permutation() {
+        RingOrder::from_ranks(vec![0, 2, 2]);
     }
 
     #[test]

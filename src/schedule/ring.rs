@@ -4,7 +4,10 @@
 //!
 //! (Stated in the manner of the comment in Gloo's `allreduce.cc`.) The buffer
 //! of `count` elements is cut into `N` chunks, one per rank, and every chunk into
-//! the same number of pipeline pieces. Ranks form a ring, `r → r+1 (mod N)`.
+//! the same number of pipeline pieces. Ranks form a ring, `r → r+1 (mod N)`
+//! (written here in rank order: the ring follows any
+//! [`RingOrder`](super::RingOrder), positions standing for ranks, and the
+//! chunk at a position is its rank's block).
 //! Reduce-scatter runs `N-1` steps: at step `k` (0-based) rank `r` sends its
 //! partial result for chunk `r-k-1` to `r+1` and receives from `r-1` the partial
 //! result for chunk `r-k-2`, which it combines with its own contribution. So at
@@ -23,12 +26,11 @@
 //! for bit. The `Avg` division happens once, on the owned chunk, between the
 //! two phases.
 
-use super::{BufId, ChunkLayout, Span, Step};
-use crate::types::Rank;
+use super::{BufId, ChunkLayout, Place, Span, Step};
 
-/// Ring neighbours of `rank`: `(prev, next)`.
-fn neighbours(rank: Rank, world: usize) -> (Rank, Rank) {
-    ((rank + world - 1) % world, (rank + 1) % world)
+/// Ring neighbours of a place: `(prev, next)`.
+fn neighbours(place: Place<'_>) -> (usize, usize) {
+    (place.after(place.world() - 1), place.after(1))
 }
 
 /// The reduce-scatter steps for piece `j`. `input(c)` is this rank's
@@ -36,8 +38,7 @@ fn neighbours(rank: Rank, world: usize) -> (Rank, Rank) {
 /// reduced piece `j` of this rank's chunk goes.
 #[allow(clippy::too_many_arguments)]
 fn reduce_scatter_piece(
-    rank: Rank,
-    world: usize,
+    place: Place<'_>,
     layout: &ChunkLayout,
     j: usize,
     input: impl Fn(usize) -> Span,
@@ -45,9 +46,10 @@ fn reduce_scatter_piece(
     avg: bool,
     steps: &mut Vec<Step>,
 ) {
-    let (prev, next) = neighbours(rank, world);
+    let (world, rank) = (place.world(), place.rank());
+    let (prev, next) = neighbours(place);
     let nonempty = |c: usize| layout.piece(c, j).1 > 0;
-    let first = (rank + world - 1) % world;
+    let first = place.after(world - 1);
     if nonempty(first) {
         steps.push(Step::Send {
             peer: next,
@@ -55,7 +57,7 @@ fn reduce_scatter_piece(
         });
     }
     for k in 0..world - 2 {
-        let c = (rank + 2 * world - k - 2) % world;
+        let c = place.after(2 * world - k - 2);
         if nonempty(c) {
             steps.push(Step::RecvReduceSend {
                 from: prev,
@@ -80,15 +82,15 @@ fn reduce_scatter_piece(
 /// `c` lands; this rank's own piece is already there, or is first copied from
 /// `own_input`.
 fn all_gather_piece(
-    rank: Rank,
-    world: usize,
+    place: Place<'_>,
     layout: &ChunkLayout,
     j: usize,
     own_input: Option<Span>,
     output: impl Fn(usize) -> Span,
     steps: &mut Vec<Step>,
 ) {
-    let (prev, next) = neighbours(rank, world);
+    let (world, rank) = (place.world(), place.rank());
+    let (prev, next) = neighbours(place);
     let nonempty = |c: usize| layout.piece(c, j).1 > 0;
     let own_input = own_input.filter(|s| s.len > 0);
     // Out of place the own piece goes out from the input, before it is
@@ -110,7 +112,7 @@ fn all_gather_piece(
         return;
     }
     for k in 0..world - 2 {
-        let c = (rank + world - k - 1) % world;
+        let c = place.after(world - k - 1);
         if nonempty(c) {
             steps.push(Step::RecvCopySend {
                 from: prev,
@@ -119,7 +121,7 @@ fn all_gather_piece(
             });
         }
     }
-    let last = (rank + 1) % world;
+    let last = place.after(1);
     if nonempty(last) {
         steps.push(Step::Recv {
             peer: prev,
@@ -131,14 +133,14 @@ fn all_gather_piece(
 /// Ring all-reduce of `count` elements: reduce-scatter then all-gather on the
 /// same chunks, piece by piece.
 pub fn all_reduce(
-    rank: Rank,
-    world: usize,
+    place: Place<'_>,
     count: usize,
     piece_elems: usize,
     in_place: bool,
     avg: bool,
     steps: &mut Vec<Step>,
 ) {
+    let (world, rank) = (place.world(), place.rank());
     let layout = ChunkLayout::new(count, world, piece_elems);
     let input_buf = if in_place { BufId::Recv } else { BufId::Send };
     let at = |buf: BufId, c: usize, j: usize| {
@@ -156,8 +158,7 @@ pub fn all_reduce(
             continue;
         }
         reduce_scatter_piece(
-            rank,
-            world,
+            place,
             &layout,
             j,
             |c| at(input_buf, c, j),
@@ -165,15 +166,7 @@ pub fn all_reduce(
             avg,
             steps,
         );
-        all_gather_piece(
-            rank,
-            world,
-            &layout,
-            j,
-            None,
-            |c| at(BufId::Recv, c, j),
-            steps,
-        );
+        all_gather_piece(place, &layout, j, None, |c| at(BufId::Recv, c, j), steps);
     }
 }
 
@@ -181,14 +174,14 @@ pub fn all_reduce(
 /// `recv_count * world` elements. In place, the result lands at
 /// `rank * recv_count` of the one buffer (NCCL's convention).
 pub fn reduce_scatter(
-    rank: Rank,
-    world: usize,
+    place: Place<'_>,
     recv_count: usize,
     piece_elems: usize,
     in_place: bool,
     avg: bool,
     steps: &mut Vec<Step>,
 ) {
+    let (world, rank) = (place.world(), place.rank());
     let layout = ChunkLayout::new(recv_count * world, world, piece_elems);
     let input_buf = if in_place { BufId::Recv } else { BufId::Send };
     for j in 0..layout.pieces() {
@@ -212,7 +205,7 @@ pub fn reduce_scatter(
             }
             continue;
         }
-        reduce_scatter_piece(rank, world, &layout, j, input, own_output, avg, steps);
+        reduce_scatter_piece(place, &layout, j, input, own_output, avg, steps);
     }
 }
 
@@ -220,13 +213,13 @@ pub fn reduce_scatter(
 /// `send_count * world`. In place, this rank's part is already at
 /// `rank * send_count` of the one buffer.
 pub fn all_gather(
-    rank: Rank,
-    world: usize,
+    place: Place<'_>,
     send_count: usize,
     piece_elems: usize,
     in_place: bool,
     steps: &mut Vec<Step>,
 ) {
+    let (world, rank) = (place.world(), place.rank());
     let layout = ChunkLayout::new(send_count * world, world, piece_elems);
     for j in 0..layout.pieces() {
         let own_input = (!in_place).then(|| {
@@ -237,6 +230,6 @@ pub fn all_gather(
             let (offset, len) = layout.piece(c, j);
             Span::new(BufId::Recv, offset, len)
         };
-        all_gather_piece(rank, world, &layout, j, own_input, output, steps);
+        all_gather_piece(place, &layout, j, own_input, output, steps);
     }
 }

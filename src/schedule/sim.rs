@@ -15,7 +15,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use super::{plan_with, BufId, Family, Plan, Span, Step};
+use super::{plan_in_order, plan_with, BufId, Family, Plan, RingOrder, Span, Step};
 use crate::desc::{BufDesc, CollectiveDesc, MemoryKind};
 use crate::types::{DType, OpKind, ReduceOp};
 
@@ -251,11 +251,37 @@ fn simulate(plans: &[Plan], mut ranks: Vec<Rank>) -> Result<Vec<Vec<Sym>>, Strin
     Ok(ranks.into_iter().map(|r| r.recv).collect())
 }
 
+/// What the simulator plans with: a family (its rings and chains in rank
+/// order), or the ring family in an order other than the ranks'
+/// ([`shuffled`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Scheme {
+    Of(Family),
+    RingShuffled,
+}
+
+/// Every scheme each check runs.
+const SCHEMES: [Scheme; 4] = [
+    Scheme::Of(Family::Ring),
+    Scheme::Of(Family::Direct),
+    Scheme::Of(Family::Tree),
+    Scheme::RingShuffled,
+];
+
+/// A ring order unlike rank order for every world from 2: even ranks
+/// ascending, then odd ones descending (5 ranks: 0 2 4 3 1; 2 ranks: 0 1,
+/// which is rank order, the only one of two up to rotation).
+fn shuffled(world: usize) -> RingOrder {
+    let evens = (0..world).step_by(2);
+    let odds = (1..world).step_by(2).rev();
+    RingOrder::from_ranks(evens.chain(odds).collect())
+}
+
 /// Builds every rank's plan for `op` and runs it. `send_len`/`recv_len` are
 /// per-rank lengths; `send_init(rank, i)` gives the inputs.
 #[allow(clippy::too_many_arguments)]
 fn run(
-    family: Family,
+    scheme: Scheme,
     op: OpKind,
     world: usize,
     send_len: usize,
@@ -286,7 +312,12 @@ fn run(
             desc = desc.with_root(root);
         }
         desc.validate().map_err(|e| e.to_string())?;
-        plans.push(plan_with(&desc, piece_elems * 8, family));
+        plans.push(match scheme {
+            Scheme::Of(family) => plan_with(&desc, piece_elems * 8, family),
+            Scheme::RingShuffled => {
+                plan_in_order(&desc, piece_elems * 8, Family::Ring, &shuffled(world))
+            }
+        });
         let send: Vec<Sym> = (0..send_len).map(|i| send_init(r, i)).collect();
         let mut recv = vec![UNSET; recv_len];
         if in_place {
@@ -327,7 +358,7 @@ fn counts(world: usize) -> [usize; 5] {
 
 #[test]
 fn all_reduce_plans_reduce_every_element_exactly_once_per_rank() {
-    for family in [Family::Ring, Family::Direct, Family::Tree] {
+    for family in SCHEMES {
         for world in WORLDS {
             for count in counts(world) {
                 for piece in PIECES {
@@ -368,7 +399,7 @@ fn all_reduce_plans_reduce_every_element_exactly_once_per_rank() {
 
 #[test]
 fn reduce_scatter_and_all_gather_plans_match_their_definitions() {
-    for family in [Family::Ring, Family::Direct, Family::Tree] {
+    for family in SCHEMES {
         for world in WORLDS {
             for per in [0, 1, 2, 9] {
                 for piece in PIECES {
@@ -446,7 +477,7 @@ fn reduce_scatter_and_all_gather_plans_match_their_definitions() {
 
 #[test]
 fn rooted_plans_match_their_definitions() {
-    for family in [Family::Ring, Family::Direct, Family::Tree] {
+    for family in SCHEMES {
         for world in WORLDS {
             for root in [0, world / 2, world - 1] {
                 for count in counts(world) {
@@ -519,7 +550,7 @@ fn rooted_plans_match_their_definitions() {
 
 #[test]
 fn all_to_all_and_barrier_plans_match_their_definitions() {
-    for family in [Family::Ring, Family::Direct, Family::Tree] {
+    for family in SCHEMES {
         for world in WORLDS {
             for per in [0, 1, 5] {
                 for piece in PIECES {
@@ -604,7 +635,7 @@ fn a_plan_with_a_missing_receive_is_caught() {
 /// folds.
 #[test]
 fn reductions_group_alike_on_every_rank() {
-    for family in [Family::Ring, Family::Direct, Family::Tree] {
+    for family in SCHEMES {
         for world in WORLDS {
             for per in [1, 2, 9] {
                 for piece in PIECES {
@@ -652,7 +683,7 @@ fn reductions_group_alike_on_every_rank() {
                                 rs[owner][part].tree, tree,
                                 "{what}: reduce-scatter element {i}"
                             );
-                            if family == Family::Direct {
+                            if family == Scheme::Of(Family::Direct) {
                                 assert_eq!(tree, rank_order, "{what}: element {i}");
                             }
                         }

@@ -1,27 +1,26 @@
 //! Rooted and point-to-point schedules: pipelined chains for broadcast and
 //! reduce, pairwise exchange for all-to-all, dissemination barrier.
 //!
-//! A chain visits the ranks in ring order starting after (reduce) or at
-//! (broadcast) the root, piece by piece, so for large messages every link is
+//! A chain visits the ranks in ring order ([`RingOrder`](super::RingOrder))
+//! starting after (reduce) or at (broadcast) the root, piece by piece, so for large messages every link is
 //! busy at once and each rank moves the message once: bus bandwidth equals
 //! link bandwidth, as for NCCL's ring broadcast.
 
-use super::{for_each_piece, BufId, Span, Step};
+use super::{for_each_piece, BufId, Place, Span, Step};
 use crate::types::Rank;
 
 /// Pipelined chain broadcast from `root` of `count` elements.
 pub fn broadcast_chain(
-    rank: Rank,
-    world: usize,
+    place: Place<'_>,
     root: Rank,
     count: usize,
     piece_elems: usize,
     in_place: bool,
     steps: &mut Vec<Step>,
 ) {
-    let position = (rank + world - root) % world;
-    let prev = (rank + world - 1) % world;
-    let next = (rank + 1) % world;
+    let world = place.world();
+    let position = place.steps_after(root);
+    let (prev, next) = (place.after(world - 1), place.after(1));
     for_each_piece(0, count, piece_elems, |offset, len| {
         let out = Span::new(BufId::Recv, offset, len);
         if position == 0 {
@@ -52,12 +51,12 @@ pub fn broadcast_chain(
 }
 
 /// Pipelined chain reduce to `root`: partial results flow `root+1 → root+2 →
-/// … → root`, so `root+1`'s value is the first operand. Non-root buffers are
+/// … → root` (places after the root's), so `root+1`'s value is the first
+/// operand. Non-root buffers are
 /// only read, also in place.
 #[allow(clippy::too_many_arguments)]
 pub fn reduce_chain(
-    rank: Rank,
-    world: usize,
+    place: Place<'_>,
     root: Rank,
     count: usize,
     piece_elems: usize,
@@ -65,9 +64,9 @@ pub fn reduce_chain(
     avg: bool,
     steps: &mut Vec<Step>,
 ) {
-    let position = (rank + 2 * world - root - 1) % world;
-    let prev = (rank + world - 1) % world;
-    let next = (rank + 1) % world;
+    let world = place.world();
+    let position = (place.steps_after(root) + world - 1) % world;
+    let (prev, next) = (place.after(world - 1), place.after(1));
     let input_buf = if in_place { BufId::Recv } else { BufId::Send };
     for_each_piece(0, count, piece_elems, |offset, len| {
         let local = Span::new(input_buf, offset, len);

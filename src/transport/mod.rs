@@ -9,6 +9,7 @@ pub(crate) mod tcp;
 
 use std::time::Duration;
 
+use crate::schedule::RingOrder;
 use crate::types::OpKind;
 
 /// A map keyed by frame keys and other small integer tuples, looked up
@@ -668,6 +669,17 @@ impl Transport {
         match self {
             Transport::Local(_) => false,
             Transport::Net(t) => t.links_all_tcp(),
+        }
+    }
+
+    /// The order of this communicator's ranks around the ring (and along
+    /// the chains): each host's ranks together. Rank order between threads
+    /// of one process. Every rank answers alike.
+    pub fn ring_order(&self) -> &RingOrder {
+        static BY_RANK: RingOrder = RingOrder::by_rank();
+        match self {
+            Transport::Local(_) => &BY_RANK,
+            Transport::Net(t) => t.ring_order(),
         }
     }
 

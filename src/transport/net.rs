@@ -61,6 +61,7 @@ use super::{
 };
 use crate::bootstrap::Store;
 use crate::error::{as_ranks_store_error, Error, RendezvousStage, Result};
+use crate::schedule::RingOrder;
 use crate::types::{OpKind, Rank};
 
 const FRAME_MAGIC: u32 = 0x4652_584f; // "OXRF"
@@ -497,6 +498,15 @@ impl LinkMap {
         let mut hosts = HashSet::with_capacity(members.len());
         self.tcp_forced
             || (members.len() >= 2 && members.iter().all(|&m| hosts.insert(self.host_of[m])))
+    }
+
+    /// The ring order of `members` (global ranks; position `i` in it is
+    /// communicator rank `i`): each host's members next to each other
+    /// ([`RingOrder::grouping_hosts`]), also when TCP is forced (loopback
+    /// within a host is still cheaper than the network between hosts).
+    fn ring_order(&self, members: &[usize]) -> RingOrder {
+        let hosts: Vec<usize> = members.iter().map(|&m| self.host_of[m]).collect();
+        RingOrder::grouping_hosts(&hosts)
     }
 }
 
@@ -1108,6 +1118,8 @@ pub(crate) struct NetEndpoint {
     members: Vec<usize>,
     /// [`links_all_tcp`](Self::links_all_tcp), decided once.
     links_all_tcp: bool,
+    /// [`ring_order`](Self::ring_order), decided once.
+    ring_order: RingOrder,
 }
 
 impl NetEndpoint {
@@ -1132,12 +1144,19 @@ impl NetEndpoint {
         self.links_all_tcp
     }
 
+    /// The order of this endpoint's members around the ring
+    /// ([`LinkMap::ring_order`]); the same on every member.
+    pub fn ring_order(&self) -> &RingOrder {
+        &self.ring_order
+    }
+
     /// An endpoint for a sub-communicator of `members` (ranks of this one).
     pub fn child(&self, ctx: u64, members: &[usize]) -> NetEndpoint {
         self.shared.endpoints.fetch_add(1, Ordering::SeqCst);
         let members: Vec<usize> = members.iter().map(|&r| self.members[r]).collect();
         NetEndpoint {
             links_all_tcp: self.shared.links.all_tcp(&members),
+            ring_order: self.shared.links.ring_order(&members),
             shared: self.shared.clone(),
             ctx,
             members,
@@ -2365,6 +2384,7 @@ fn connect_rank(setup: Setup) -> Result<(NetEndpoint, Option<Segment>)> {
     };
     let endpoint = NetEndpoint {
         links_all_tcp: links.all_tcp(&all),
+        ring_order: links.ring_order(&all),
         shared: Arc::new(NetShared {
             fabric: Mutex::new(fabric),
             aborted: Arc::new(AtomicBool::new(false)),
@@ -2428,6 +2448,7 @@ mod tests {
             ctx: 0,
             members: vec![0, 1],
             links_all_tcp: true,
+            ring_order: RingOrder::by_rank(),
         };
         (endpoint, raw)
     }
@@ -2452,6 +2473,37 @@ mod tests {
         };
         assert!(forced.all_tcp(&[0, 1, 2]));
         assert!(forced.all_tcp(&[1]));
+    }
+
+    /// The ring stands each host's members together, in the communicator's
+    /// own ranks: ranks placed round-robin over two hosts (0, 2, 4 on one,
+    /// 1, 3, 5 on the other), the whole job and a sub-group of it.
+    #[test]
+    fn the_ring_stands_each_hosts_members_together() {
+        let map = LinkMap {
+            tcp_forced: false,
+            host_of: vec![0, 1, 0, 1, 0, 1],
+        };
+        let order = map.ring_order(&[0, 1, 2, 3, 4, 5]);
+        let ranks: Vec<usize> = (0..6).map(|q| order.rank_at(q)).collect();
+        assert_eq!(ranks, [0, 2, 4, 1, 3, 5]);
+        assert_eq!(order.position_of(1), 3);
+        // Members 5, 2, 1 and 4 (communicator ranks 0–3): hosts 1, 0, 1, 0.
+        let sub = map.ring_order(&[5, 2, 1, 4]);
+        let ranks: Vec<usize> = (0..4).map(|q| sub.rank_at(q)).collect();
+        assert_eq!(ranks, [0, 2, 1, 3]);
+        // Already grouped (a launcher per host), or forced onto TCP within
+        // one host: rank order.
+        let grouped = LinkMap {
+            tcp_forced: false,
+            host_of: vec![0, 0, 0, 1, 1, 1],
+        };
+        assert!(grouped.ring_order(&[0, 1, 2, 3, 4, 5]).is_by_rank());
+        let one_host = LinkMap {
+            tcp_forced: true,
+            host_of: vec![0; 4],
+        };
+        assert!(one_host.ring_order(&[3, 1, 0, 2]).is_by_rank());
     }
 
     fn frame(ctx: u64, seq: u64) -> FrameHeader {
