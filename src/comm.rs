@@ -1138,8 +1138,14 @@ impl Communicator {
             // hosts more than it must shows.
             let order = transport.ring_order();
             let ring: Vec<String> = (0..world).map(|q| order.rank_at(q).to_string()).collect();
+            let levels = match order.hosts() {
+                Some((hosts, per_host)) => {
+                    format!(" (two levels: {hosts} hosts x {per_host} ranks)")
+                }
+                None => String::new(),
+            };
             eprintln!(
-                "oxccl INFO rank {rank}/{world}: ring {} over {}",
+                "oxccl INFO rank {rank}/{world}: ring {}{levels} over {}",
                 ring.join(" "),
                 transport.describe()
             );
@@ -1588,7 +1594,8 @@ impl Communicator {
             len: bytes / elem,
             memory: MemoryKind::Host,
         });
-        schedule::family_name(self.plan_family(&desc), op)
+        let Backend::Host(transport) = &self.backend;
+        schedule::family_name_in(self.plan_family(&desc), op, transport.ring_order())
     }
 
     /// [`algorithm_for`](Self::algorithm_for) a call that reduces by

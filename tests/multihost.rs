@@ -23,8 +23,8 @@
 //!    (`OXCCL_ALGO=ring`): every rank passes, and with `OXCCL_DEBUG=INFO`
 //!    says its ring stands each host's ranks together.
 //!
-//! Needs root and `ip netns`; without them the test is skipped, unless `CI`
-//! is set, where it fails.
+//! Needs root, `ip netns` and `nsenter`; without them the test is
+//! skipped, unless `CI` is set, where it fails.
 
 use std::io::Read;
 use std::process::{Child, Command, Stdio};
@@ -89,6 +89,14 @@ impl Net {
             return Err("not running as root".into());
         }
         ip(&["netns", "list"])?;
+        // Run 4 starts ranks in a host's network namespace with `nsenter`.
+        let nsenter = Command::new("nsenter")
+            .arg("--version")
+            .stdout(Stdio::null())
+            .status();
+        if !nsenter.is_ok_and(|s| s.success()) {
+            return Err("no `nsenter` (util-linux)".into());
+        }
         let (hub, hosts) = Net::names();
         // A namespace of this name left by a crashed run of the same pid.
         let _ = ip(&["netns", "del", &hub]);
@@ -400,8 +408,8 @@ fn collectives_across_three_namespace_hosts() {
         Err(why) => {
             if std::env::var_os("CI").is_some() {
                 panic!(
-                    "multihost: needs root and `ip netns` ({why}); CI must run this test \
-                     (install iproute2 and run as root)"
+                    "multihost: needs root, `ip netns` and `nsenter` ({why}); CI must run \
+                     this test (install iproute2 and util-linux, and run as root)"
                 );
             }
             eprintln!("\n*** SKIPPED: needs root and ip netns ({why}) ***\n");
@@ -480,7 +488,9 @@ fn collectives_across_three_namespace_hosts() {
 
     // 4. Ranks placed round-robin (rank r on host r % 3), every call on
     // the ring: the ring stands each host's ranks together (0 3 | 1 4 |
-    // 2 5), crossing between hosts three times rather than at every step.
+    // 2 5), crossing between hosts three times rather than at every step,
+    // and all-reduce, reduce-scatter and all-gather run it in two levels
+    // (within each host, then along the rails 0 1 2 and 3 4 5).
     eprintln!("=== run 4: round-robin placement, 3 hosts x 2 ranks, OXCCL_ALGO=ring");
     let round_robin = Placement::RoundRobin { per_host: 2 };
     let cyclic = run_job(
@@ -498,7 +508,9 @@ fn collectives_across_three_namespace_hosts() {
         format!("shm+tcp (oxv0 10.213.0.{})", i + 1)
     });
     for (rank, node) in cyclic.nodes.iter().enumerate() {
-        let want = format!("oxccl INFO rank {rank}/6: ring 0 3 1 4 2 5 over ");
+        let want = format!(
+            "oxccl INFO rank {rank}/6: ring 0 3 1 4 2 5 (two levels: 3 hosts x 2 ranks) over "
+        );
         assert!(
             node.stderr.lines().any(|l| l.starts_with(&want)),
             "rank {rank}: no line starting {want:?} in\n{}",

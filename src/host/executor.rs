@@ -576,6 +576,65 @@ pub(crate) fn execute_exchange<T: Element>(
     )
 }
 
+/// Scratch for the plans' [`BufId::Scratch`], kept between the calls of
+/// this thread: a two-level reduce-scatter's scratch is `1/k` of its input
+/// (`k` ranks a host), and a fresh allocation of that per call would fault
+/// in every page again (what makes Open MPI's large reductions slow on
+/// this project's machine, `docs/performance.md`). Taken out for a call
+/// and put back after it, so a call that finds it taken (none does today:
+/// calls do not nest) allocates its own. The largest scratch any call of
+/// this thread used stays allocated until the thread ends. Plans write
+/// their scratch before they read it, so what an earlier call left there
+/// is never read (the simulator starts scratch with unset symbols).
+struct PlanScratch {
+    /// 8-byte words: every element type's alignment divides 8.
+    words: Vec<u64>,
+}
+
+thread_local! {
+    static KEPT_SCRATCH: std::cell::Cell<Vec<u64>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+impl PlanScratch {
+    /// At least `bytes` of scratch.
+    fn take(bytes: usize) -> PlanScratch {
+        let mut words = if bytes == 0 {
+            Vec::new()
+        } else {
+            KEPT_SCRATCH.with(|kept| kept.take())
+        };
+        let needed = bytes.div_ceil(8);
+        if words.len() < needed {
+            words.resize(needed, 0);
+        }
+        PlanScratch { words }
+    }
+
+    /// The first `len` elements, as `T`.
+    fn as_slice_of<T: Element>(&mut self, len: usize) -> &mut [T] {
+        let bytes = len * std::mem::size_of::<T>();
+        let raw: &mut [u8] = bytemuck::cast_slice_mut(&mut self.words);
+        // 8-aligned (a `Vec<u64>`'s start), so the cast cannot fail.
+        bytemuck::cast_slice_mut(&mut raw[..bytes])
+    }
+}
+
+impl Drop for PlanScratch {
+    fn drop(&mut self) {
+        let words = std::mem::take(&mut self.words);
+        if words.capacity() > 0 {
+            KEPT_SCRATCH.with(|kept| {
+                let other = kept.take();
+                kept.set(if other.capacity() > words.capacity() {
+                    other
+                } else {
+                    words
+                });
+            });
+        }
+    }
+}
+
 /// Runs `plan`, its sends as `sending` and its receives as `receiving`
 /// (the same call but in `send_recv`): frame headers, and the call an
 /// error names, come from the half that sent or received. Its plain
@@ -610,10 +669,10 @@ fn execute_as<T: Element>(
     let (sent, received) = counts.split_at_mut(info.world);
     let mut counters = Counters { sent, received };
     let op = info.reduce_op;
-    // Only the tree and direct plans use scratch, and only for small
-    // messages (or under `OXCCL_ALGO=tree`).
-    let mut scratch = vec![T::zeroed(); plan.scratch_len];
-    let bufs = RawBufs::new(bufs, &mut scratch);
+    // The tree and direct plans use scratch for small messages (or under
+    // `OXCCL_ALGO=tree`), a two-level reduce-scatter a slot per host.
+    let mut scratch = PlanScratch::take(plan.scratch_len * std::mem::size_of::<T>());
+    let bufs = RawBufs::new(bufs, scratch.as_slice_of(plan.scratch_len));
     let mut lending = Lending {
         allowed: transport.takes_borrowed(info.space),
         in_place: bufs.in_place,
@@ -814,6 +873,36 @@ mod tests {
                 .collect();
             assert_eq!(lent, [reclaims, reclaims]);
         }
+    }
+
+    /// A call's scratch is the thread's kept scratch when it is large
+    /// enough (no allocation, no page faulted in again), and the largest
+    /// goes back after a call.
+    #[test]
+    fn plan_scratch_is_kept_between_calls() {
+        std::thread::spawn(|| {
+            let first = {
+                let mut scratch = PlanScratch::take(4000);
+                let floats = scratch.as_slice_of::<f32>(1000);
+                assert_eq!(floats.len(), 1000);
+                floats.as_ptr() as usize
+            };
+            // Smaller, of another type: the same memory.
+            let mut scratch = PlanScratch::take(800);
+            assert_eq!(scratch.as_slice_of::<u64>(100).as_ptr() as usize, first);
+            // A call that finds it taken gets its own.
+            let mut other = PlanScratch::take(16);
+            assert_ne!(other.as_slice_of::<u8>(16).as_ptr() as usize, first);
+            drop(other);
+            drop(scratch);
+            let mut again = PlanScratch::take(4000);
+            assert_eq!(again.as_slice_of::<f32>(1000).as_ptr() as usize, first);
+            // No scratch takes nothing.
+            let mut none = PlanScratch::take(0);
+            assert!(none.as_slice_of::<f64>(0).is_empty());
+        })
+        .join()
+        .unwrap();
     }
 
     /// Which ring sends may lend the caller's buffer: those of spans no

@@ -24,6 +24,7 @@ pub mod direct;
 pub mod doubling;
 pub mod ring;
 pub mod tree;
+pub mod two_level;
 
 use crate::desc::CollectiveDesc;
 use crate::types::{OpKind, Rank, ReduceOp};
@@ -182,17 +183,22 @@ pub struct RingOrder {
     ranks: Vec<Rank>,
     /// Rank → position, the inverse of `ranks`.
     positions: Vec<usize>,
+    /// `(hosts, ranks per host)` when the ranks stand on two hosts or more
+    /// with the same number, two or more, on each: position `h·k + l` is
+    /// then the `l`-th rank of the `h`-th host ([`two_level`](super::two_level)).
+    hosts: Option<(usize, usize)>,
 }
 
 /// [`RingOrder::by_rank`], for plans made with no order at hand.
 static BY_RANK: RingOrder = RingOrder::by_rank();
 
 impl RingOrder {
-    /// Rank order: rank `q` at position `q`.
+    /// Rank order: rank `q` at position `q`, and nothing known of hosts.
     pub const fn by_rank() -> RingOrder {
         RingOrder {
             ranks: Vec::new(),
             positions: Vec::new(),
+            hosts: None,
         }
     }
 
@@ -200,7 +206,9 @@ impl RingOrder {
     /// `host_of[rank]` (any labels): hosts in the order of their lowest
     /// rank, and within a host its ranks ascending. Ranks already grouped
     /// by host (one launcher per host numbering its ranks in turn, as
-    /// `torchrun` and `oxccl-run` do) keep rank order.
+    /// `torchrun` and `oxccl-run` do) keep rank order. When every host has
+    /// the same number of ranks, two or more, on two hosts or more, the
+    /// order knows it ([`hosts`](Self::hosts)).
     pub fn grouping_hosts<H: Eq + std::hash::Hash>(host_of: &[H]) -> RingOrder {
         // The lowest rank of each rank's host: the sort key, then the rank.
         let mut first_of = std::collections::HashMap::new();
@@ -211,10 +219,20 @@ impl RingOrder {
             .collect();
         let mut ranks: Vec<Rank> = (0..host_of.len()).collect();
         ranks.sort_by_key(|&r| (first_of_host[r], r));
-        RingOrder::from_ranks(ranks)
+        let hosts = first_of.len();
+        let per_host = host_of.len() / hosts.max(1);
+        let uniform = first_of
+            .keys()
+            .all(|host| host_of.iter().filter(|h| h == host).count() == per_host);
+        let mut order = RingOrder::from_ranks(ranks);
+        if uniform && hosts >= 2 && per_host >= 2 {
+            order.hosts = Some((hosts, per_host));
+        }
+        order
     }
 
-    /// The order that puts `ranks[q]` at position `q`.
+    /// The order that puts `ranks[q]` at position `q`, nothing known of
+    /// hosts.
     ///
     /// # Panics
     ///
@@ -231,12 +249,23 @@ impl RingOrder {
         if ranks.iter().enumerate().all(|(q, &r)| q == r) {
             return RingOrder::by_rank();
         }
-        RingOrder { ranks, positions }
+        RingOrder {
+            ranks,
+            positions,
+            hosts: None,
+        }
     }
 
-    /// Whether this is rank order.
+    /// Whether ranks stand in rank order.
     pub fn is_by_rank(&self) -> bool {
         self.ranks.is_empty()
+    }
+
+    /// `(hosts, ranks per host)` when every host of two or more has the
+    /// same number of ranks, two or more: position `h·k + l` is the `l`-th
+    /// rank of host `h`.
+    pub fn hosts(&self) -> Option<(usize, usize)> {
+        self.hosts
     }
 
     /// The rank at `position` (below the world size).
@@ -260,22 +289,33 @@ impl RingOrder {
             "a ring order of {} ranks planning for {world}",
             self.ranks.len()
         );
+        assert!(
+            self.hosts.is_none_or(|(h, k)| h * k == world),
+            "a ring order of {:?} hosts × ranks planning for {world}",
+            self.hosts
+        );
         Place {
             world,
             position: self.position_of(rank),
-            order: self,
+            ranks: &self.ranks,
+            positions: &self.positions,
         }
     }
 }
 
-/// One rank's place around the ring: who stands any number of places
-/// after it. The ring schedules name peers and chunks through it only, so
-/// they follow any [`RingOrder`].
+/// One rank's place around a ring: who stands any number of places after
+/// it. The ring schedules name peers and chunks through it only, so they
+/// follow any [`RingOrder`], and run on rings of some of the ranks
+/// ([`Place::among`]) as well.
 #[derive(Clone, Copy, Debug)]
 pub struct Place<'a> {
     world: usize,
     position: usize,
-    order: &'a RingOrder,
+    /// Position → rank; empty: rank order.
+    ranks: &'a [Rank],
+    /// Rank → position; empty: rank order, or a ring of some ranks
+    /// (searched).
+    positions: &'a [usize],
 }
 
 impl Place<'static> {
@@ -285,16 +325,30 @@ impl Place<'static> {
     }
 }
 
+impl<'a> Place<'a> {
+    /// The place at `position` of a ring of `members` (ranks of the call,
+    /// in ring order): the ring of one host's ranks, say.
+    pub fn among(members: &'a [Rank], position: usize) -> Place<'a> {
+        debug_assert!(position < members.len());
+        Place {
+            world: members.len(),
+            position,
+            ranks: members,
+            positions: &[],
+        }
+    }
+}
+
 impl Place<'_> {
-    /// The world size.
+    /// The number of ranks around this ring.
     pub fn world(&self) -> usize {
         self.world
     }
 
     /// The rank `steps` places after this one (`world - s`: `s` before it).
     pub fn after(&self, steps: usize) -> Rank {
-        self.order
-            .rank_at((self.position + steps % self.world) % self.world)
+        let position = (self.position + steps % self.world) % self.world;
+        self.ranks.get(position).copied().unwrap_or(position)
     }
 
     /// This rank.
@@ -302,9 +356,16 @@ impl Place<'_> {
         self.after(0)
     }
 
-    /// How many places after `rank` this one stands.
+    /// How many places after `rank` (one of this ring's) this one stands.
     pub fn steps_after(&self, rank: Rank) -> usize {
-        (self.position + self.world - self.order.position_of(rank)) % self.world
+        let position = if self.ranks.is_empty() {
+            rank
+        } else if let Some(&q) = self.positions.get(rank) {
+            q
+        } else {
+            self.ranks.iter().position(|&r| r == rank).unwrap_or(0)
+        };
+        (self.position + self.world - position) % self.world
     }
 }
 
@@ -400,6 +461,21 @@ pub fn family_name(family: Family, op: OpKind) -> &'static str {
         (Family::Ring, OpKind::Barrier) => "dissemination",
         (Family::Ring, OpKind::AllToAll | OpKind::Send | OpKind::Recv) => "direct",
         (Family::Ring, _) => "ring",
+    }
+}
+
+/// [`family_name`] for plans in `order`: `ring2level` where the ring
+/// family runs in two levels ([`two_level`]: all-reduce, reduce-scatter
+/// and all-gather on hosts of the same size).
+pub fn family_name_in(family: Family, op: OpKind, order: &RingOrder) -> &'static str {
+    let two_level_op = matches!(
+        op,
+        OpKind::AllReduce | OpKind::ReduceScatter | OpKind::AllGather
+    );
+    if family == Family::Ring && two_level_op && order.hosts().is_some() {
+        "ring2level"
+    } else {
+        family_name(family, op)
     }
 }
 
@@ -598,7 +674,33 @@ pub fn plan_in_order(
     let in_place = desc.in_place;
     let avg = desc.reduce_op == Some(ReduceOp::Avg);
     let mut steps = Vec::new();
+    let mut scratch_len = 0;
+    // Hosts of the same size: the rings run in two levels.
+    let two_levels = order.hosts().is_some();
     match desc.op {
+        OpKind::AllReduce if two_levels => two_level::all_reduce(
+            order,
+            rank,
+            desc.count(),
+            piece_elems,
+            in_place,
+            avg,
+            &mut steps,
+        ),
+        OpKind::ReduceScatter if two_levels => {
+            scratch_len = two_level::reduce_scatter(
+                order,
+                rank,
+                desc.count(),
+                piece_elems,
+                in_place,
+                avg,
+                &mut steps,
+            );
+        }
+        OpKind::AllGather if two_levels => {
+            two_level::all_gather(order, rank, desc.count(), piece_elems, in_place, &mut steps)
+        }
         OpKind::AllReduce => {
             ring::all_reduce(place, desc.count(), piece_elems, in_place, avg, &mut steps)
         }
@@ -644,10 +746,7 @@ pub fn plan_in_order(
         // Allocation and set-up move no data over the links.
         OpKind::AllocShared | OpKind::Init => {}
     }
-    Plan {
-        steps,
-        scratch_len: 0,
-    }
+    Plan { steps, scratch_len }
 }
 
 /// The one-frame-per-step schedules of a family: each moves a whole buffer
@@ -938,7 +1037,90 @@ mod tests {
         // Grouped already, or one host: rank order, which costs no lookup.
         assert!(RingOrder::grouping_hosts(&[0, 0, 1, 1, 2]).is_by_rank());
         assert!(RingOrder::grouping_hosts(&[7; 4]).is_by_rank());
+        // Two levels only with two hosts or more, each of the same two
+        // ranks or more.
+        assert_eq!(order.hosts(), None);
+        assert_eq!(RingOrder::grouping_hosts(&[0, 0, 1, 1, 2]).hosts(), None);
+        assert_eq!(RingOrder::grouping_hosts(&[7; 4]).hosts(), None);
+        assert_eq!(RingOrder::grouping_hosts(&[0, 1, 2]).hosts(), None);
+        let grouped = RingOrder::grouping_hosts(&[0, 0, 1, 1]);
+        assert!(grouped.is_by_rank());
+        assert_eq!(grouped.hosts(), Some((2, 2)));
         assert_eq!(Place::by_rank(2, 5).after(4), 1);
+    }
+
+    /// The peers each rank's plan names: its ring neighbours in the order
+    /// (one ring), or its host mates and rail mates only (two levels).
+    #[test]
+    fn plans_follow_the_ring_order() {
+        let peers = |plan: &Plan| -> std::collections::BTreeSet<Rank> {
+            plan.steps
+                .iter()
+                .flat_map(|s| match *s {
+                    Step::Send { peer, .. }
+                    | Step::Recv { peer, .. }
+                    | Step::RecvReduce { peer, .. } => vec![peer],
+                    Step::RecvReduceSend { from, to, .. } | Step::RecvCopySend { from, to, .. } => {
+                        vec![from, to]
+                    }
+                    _ => vec![],
+                })
+                .collect()
+        };
+        let call = |op: OpKind, rank: Rank, world: usize| {
+            let buf = BufDesc {
+                len: 6 * world,
+                memory: crate::desc::MemoryKind::Host,
+            };
+            let desc =
+                CollectiveDesc::new(op, DType::F32, rank, world, crate::desc::MemoryKind::Host)
+                    .with_send(buf)
+                    .with_recv(buf);
+            if op == OpKind::AllGather {
+                desc.with_send(BufDesc { len: 6, ..buf })
+            } else {
+                desc.with_reduce_op(ReduceOp::Sum)
+            }
+        };
+        // Five ranks, hosts of unequal size: one ring, 0 2 4 | 1 3.
+        let order = RingOrder::grouping_hosts(&[0, 1, 0, 1, 0]);
+        assert_eq!(order.hosts(), None);
+        for (rank, want) in [
+            (0, [3, 2]),
+            (2, [0, 4]),
+            (4, [2, 1]),
+            (1, [4, 3]),
+            (3, [1, 0]),
+        ] {
+            for op in [OpKind::AllReduce, OpKind::ReduceScatter, OpKind::AllGather] {
+                let plan = plan_in_order(&call(op, rank, 5), 8, Family::Ring, &order);
+                assert_eq!(peers(&plan), want.into(), "{op:?} rank {rank}");
+            }
+        }
+        // Six ranks round-robin on two hosts: 0 2 4 | 1 3 5, rails 0 1,
+        // 2 3, 4 5.
+        let order = RingOrder::grouping_hosts(&[0, 1, 0, 1, 0, 1]);
+        assert_eq!(order.hosts(), Some((2, 3)));
+        for rank in 0..6 {
+            let host_mates: Vec<Rank> =
+                (0..6).filter(|r| r % 2 == rank % 2 && *r != rank).collect();
+            let rail_mate = rank ^ 1;
+            for op in [OpKind::AllReduce, OpKind::ReduceScatter, OpKind::AllGather] {
+                let plan = plan_in_order(&call(op, rank, 6), 8, Family::Ring, &order);
+                let mut want: std::collections::BTreeSet<Rank> =
+                    host_mates.iter().copied().collect();
+                want.insert(rail_mate);
+                assert_eq!(peers(&plan), want, "{op:?} rank {rank}");
+            }
+            assert_eq!(
+                family_name_in(Family::Ring, OpKind::AllReduce, &order),
+                "ring2level"
+            );
+            assert_eq!(
+                family_name_in(Family::Ring, OpKind::Broadcast, &order),
+                "chain"
+            );
+        }
     }
 
     #[test]

@@ -33,14 +33,13 @@ fn neighbours(place: Place<'_>) -> (usize, usize) {
     (place.after(place.world() - 1), place.after(1))
 }
 
-/// The reduce-scatter steps for piece `j`. `input(c)` is this rank's
-/// contribution to piece `j` of chunk `c`; `own_output` is where the fully
-/// reduced piece `j` of this rank's chunk goes.
-#[allow(clippy::too_many_arguments)]
-fn reduce_scatter_piece(
+/// The reduce-scatter steps for one piece. `input(c)` is this rank's
+/// contribution to the piece of the chunk that rank `c` (one of `place`'s
+/// ring) ends with, empty where that chunk has no such piece (every rank
+/// of the ring sees the same lengths); `own_output` is where the fully
+/// reduced piece of this rank's chunk goes.
+pub(super) fn reduce_scatter_piece(
     place: Place<'_>,
-    layout: &ChunkLayout,
-    j: usize,
     input: impl Fn(usize) -> Span,
     own_output: Span,
     avg: bool,
@@ -48,7 +47,7 @@ fn reduce_scatter_piece(
 ) {
     let (world, rank) = (place.world(), place.rank());
     let (prev, next) = neighbours(place);
-    let nonempty = |c: usize| layout.piece(c, j).1 > 0;
+    let nonempty = |c: usize| input(c).len > 0;
     let first = place.after(world - 1);
     if nonempty(first) {
         steps.push(Step::Send {
@@ -78,20 +77,19 @@ fn reduce_scatter_piece(
     }
 }
 
-/// The all-gather steps for piece `j`. `output(c)` is where piece `j` of chunk
-/// `c` lands; this rank's own piece is already there, or is first copied from
-/// `own_input`.
-fn all_gather_piece(
+/// The all-gather steps for one piece. `output(c)` is where the piece of
+/// the chunk rank `c` (one of `place`'s ring) holds lands, empty where that
+/// chunk has no such piece; this rank's own piece is already there, or is
+/// first copied from `own_input`.
+pub(super) fn all_gather_piece(
     place: Place<'_>,
-    layout: &ChunkLayout,
-    j: usize,
     own_input: Option<Span>,
     output: impl Fn(usize) -> Span,
     steps: &mut Vec<Step>,
 ) {
     let (world, rank) = (place.world(), place.rank());
     let (prev, next) = neighbours(place);
-    let nonempty = |c: usize| layout.piece(c, j).1 > 0;
+    let nonempty = |c: usize| output(c).len > 0;
     let own_input = own_input.filter(|s| s.len > 0);
     // Out of place the own piece goes out from the input, before it is
     // copied into the output: the next rank's receive need not wait for
@@ -159,14 +157,12 @@ pub fn all_reduce(
         }
         reduce_scatter_piece(
             place,
-            &layout,
-            j,
             |c| at(input_buf, c, j),
             at(BufId::Recv, rank, j),
             avg,
             steps,
         );
-        all_gather_piece(place, &layout, j, None, |c| at(BufId::Recv, c, j), steps);
+        all_gather_piece(place, None, |c| at(BufId::Recv, c, j), steps);
     }
 }
 
@@ -205,7 +201,7 @@ pub fn reduce_scatter(
             }
             continue;
         }
-        reduce_scatter_piece(place, &layout, j, input, own_output, avg, steps);
+        reduce_scatter_piece(place, input, own_output, avg, steps);
     }
 }
 
@@ -230,6 +226,6 @@ pub fn all_gather(
             let (offset, len) = layout.piece(c, j);
             Span::new(BufId::Recv, offset, len)
         };
-        all_gather_piece(place, &layout, j, own_input, output, steps);
+        all_gather_piece(place, own_input, output, steps);
     }
 }

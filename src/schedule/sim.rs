@@ -258,15 +258,38 @@ fn simulate(plans: &[Plan], mut ranks: Vec<Rank>) -> Result<Vec<Vec<Sym>>, Strin
 enum Scheme {
     Of(Family),
     RingShuffled,
+    /// The ring family over ranks placed round-robin on hosts of the same
+    /// size (in two levels: [`super::two_level`]), as few hosts as the
+    /// world allows or as many; worlds that are 1, 2 or prime have none.
+    RingOnHosts {
+        fewest: bool,
+    },
 }
 
 /// Every scheme each check runs.
-const SCHEMES: [Scheme; 4] = [
+const SCHEMES: [Scheme; 6] = [
     Scheme::Of(Family::Ring),
     Scheme::Of(Family::Direct),
     Scheme::Of(Family::Tree),
     Scheme::RingShuffled,
+    Scheme::RingOnHosts { fewest: true },
+    Scheme::RingOnHosts { fewest: false },
 ];
+
+/// Rank `r` on host `r % H`, `H` the least or the greatest divisor of
+/// `world` that leaves two ranks or more a host (one host where none
+/// does).
+fn on_hosts(world: usize, fewest: bool) -> RingOrder {
+    let mut divisors = (2..world).filter(|d| world.is_multiple_of(*d));
+    let hosts = if fewest {
+        divisors.next()
+    } else {
+        divisors.next_back()
+    };
+    let hosts = hosts.unwrap_or(1);
+    let host_of: Vec<usize> = (0..world).map(|r| r % hosts).collect();
+    RingOrder::grouping_hosts(&host_of)
+}
 
 /// A ring order unlike rank order for every world from 2: even ranks
 /// ascending, then odd ones descending (5 ranks: 0 2 4 3 1; 2 ranks: 0 1,
@@ -317,6 +340,12 @@ fn run(
             Scheme::RingShuffled => {
                 plan_in_order(&desc, piece_elems * 8, Family::Ring, &shuffled(world))
             }
+            Scheme::RingOnHosts { fewest } => plan_in_order(
+                &desc,
+                piece_elems * 8,
+                Family::Ring,
+                &on_hosts(world, fewest),
+            ),
         });
         let send: Vec<Sym> = (0..send_len).map(|i| send_init(r, i)).collect();
         let mut recv = vec![UNSET; recv_len];
