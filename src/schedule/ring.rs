@@ -45,16 +45,40 @@ pub(super) fn reduce_scatter_piece(
     avg: bool,
     steps: &mut Vec<Step>,
 ) {
-    let (world, rank) = (place.world(), place.rank());
-    let (prev, next) = neighbours(place);
-    let nonempty = |c: usize| input(c).len > 0;
-    let first = place.after(world - 1);
-    if nonempty(first) {
+    reduce_scatter_piece_start(place, &input, steps);
+    reduce_scatter_piece_rest(place, input, own_output, avg, steps);
+}
+
+/// The first step of [`reduce_scatter_piece`]: its one send that needs no
+/// receive before it. A plan may put other steps between it and
+/// [`reduce_scatter_piece_rest`] (work to do while the send travels),
+/// provided every rank of the ring does.
+pub(super) fn reduce_scatter_piece_start(
+    place: Place<'_>,
+    input: impl Fn(usize) -> Span,
+    steps: &mut Vec<Step>,
+) {
+    let first = place.after(place.world() - 1);
+    if input(first).len > 0 {
         steps.push(Step::Send {
-            peer: next,
+            peer: place.after(1),
             src: input(first),
         });
     }
+}
+
+/// The steps of [`reduce_scatter_piece`] after
+/// [`reduce_scatter_piece_start`]'s.
+pub(super) fn reduce_scatter_piece_rest(
+    place: Place<'_>,
+    input: impl Fn(usize) -> Span,
+    own_output: Span,
+    avg: bool,
+    steps: &mut Vec<Step>,
+) {
+    let (world, rank) = (place.world(), place.rank());
+    let (prev, next) = neighbours(place);
+    let nonempty = |c: usize| input(c).len > 0;
     for k in 0..world - 2 {
         let c = place.after(2 * world - k - 2);
         if nonempty(c) {

@@ -24,7 +24,12 @@
 //! 4. Within the host, `H` ring all-gathers: pass `h'` circulates the
 //!    chunks of host `h'`'s ranks. All-gather is steps 3 and 4.
 //!
-//! All-reduce is steps 1–4 in this order and reduce-scatter steps 1–2, on
+//! A rank emits step 2's first send of piece `j` before step 1 of piece
+//! `j + 1`, and the rest of step 2 after it: the network carries the send
+//! while the host's passes run (eight ranks on two shaped namespace hosts,
+//! 16 MiB: 177–190 → 150 ms, `docs/performance.md` stop 46).
+//!
+//! All-reduce is steps 1–4 and reduce-scatter steps 1–2, on
 //! the same chunks, so all-reduce is all-gather ∘ reduce-scatter bit for
 //! bit here too; each element is the host sums (each grouped by its host's
 //! ring) grouped by the rail's ring, alike on every rank. Every step's peer
@@ -38,7 +43,9 @@
 //! every read of it); a reduce-scatter's output has room for one chunk, so
 //! its partials go to scratch, one slot per host.
 
-use super::ring::{all_gather_piece, reduce_scatter_piece};
+use super::ring::{
+    all_gather_piece, reduce_scatter_piece, reduce_scatter_piece_rest, reduce_scatter_piece_start,
+};
 use super::{BufId, ChunkLayout, Place, RingOrder, Span, Step};
 use crate::types::Rank;
 
@@ -101,34 +108,49 @@ impl<'a> Grid<'a> {
         Place::among(&self.rail, self.host)
     }
 
-    /// Steps 1 and 2 for one piece: `input(c)` is this rank's contribution
-    /// to chunk `c`'s piece, `partial(h')` where the host's partial of
-    /// chunk `R(h', local)`'s piece goes, `own_output` where this rank's
-    /// chunk's piece ends.
-    fn reduce_scatter_piece(
+    /// Steps 1 and 2 for the `pieces` pieces: `input(j, c)` is this rank's
+    /// contribution to piece `j` of chunk `c`, `partial(j, h')` where the
+    /// host's partial of piece `j` of chunk `R(h', local)` goes,
+    /// `own_output(j)` where piece `j` of this rank's chunk ends. The
+    /// rail's first send of piece `j` goes before the host's passes of
+    /// piece `j + 1`, so the network carries it while they run (every
+    /// rank of a host and of a rail does the same, so each ring's messages
+    /// keep their order). `then(j, steps)` adds what follows piece `j`'s
+    /// rail steps (an all-reduce's steps 3 and 4).
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_scatter(
         &self,
-        input: impl Fn(Rank) -> Span,
-        partial: impl Fn(usize) -> Span,
-        own_output: Span,
+        pieces: usize,
+        input: impl Fn(usize, Rank) -> Span,
+        partial: impl Fn(usize, usize) -> Span,
+        own_output: impl Fn(usize) -> Span,
         avg: bool,
+        mut then: impl FnMut(usize, &mut Vec<Step>),
         steps: &mut Vec<Step>,
     ) {
-        for h in 0..self.hosts {
-            reduce_scatter_piece(
-                self.in_host(),
-                |c| input(self.on_host(c, h)),
-                partial(h),
-                false,
-                steps,
-            );
+        let host_passes = |j: usize, steps: &mut Vec<Step>| {
+            for h in 0..self.hosts {
+                reduce_scatter_piece(
+                    self.in_host(),
+                    |c| input(j, self.on_host(c, h)),
+                    partial(j, h),
+                    false,
+                    steps,
+                );
+            }
+        };
+        if pieces > 0 {
+            host_passes(0, steps);
         }
-        reduce_scatter_piece(
-            self.on_rail(),
-            |c| partial(self.host_of(c)),
-            own_output,
-            avg,
-            steps,
-        );
+        for j in 0..pieces {
+            let rail_input = |c: Rank| partial(j, self.host_of(c));
+            reduce_scatter_piece_start(self.on_rail(), rail_input, steps);
+            if j + 1 < pieces {
+                host_passes(j + 1, steps);
+            }
+            reduce_scatter_piece_rest(self.on_rail(), rail_input, own_output(j), avg, steps);
+            then(j, steps);
+        }
     }
 
     /// Steps 3 and 4 for one piece: `output(c)` is where chunk `c`'s piece
@@ -161,20 +183,19 @@ pub fn all_reduce(
     let grid = Grid::new(order, rank);
     let layout = ChunkLayout::new(count, grid.world(), piece_elems);
     let input_buf = if in_place { BufId::Recv } else { BufId::Send };
-    for j in 0..layout.pieces() {
-        let at = |buf: BufId, c: Rank| {
-            let (offset, len) = layout.piece(c, j);
-            Span::new(buf, offset, len)
-        };
-        grid.reduce_scatter_piece(
-            |c| at(input_buf, c),
-            |h| at(BufId::Recv, grid.rail[h]),
-            at(BufId::Recv, rank),
-            avg,
-            steps,
-        );
-        grid.all_gather_piece(None, |c| at(BufId::Recv, c), steps);
-    }
+    let at = |buf: BufId, j: usize, c: Rank| {
+        let (offset, len) = layout.piece(c, j);
+        Span::new(buf, offset, len)
+    };
+    grid.reduce_scatter(
+        layout.pieces(),
+        |j, c| at(input_buf, j, c),
+        |j, h| at(BufId::Recv, j, grid.rail[h]),
+        |j| at(BufId::Recv, j, rank),
+        avg,
+        |j, steps| grid.all_gather_piece(None, |c| at(BufId::Recv, j, c), steps),
+        steps,
+    );
 }
 
 /// Two-level reduce-scatter, `recv_count` elements per rank (steps 1–2);
@@ -193,22 +214,34 @@ pub fn reduce_scatter(
     let grid = Grid::new(order, rank);
     let layout = ChunkLayout::new(recv_count * grid.world(), grid.world(), piece_elems);
     let input_buf = if in_place { BufId::Recv } else { BufId::Send };
-    for j in 0..layout.pieces() {
-        let input = |c: Rank| {
-            let (offset, len) = layout.piece(c, j);
-            Span::new(input_buf, offset, len)
-        };
-        // Every chunk has `recv_count` elements: piece `j` sits at the
-        // same place in each.
+    let input = |j: usize, c: Rank| {
+        let (offset, len) = layout.piece(c, j);
+        Span::new(input_buf, offset, len)
+    };
+    // Every chunk has `recv_count` elements: piece `j` sits at the same
+    // place in each.
+    let partial = |j: usize, h: usize| {
         let (in_chunk, len) = layout.piece_in_chunk(rank, j);
-        let partial = |h: usize| Span::new(BufId::Scratch, h * recv_count + in_chunk, len);
-        let own_output = if in_place {
-            input(rank)
+        Span::new(BufId::Scratch, h * recv_count + in_chunk, len)
+    };
+    let own_output = |j: usize| {
+        if in_place {
+            input(j, rank)
         } else {
+            let (in_chunk, len) = layout.piece_in_chunk(rank, j);
             Span::new(BufId::Recv, in_chunk, len)
-        };
-        grid.reduce_scatter_piece(input, partial, own_output, avg, steps);
-    }
+        }
+    };
+    let no_more = |_: usize, _: &mut Vec<Step>| {};
+    grid.reduce_scatter(
+        layout.pieces(),
+        input,
+        partial,
+        own_output,
+        avg,
+        no_more,
+        steps,
+    );
     grid.hosts * recv_count
 }
 
