@@ -598,10 +598,14 @@ thread_local! {
 impl PlanScratch {
     /// At least `bytes` of scratch.
     fn take(bytes: usize) -> PlanScratch {
+        // (`try_with`: a call while the thread's locals are torn down
+        // allocates its own.)
         let mut words = if bytes == 0 {
             Vec::new()
         } else {
-            KEPT_SCRATCH.with(|kept| kept.take())
+            KEPT_SCRATCH
+                .try_with(|kept| kept.take())
+                .unwrap_or_default()
         };
         let needed = bytes.div_ceil(8);
         if words.len() < needed {
@@ -623,7 +627,8 @@ impl Drop for PlanScratch {
     fn drop(&mut self) {
         let words = std::mem::take(&mut self.words);
         if words.capacity() > 0 {
-            KEPT_SCRATCH.with(|kept| {
+            // Dropped instead while the thread's locals are torn down.
+            let _ = KEPT_SCRATCH.try_with(|kept| {
                 let other = kept.take();
                 kept.set(if other.capacity() > words.capacity() {
                     other

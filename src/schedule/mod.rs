@@ -221,9 +221,12 @@ impl RingOrder {
         ranks.sort_by_key(|&r| (first_of_host[r], r));
         let hosts = first_of.len();
         let per_host = host_of.len() / hosts.max(1);
-        let uniform = first_of
-            .keys()
-            .all(|host| host_of.iter().filter(|h| h == host).count() == per_host);
+        // Ranks per host, counted at each host's lowest rank.
+        let mut on_host = vec![0usize; host_of.len()];
+        for &first in &first_of_host {
+            on_host[first] += 1;
+        }
+        let uniform = first_of.values().all(|&first| on_host[first] == per_host);
         let mut order = RingOrder::from_ranks(ranks);
         if uniform && hosts >= 2 && per_host >= 2 {
             order.hosts = Some((hosts, per_host));

@@ -258,28 +258,40 @@ fn simulate(plans: &[Plan], mut ranks: Vec<Rank>) -> Result<Vec<Vec<Sym>>, Strin
 enum Scheme {
     Of(Family),
     RingShuffled,
-    /// The ring family over ranks placed round-robin on hosts of the same
-    /// size (in two levels: [`super::two_level`]), as few hosts as the
-    /// world allows or as many; worlds that are 1, 2 or prime have none.
+    /// The ring family over ranks on hosts of the same size (in two
+    /// levels: [`super::two_level`]), as few hosts as the world allows or
+    /// as many, placed round-robin or in blocks; worlds that are 1, 2 or
+    /// prime have none.
     RingOnHosts {
         fewest: bool,
+        round_robin: bool,
     },
 }
 
 /// Every scheme each check runs.
-const SCHEMES: [Scheme; 6] = [
+const SCHEMES: [Scheme; 7] = [
     Scheme::Of(Family::Ring),
     Scheme::Of(Family::Direct),
     Scheme::Of(Family::Tree),
     Scheme::RingShuffled,
-    Scheme::RingOnHosts { fewest: true },
-    Scheme::RingOnHosts { fewest: false },
+    Scheme::RingOnHosts {
+        fewest: true,
+        round_robin: true,
+    },
+    Scheme::RingOnHosts {
+        fewest: false,
+        round_robin: true,
+    },
+    Scheme::RingOnHosts {
+        fewest: true,
+        round_robin: false,
+    },
 ];
 
-/// Rank `r` on host `r % H`, `H` the least or the greatest divisor of
-/// `world` that leaves two ranks or more a host (one host where none
-/// does).
-fn on_hosts(world: usize, fewest: bool) -> RingOrder {
+/// Rank `r` on host `r % H` (round-robin) or `r / (world / H)`, `H` the
+/// least or the greatest divisor of `world` that leaves two ranks or more
+/// a host (one host where none does; 9 ranks: 3 hosts of 3 either way).
+fn on_hosts(world: usize, fewest: bool, round_robin: bool) -> RingOrder {
     let mut divisors = (2..world).filter(|d| world.is_multiple_of(*d));
     let hosts = if fewest {
         divisors.next()
@@ -287,7 +299,15 @@ fn on_hosts(world: usize, fewest: bool) -> RingOrder {
         divisors.next_back()
     };
     let hosts = hosts.unwrap_or(1);
-    let host_of: Vec<usize> = (0..world).map(|r| r % hosts).collect();
+    let host_of: Vec<usize> = (0..world)
+        .map(|r| {
+            if round_robin {
+                r % hosts
+            } else {
+                r / (world / hosts)
+            }
+        })
+        .collect();
     RingOrder::grouping_hosts(&host_of)
 }
 
@@ -340,12 +360,13 @@ fn run(
             Scheme::RingShuffled => {
                 plan_in_order(&desc, piece_elems * 8, Family::Ring, &shuffled(world))
             }
-            Scheme::RingOnHosts { fewest } => plan_in_order(
-                &desc,
-                piece_elems * 8,
-                Family::Ring,
-                &on_hosts(world, fewest),
-            ),
+            Scheme::RingOnHosts {
+                fewest,
+                round_robin,
+            } => {
+                let order = on_hosts(world, fewest, round_robin);
+                plan_in_order(&desc, piece_elems * 8, Family::Ring, &order)
+            }
         });
         let send: Vec<Sym> = (0..send_len).map(|i| send_init(r, i)).collect();
         let mut recv = vec![UNSET; recv_len];
@@ -378,7 +399,7 @@ fn reduced(elem: usize, world: usize, avg: bool) -> Sym {
 }
 
 /// Up to 8, and beyond: the tree family pairs ranks below the power of two.
-const WORLDS: [usize; 11] = [1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 17];
+const WORLDS: [usize; 12] = [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17];
 const PIECES: [usize; 3] = [1, 3, 1000];
 
 fn counts(world: usize) -> [usize; 5] {

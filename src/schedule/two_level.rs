@@ -6,8 +6,10 @@
 //! With `H` hosts of `k` ranks, `N = H·k`: the one ring in host order sends
 //! `2(N-1)/N · M` bytes of an all-reduce of `M` bytes over each host's
 //! network link; the rails send `k` streams of `2(H-1)/H · M/k`, together
-//! `2(H-1)/H · M`: with two hosts `M` instead of `(2 - 2/N) · M`. Each
-//! rank takes `2(k-1) + 2(H-1)` steps per piece instead of `2(N-1)`.
+//! `2(H-1)/H · M`: with two hosts `M` instead of `(2 - 2/N) · M`. A rank
+//! takes as many steps per piece as in the one ring (`H` passes of `k-1`
+//! each way within the host and `H-1` each way along the rail:
+//! `2H(k-1) + 2(H-1) = 2(N-1)`), only `2(H-1)` of them across hosts.
 //!
 //! Chunks are the one ring's: the buffer is cut into `N` chunks, chunk `r`
 //! rank `r`'s (a reduce-scatter's output is still block `rank`), each into
