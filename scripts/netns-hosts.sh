@@ -17,7 +17,8 @@
 #   PORT=29555     MASTER_PORT (run)
 #
 # `run` starts the ranks with the launchers' variables (RANK, WORLD_SIZE,
-# LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) through
+# LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and the caller's
+# OXCCL_* variables (OXCCL_ALGO=ring, OXCCL_DEBUG=INFO, ...) through
 # `nsenter --net`, not `ip netns exec`: each `ip netns exec` gets a mount
 # namespace of its own, which makes every rank a host of its own to oxccl.
 # Rank r's output goes to target/netns-hosts/rank<r>.out; rank 0's is
@@ -62,6 +63,10 @@ teardown() {
 
 run() {
     local world=$((HOSTS * PER_HOST)) pids=() failed=0
+    # The caller's OXCCL_* settings (OXCCL_ALGO, OXCCL_DEBUG, ...) reach
+    # every rank; nothing else of its environment does.
+    local settings=()
+    mapfile -t settings < <(env | grep '^OXCCL_' || true)
     mkdir -p "$OUT"
     for ((r = 0; r < world; r++)); do
         local host local_rank
@@ -72,7 +77,7 @@ run() {
         fi
         env -i PATH="$PATH" RANK="$r" WORLD_SIZE="$world" LOCAL_RANK="$local_rank" \
             LOCAL_WORLD_SIZE="$PER_HOST" MASTER_ADDR=10.216.0.1 MASTER_PORT="$PORT" \
-            OXCCL_SOCKET_IFNAME=nv OXCCL_JOB_ID="netns$$" ${OXCCL_DEBUG:+OXCCL_DEBUG=$OXCCL_DEBUG} \
+            OXCCL_SOCKET_IFNAME=nv OXCCL_JOB_ID="netns$$" "${settings[@]}" \
             nsenter --net="/run/netns/oxnh-$host" "$@" >"$OUT/rank$r.out" 2>&1 &
         pids+=($!)
     done
