@@ -13,7 +13,8 @@
 //! the first three under `oxccl-run`, one launcher per host, the fourth
 //! rank by rank:
 //! 1. `OXCCL_SOCKET_IFNAME=oxv`, 2 ranks per host: every rank passes over
-//!    `shm+tcp (oxv0 <its own address>)`.
+//!    `shm+tcp (oxv0 <its own address>)` (its small calls run the direct
+//!    schedules in two levels, its large ones the rings).
 //! 2. `OXCCL_SOCKET_IFNAME==aa0` (the decoy), 1 rank per host: it must fail,
 //!    within a bounded time, saying what it could not reach.
 //! 3. No `OXCCL_SOCKET_IFNAME`, 1 rank per host: the interface toward

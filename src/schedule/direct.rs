@@ -21,14 +21,28 @@ use crate::types::Rank;
 /// where this rank's contribution is (read before `dst` is written, or a
 /// scratch copy). Contributions of other ranks arrive as frames.
 fn fold_in_rank_order(rank: Rank, world: usize, own: Span, dst: Span, steps: &mut Vec<Step>) {
-    for p in 0..world {
-        match (p == 0, p == rank) {
+    fold_in_order(0..world, rank, own, dst, steps);
+}
+
+/// Folds the contributions of `members` into `dst` in the order given,
+/// `((x_m0 ⊕ x_m1) ⊕ x_m2) ⊕ …`: this rank's (`me`, one of them) from
+/// `own` (read before `dst` is written, or a scratch copy), every other
+/// member's as one frame from it.
+pub(super) fn fold_in_order(
+    members: impl IntoIterator<Item = Rank>,
+    me: Rank,
+    own: Span,
+    dst: Span,
+    steps: &mut Vec<Step>,
+) {
+    for (index, p) in members.into_iter().enumerate() {
+        match (index == 0, p == me) {
             (true, true) => {
                 if own != dst {
                     steps.push(Step::Copy { src: own, dst });
                 }
             }
-            (true, false) => steps.push(Step::Recv { peer: 0, dst }),
+            (true, false) => steps.push(Step::Recv { peer: p, dst }),
             (false, true) => steps.push(Step::ReduceLocal { src: own, dst }),
             (false, false) => steps.push(Step::RecvReduce {
                 peer: p,
@@ -47,9 +61,10 @@ fn send_to_others(rank: Rank, world: usize, src: Span, plan: &mut Plan) {
 }
 
 /// Where this rank's contribution is kept during a fold into `dst`: in
-/// place and not first in rank order, a scratch copy (recorded in the plan).
-fn keep_own(rank: Rank, input: Span, dst: Span, plan: &mut Plan) -> Span {
-    if rank == 0
+/// place and not first in the fold's order (`first`: it is), a scratch copy
+/// at the start of scratch (recorded in the plan).
+pub(super) fn keep_own(first: bool, input: Span, dst: Span, plan: &mut Plan) -> Span {
+    if first
         || input.buf != dst.buf
         || input.range().end <= dst.offset
         || dst.range().end <= input.offset
@@ -80,7 +95,7 @@ pub fn all_reduce(
     let input = Span::new(if in_place { BufId::Recv } else { BufId::Send }, 0, count);
     let dst = Span::new(BufId::Recv, 0, count);
     send_to_others(rank, world, input, plan);
-    let own = keep_own(rank, input, dst, plan);
+    let own = keep_own(rank == 0, input, dst, plan);
     fold_in_rank_order(rank, world, own, dst, &mut plan.steps);
     if avg && world > 1 {
         plan.steps.push(Step::DivideByWorld { span: dst });
@@ -109,7 +124,7 @@ pub fn reduce_scatter(
     }
     let input = Span::new(input_buf, rank * count, count);
     let dst = Span::new(BufId::Recv, if in_place { rank * count } else { 0 }, count);
-    let own = keep_own(rank, input, dst, plan);
+    let own = keep_own(rank == 0, input, dst, plan);
     fold_in_rank_order(rank, world, own, dst, &mut plan.steps);
     if avg && world > 1 {
         plan.steps.push(Step::DivideByWorld { span: dst });
@@ -195,7 +210,7 @@ pub fn reduce(
         return;
     }
     let dst = Span::new(BufId::Recv, 0, count);
-    let own = keep_own(rank, input, dst, plan);
+    let own = keep_own(rank == 0, input, dst, plan);
     fold_in_rank_order(rank, world, own, dst, &mut plan.steps);
     if avg && world > 1 {
         plan.steps.push(Step::DivideByWorld { span: dst });

@@ -467,19 +467,22 @@ pub fn family_name(family: Family, op: OpKind) -> &'static str {
     }
 }
 
-/// [`family_name`] for plans in `order`: `ring2level` where the ring
-/// family runs in two levels ([`two_level`]: all-reduce, reduce-scatter
-/// and all-gather on hosts of the same size).
+/// [`family_name`] for plans in `order`: on hosts of the same size
+/// ([`RingOrder::hosts`]) `ring2level` for the ring family's all-reduce,
+/// reduce-scatter and all-gather, and `direct2level` for the direct
+/// family's collectives ([`two_level`]).
 pub fn family_name_in(family: Family, op: OpKind, order: &RingOrder) -> &'static str {
-    let two_level_op = matches!(
-        op,
-        OpKind::AllReduce | OpKind::ReduceScatter | OpKind::AllGather
-    );
-    if family == Family::Ring && two_level_op && order.hosts().is_some() {
-        "ring2level"
-    } else {
-        family_name(family, op)
+    use OpKind::{AllGather, AllReduce, Broadcast, Reduce, ReduceScatter};
+    if order.hosts().is_some() {
+        match (family, op) {
+            (Family::Ring, AllReduce | ReduceScatter | AllGather) => return "ring2level",
+            (Family::Direct, AllReduce | ReduceScatter | AllGather | Broadcast | Reduce) => {
+                return "direct2level"
+            }
+            _ => {}
+        }
     }
+    family_name(family, op)
 }
 
 /// How a count of elements is cut into one chunk per rank, and each chunk into
@@ -628,8 +631,11 @@ pub fn plan_with(desc: &CollectiveDesc, chunk_bytes: usize, family: Family) -> P
     plan_in_order(desc, chunk_bytes, family, &BY_RANK)
 }
 
-/// [`plan_with`], rings and chains in `order` (the direct and tree
-/// families, all-to-all and the barrier go by rank whatever it says).
+/// [`plan_with`], rings and chains in `order`; on hosts of the same size
+/// ([`RingOrder::hosts`]) the ring family's all-reduce, reduce-scatter and
+/// all-gather and the direct family's collectives run in two levels
+/// ([`two_level`]). The tree family, all-to-all and the barrier go by rank
+/// whatever it says.
 ///
 /// # Panics
 ///
@@ -650,7 +656,11 @@ pub fn plan_in_order(
         Family::Ring => None,
     };
     if let Some(schedules) = whole.filter(|_| desc.bytes() <= MAX_PIECE_BYTES) {
-        if let Some(plan) = plan_whole(desc, schedules) {
+        // Hosts of the same size: direct calls run in two levels.
+        let two_level_direct = (family == Family::Direct && order.hosts().is_some())
+            .then(|| two_level::plan_direct(desc, order))
+            .flatten();
+        if let Some(plan) = two_level_direct.or_else(|| plan_whole(desc, schedules)) {
             return plan;
         }
     }
@@ -1108,12 +1118,27 @@ mod tests {
             let host_mates: Vec<Rank> =
                 (0..6).filter(|r| r % 2 == rank % 2 && *r != rank).collect();
             let rail_mate = rank ^ 1;
-            for op in [OpKind::AllReduce, OpKind::ReduceScatter, OpKind::AllGather] {
-                let plan = plan_in_order(&call(op, rank, 6), 8, Family::Ring, &order);
-                let mut want: std::collections::BTreeSet<Rank> =
-                    host_mates.iter().copied().collect();
-                want.insert(rail_mate);
-                assert_eq!(peers(&plan), want, "{op:?} rank {rank}");
+            // Rings and direct calls alike: only the rail mate is across
+            // (a rooted direct call talks to some of them).
+            let mut host_and_rail: std::collections::BTreeSet<Rank> =
+                host_mates.iter().copied().collect();
+            host_and_rail.insert(rail_mate);
+            for family in [Family::Ring, Family::Direct] {
+                for op in [OpKind::AllReduce, OpKind::ReduceScatter, OpKind::AllGather] {
+                    let plan = plan_in_order(&call(op, rank, 6), 8, family, &order);
+                    assert_eq!(peers(&plan), host_and_rail, "{family:?} {op:?} rank {rank}");
+                }
+            }
+            for op in [OpKind::Broadcast, OpKind::Reduce] {
+                for root in 0..6 {
+                    let desc = call(op, rank, 6).with_root(root);
+                    let plan = plan_in_order(&desc, 8, Family::Direct, &order);
+                    assert!(
+                        peers(&plan).is_subset(&host_and_rail),
+                        "{op:?} root {root} rank {rank}: {:?}",
+                        peers(&plan)
+                    );
+                }
             }
             assert_eq!(
                 family_name_in(Family::Ring, OpKind::AllReduce, &order),
@@ -1122,6 +1147,18 @@ mod tests {
             assert_eq!(
                 family_name_in(Family::Ring, OpKind::Broadcast, &order),
                 "chain"
+            );
+            assert_eq!(
+                family_name_in(Family::Direct, OpKind::ReduceScatter, &order),
+                "direct2level"
+            );
+            assert_eq!(
+                family_name_in(Family::Direct, OpKind::Broadcast, &order),
+                "direct2level"
+            );
+            assert_eq!(
+                family_name_in(Family::Tree, OpKind::AllReduce, &order),
+                "doubling"
             );
         }
     }

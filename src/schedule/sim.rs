@@ -258,31 +258,50 @@ fn simulate(plans: &[Plan], mut ranks: Vec<Rank>) -> Result<Vec<Vec<Sym>>, Strin
 enum Scheme {
     Of(Family),
     RingShuffled,
-    /// The ring family over ranks on hosts of the same size (in two
-    /// levels: [`super::two_level`]), as few hosts as the world allows or
-    /// as many, placed round-robin or in blocks; worlds that are 1, 2 or
-    /// prime have none.
-    RingOnHosts {
+    /// A family over ranks on hosts of the same size (the ring and direct
+    /// families in two levels: [`super::two_level`]), as few hosts as the
+    /// world allows or as many, placed round-robin or in blocks; worlds
+    /// that are 1, 2 or prime have none.
+    OnHosts {
+        family: Family,
         fewest: bool,
         round_robin: bool,
     },
 }
 
 /// Every scheme each check runs.
-const SCHEMES: [Scheme; 7] = [
+const SCHEMES: [Scheme; 10] = [
     Scheme::Of(Family::Ring),
     Scheme::Of(Family::Direct),
     Scheme::Of(Family::Tree),
     Scheme::RingShuffled,
-    Scheme::RingOnHosts {
+    Scheme::OnHosts {
+        family: Family::Ring,
         fewest: true,
         round_robin: true,
     },
-    Scheme::RingOnHosts {
+    Scheme::OnHosts {
+        family: Family::Ring,
         fewest: false,
         round_robin: true,
     },
-    Scheme::RingOnHosts {
+    Scheme::OnHosts {
+        family: Family::Ring,
+        fewest: true,
+        round_robin: false,
+    },
+    Scheme::OnHosts {
+        family: Family::Direct,
+        fewest: true,
+        round_robin: true,
+    },
+    Scheme::OnHosts {
+        family: Family::Direct,
+        fewest: false,
+        round_robin: true,
+    },
+    Scheme::OnHosts {
+        family: Family::Direct,
         fewest: true,
         round_robin: false,
     },
@@ -360,12 +379,13 @@ fn run(
             Scheme::RingShuffled => {
                 plan_in_order(&desc, piece_elems * 8, Family::Ring, &shuffled(world))
             }
-            Scheme::RingOnHosts {
+            Scheme::OnHosts {
+                family,
                 fewest,
                 round_robin,
             } => {
                 let order = on_hosts(world, fewest, round_robin);
-                plan_in_order(&desc, piece_elems * 8, Family::Ring, &order)
+                plan_in_order(&desc, piece_elems * 8, family, &order)
             }
         });
         let send: Vec<Sym> = (0..send_len).map(|i| send_init(r, i)).collect();
@@ -678,11 +698,28 @@ fn a_plan_with_a_missing_receive_is_caught() {
     assert!(simulate(&plans, ranks).unwrap_err().contains("deadlock"));
 }
 
+/// How a direct plan over `order` (of `world` ranks) groups every element: in rank order,
+/// ((x0 ⊕ x1) ⊕ x2) ⊕ …; on hosts of the same size, each host's terms in
+/// the host's order, then the host sums in host order.
+fn direct_on_hosts_order(order: &RingOrder, world: usize) -> u64 {
+    let fold = |terms: &mut dyn Iterator<Item = u64>| {
+        let first = terms.next().expect("a term");
+        terms.fold(first, node)
+    };
+    match order.hosts() {
+        None => fold(&mut (0..world).map(leaf)),
+        Some((hosts, per_host)) => fold(
+            &mut (0..hosts)
+                .map(|h| fold(&mut (0..per_host).map(|l| leaf(order.rank_at(h * per_host + l))))),
+        ),
+    }
+}
+
 /// Every rank of an all-reduce holds each element grouped alike (so the
 /// ranks' bits agree), reduce-scatter groups each element as all-reduce
 /// does (all-reduce = all-gather of reduce-scatter, bit for bit), and the
 /// direct plans fold in rank order, ((x0 ⊕ x1) ⊕ x2) ⊕ …, whichever rank
-/// folds.
+/// folds, or in two levels on hosts ([`direct_on_hosts_order`]).
 #[test]
 fn reductions_group_alike_on_every_rank() {
     for family in SCHEMES {
@@ -722,6 +759,18 @@ fn reductions_group_alike_on_every_rank() {
                         )
                         .unwrap();
                         let rank_order = (1..world).fold(leaf(0), |acc, r| node(acc, leaf(r)));
+                        let direct_order = match family {
+                            Scheme::Of(Family::Direct) => Some(rank_order),
+                            Scheme::OnHosts {
+                                family: Family::Direct,
+                                fewest,
+                                round_robin,
+                            } => Some(direct_on_hosts_order(
+                                &on_hosts(world, fewest, round_robin),
+                                world,
+                            )),
+                            _ => None,
+                        };
                         for i in 0..count {
                             let tree = ar[0][i].tree;
                             for (r, buf) in ar.iter().enumerate() {
@@ -733,8 +782,28 @@ fn reductions_group_alike_on_every_rank() {
                                 rs[owner][part].tree, tree,
                                 "{what}: reduce-scatter element {i}"
                             );
-                            if family == Scheme::Of(Family::Direct) {
-                                assert_eq!(tree, rank_order, "{what}: element {i}");
+                            if let Some(order) = direct_order {
+                                assert_eq!(tree, order, "{what}: element {i}");
+                            }
+                        }
+                        // A direct reduce folds as the direct all-reduce.
+                        if let Some(order) = direct_order {
+                            let root = world - 1;
+                            let reduced = run(
+                                family,
+                                OpKind::Reduce,
+                                world,
+                                count,
+                                count,
+                                in_place,
+                                sum,
+                                Some(root),
+                                piece,
+                                |r, i| input(i, r),
+                            )
+                            .unwrap();
+                            for (i, element) in reduced[root].iter().enumerate() {
+                                assert_eq!(element.tree, order, "{what}: reduce element {i}");
                             }
                         }
                     }

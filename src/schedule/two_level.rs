@@ -1,7 +1,8 @@
-//! Rings in two levels, for ranks on several hosts with the same number on
-//! each ([`RingOrder::hosts`]): within each host, then across hosts along
-//! *rails*, the ranks with the same place on their hosts (as NCCL's and
-//! Horovod's hierarchical all-reduce).
+//! Rings, and direct calls (at the end), in two levels, for ranks on
+//! several hosts with the same number on each ([`RingOrder::hosts`]):
+//! within each host, then across hosts along *rails*, the ranks with the
+//! same place on their hosts (as NCCL's and Horovod's hierarchical
+//! all-reduce).
 //!
 //! With `H` hosts of `k` ranks, `N = H·k`: the one ring in host order sends
 //! `2(N-1)/N · M` bytes of an all-reduce of `M` bytes over each host's
@@ -48,8 +49,9 @@
 use super::ring::{
     all_gather_piece, reduce_scatter_piece, reduce_scatter_piece_rest, reduce_scatter_piece_start,
 };
-use super::{BufId, ChunkLayout, Place, RingOrder, Span, Step};
-use crate::types::Rank;
+use super::{direct, BufId, ChunkLayout, Place, Plan, RingOrder, Span, Step};
+use crate::desc::CollectiveDesc;
+use crate::types::{OpKind, Rank, ReduceOp};
 
 /// This rank's host ring and rail, in a [`RingOrder`] with
 /// [`hosts`](RingOrder::hosts).
@@ -269,4 +271,358 @@ pub fn all_gather(
         };
         grid.all_gather_piece(own_input, output, steps);
     }
+}
+
+// Direct calls in two levels.
+//
+// Small calls across hosts: the one-level direct plans ([`super::direct`])
+// send a rank's whole buffer to every peer, so each host's link carries
+// `k·(N-k)` copies of it (16 with two hosts of four). In two levels a call
+// takes three steps (reduce-scatter within the host, all-reduce along the
+// rail, all-gather within the host), and each host's link carries
+// `(H-1)·M` of an all-reduce of `M` bytes: `M` with two hosts.
+//
+// Chunks are the ring's (chunk `c`, rank `c`'s block), taken whole. Each
+// chunk is folded within each host in the host's order and then along
+// the rail in host order, `((x_R(h,0) ⊕ x_R(h,1)) ⊕ …)` and `((P_0 ⊕ P_1)
+// ⊕ …)`, alike in all-reduce and reduce-scatter: all-reduce is all-gather
+// ∘ reduce-scatter bit for bit, and every rank holds the same bits. Per
+// pair every step sends a rail's chunks in host order and the receiver
+// takes them in that order; empty chunks are skipped at both ends.
+
+impl Grid<'_> {
+    /// This rank's host mates, in the host's order.
+    fn host_mates(&self) -> impl Iterator<Item = Rank> + '_ {
+        let me = self.host_ring[self.local];
+        self.host_ring.iter().copied().filter(move |&m| m != me)
+    }
+
+    /// This rank's rail mates, in host order.
+    fn rail_mates(&self) -> impl Iterator<Item = Rank> + '_ {
+        let me = self.rail[self.host];
+        self.rail.iter().copied().filter(move |&m| m != me)
+    }
+
+    /// The ranks of `rank`'s rail (of any host), in host order.
+    fn rail_of(&self, rank: Rank) -> impl Iterator<Item = Rank> + '_ {
+        (0..self.hosts).map(move |h| self.on_host(rank, h))
+    }
+
+    /// Sends every host mate the chunks of its rail, `at(c)` (empty ones
+    /// skipped).
+    fn send_rails_to_host_mates(&self, at: impl Fn(Rank) -> Span, plan: &mut Plan) {
+        for mate in self.host_mates() {
+            for c in self.rail_of(mate) {
+                let src = at(c);
+                if src.len > 0 {
+                    plan.steps.push(Step::Send { peer: mate, src });
+                }
+            }
+        }
+    }
+
+    /// Within the host: folds each chunk `c` of this rank's rail from
+    /// `input(c)` (this rank's term) and the host mates' frames into
+    /// `partial(c)`, in the host's order.
+    fn fold_rail_over_host(
+        &self,
+        input: impl Fn(Rank) -> Span,
+        partial: impl Fn(Rank) -> Span,
+        plan: &mut Plan,
+    ) {
+        let me = self.host_ring[self.local];
+        for &c in &self.rail {
+            let dst = partial(c);
+            if dst.len == 0 {
+                continue;
+            }
+            let own = direct::keep_own(self.local == 0, input(c), dst, plan);
+            direct::fold_in_order(
+                self.host_ring.iter().copied(),
+                me,
+                own,
+                dst,
+                &mut plan.steps,
+            );
+        }
+    }
+
+    /// Within the host, an all-gather of the rails' chunks: every host
+    /// mate gets this rank's rail's chunks `at(c)`, and this rank each
+    /// mate's, into `at(c)` (empty ones skipped).
+    fn share_rails_with_host_mates(&self, at: impl Fn(Rank) -> Span, plan: &mut Plan) {
+        for mate in self.host_mates() {
+            for &c in &self.rail {
+                let src = at(c);
+                if src.len > 0 {
+                    plan.steps.push(Step::Send { peer: mate, src });
+                }
+            }
+        }
+        for mate in self.host_mates() {
+            for c in self.rail_of(mate) {
+                let dst = at(c);
+                if dst.len > 0 {
+                    plan.steps.push(Step::Recv { peer: mate, dst });
+                }
+            }
+        }
+    }
+}
+
+/// Two-level direct all-reduce of `count` elements. Scratch: a copy of one
+/// chunk (this rank's term, where the fold's destination holds it and it
+/// is not first).
+pub fn direct_all_reduce(
+    order: &RingOrder,
+    rank: Rank,
+    count: usize,
+    in_place: bool,
+    avg: bool,
+    plan: &mut Plan,
+) {
+    if count == 0 {
+        return;
+    }
+    let grid = Grid::new(order, rank);
+    let layout = ChunkLayout::new(count, grid.world(), count);
+    let chunk = |buf: BufId, c: Rank| {
+        let (offset, len) = layout.chunk(c);
+        Span::new(buf, offset, len)
+    };
+    let input_buf = if in_place { BufId::Recv } else { BufId::Send };
+    // 1. Host sums of this rank's rail chunks, in the output: in place,
+    //    every send of the input goes before any fold writes it.
+    grid.send_rails_to_host_mates(|c| chunk(input_buf, c), plan);
+    grid.fold_rail_over_host(|c| chunk(input_buf, c), |c| chunk(BufId::Recv, c), plan);
+    // 2. Along the rail, every rank folds the rail's chunks from every
+    //    host's sum, in host order.
+    for mate in grid.rail_mates() {
+        for &c in &grid.rail {
+            let src = chunk(BufId::Recv, c);
+            if src.len > 0 {
+                plan.steps.push(Step::Send { peer: mate, src });
+            }
+        }
+    }
+    for &c in &grid.rail {
+        let dst = chunk(BufId::Recv, c);
+        if dst.len == 0 {
+            continue;
+        }
+        let own = direct::keep_own(grid.host == 0, dst, dst, plan);
+        direct::fold_in_order(grid.rail.iter().copied(), rank, own, dst, &mut plan.steps);
+        if avg {
+            plan.steps.push(Step::DivideByWorld { span: dst });
+        }
+    }
+    // 3. Within the host, every rank's rail chunks to every host mate.
+    grid.share_rails_with_host_mates(|c| chunk(BufId::Recv, c), plan);
+}
+
+/// Two-level direct reduce-scatter, `recv_count` elements per rank. The
+/// host sums of this rank's rail's blocks sit in scratch, one slot of
+/// `recv_count` per host; in place the result lands at `rank · recv_count`
+/// and the other blocks keep the input.
+pub fn direct_reduce_scatter(
+    order: &RingOrder,
+    rank: Rank,
+    recv_count: usize,
+    in_place: bool,
+    avg: bool,
+    plan: &mut Plan,
+) {
+    if recv_count == 0 {
+        return;
+    }
+    let grid = Grid::new(order, rank);
+    let input_buf = if in_place { BufId::Recv } else { BufId::Send };
+    let block = |c: Rank| Span::new(input_buf, c * recv_count, recv_count);
+    let slot = |c: Rank| Span::new(BufId::Scratch, grid.host_of(c) * recv_count, recv_count);
+    plan.scratch_len = plan.scratch_len.max(grid.hosts * recv_count);
+    // 1. Host sums of this rank's rail's blocks, into scratch.
+    grid.send_rails_to_host_mates(block, plan);
+    grid.fold_rail_over_host(block, slot, plan);
+    // 2. Along the rail, each rail mate's block to it; this rank's folded
+    //    from every host's sum, in host order.
+    for mate in grid.rail_mates() {
+        plan.steps.push(Step::Send {
+            peer: mate,
+            src: slot(mate),
+        });
+    }
+    let dst = if in_place {
+        block(rank)
+    } else {
+        Span::new(BufId::Recv, 0, recv_count)
+    };
+    direct::fold_in_order(
+        grid.rail.iter().copied(),
+        rank,
+        slot(rank),
+        dst,
+        &mut plan.steps,
+    );
+    if avg {
+        plan.steps.push(Step::DivideByWorld { span: dst });
+    }
+}
+
+/// Two-level direct all-gather, `send_count` elements per rank: along the
+/// rail, then the rail's blocks within the host.
+pub fn direct_all_gather(
+    order: &RingOrder,
+    rank: Rank,
+    send_count: usize,
+    in_place: bool,
+    plan: &mut Plan,
+) {
+    if send_count == 0 {
+        return;
+    }
+    let grid = Grid::new(order, rank);
+    let block = |c: Rank| Span::new(BufId::Recv, c * send_count, send_count);
+    let own = if in_place {
+        block(rank)
+    } else {
+        Span::new(BufId::Send, 0, send_count)
+    };
+    for mate in grid.rail_mates() {
+        plan.steps.push(Step::Send {
+            peer: mate,
+            src: own,
+        });
+    }
+    if !in_place {
+        plan.steps.push(Step::Copy {
+            src: own,
+            dst: block(rank),
+        });
+    }
+    for mate in grid.rail_mates() {
+        plan.steps.push(Step::Recv {
+            peer: mate,
+            dst: block(mate),
+        });
+    }
+    grid.share_rails_with_host_mates(block, plan);
+}
+
+/// Two-level direct broadcast of `count` elements from `root`: the root
+/// sends to its rail mates (one message across to each other host), then
+/// to its host mates; each rail mate passes it on to its own host mates.
+pub fn direct_broadcast(
+    order: &RingOrder,
+    rank: Rank,
+    root: Rank,
+    count: usize,
+    in_place: bool,
+    plan: &mut Plan,
+) {
+    if count == 0 {
+        return;
+    }
+    let grid = Grid::new(order, rank);
+    let out = Span::new(BufId::Recv, 0, count);
+    let host_leader = grid.on_host(root, grid.host);
+    if rank == root {
+        let src = if in_place {
+            out
+        } else {
+            Span::new(BufId::Send, 0, count)
+        };
+        for peer in grid.rail_mates().chain(grid.host_mates()) {
+            plan.steps.push(Step::Send { peer, src });
+        }
+        if !in_place {
+            plan.steps.push(Step::Copy { src, dst: out });
+        }
+    } else if rank == host_leader {
+        plan.steps.push(Step::Recv {
+            peer: root,
+            dst: out,
+        });
+        for peer in grid.host_mates() {
+            plan.steps.push(Step::Send { peer, src: out });
+        }
+    } else {
+        plan.steps.push(Step::Recv {
+            peer: host_leader,
+            dst: out,
+        });
+    }
+}
+
+/// Two-level direct reduce of `count` elements to `root`: each host's
+/// ranks send to the one at the root's place on it (the root itself on
+/// its host), which folds them in the host's order; those send the host
+/// sums to the root, which folds them in host order. Off the root only
+/// the input is read (the host sums sit in scratch); the root's host sum
+/// sits in scratch too.
+#[allow(clippy::too_many_arguments)]
+pub fn direct_reduce(
+    order: &RingOrder,
+    rank: Rank,
+    root: Rank,
+    count: usize,
+    in_place: bool,
+    avg: bool,
+    plan: &mut Plan,
+) {
+    if count == 0 {
+        return;
+    }
+    let grid = Grid::new(order, rank);
+    let input = Span::new(if in_place { BufId::Recv } else { BufId::Send }, 0, count);
+    let host_leader = grid.on_host(root, grid.host);
+    if rank != host_leader {
+        plan.steps.push(Step::Send {
+            peer: host_leader,
+            src: input,
+        });
+        return;
+    }
+    let host_sum = Span::new(BufId::Scratch, 0, count);
+    plan.scratch_len = plan.scratch_len.max(count);
+    let host_ring = grid.host_ring.iter().copied();
+    direct::fold_in_order(host_ring, rank, input, host_sum, &mut plan.steps);
+    if rank != root {
+        plan.steps.push(Step::Send {
+            peer: root,
+            src: host_sum,
+        });
+        return;
+    }
+    let dst = Span::new(BufId::Recv, 0, count);
+    direct::fold_in_order(
+        grid.rail.iter().copied(),
+        rank,
+        host_sum,
+        dst,
+        &mut plan.steps,
+    );
+    if avg {
+        plan.steps.push(Step::DivideByWorld { span: dst });
+    }
+}
+
+/// The two-level direct plan of `desc` (all-reduce, reduce-scatter,
+/// all-gather, broadcast, reduce), `None` for other operations. `desc`'s
+/// world must be `order`'s, with [`RingOrder::hosts`].
+pub fn plan_direct(desc: &CollectiveDesc, order: &RingOrder) -> Option<Plan> {
+    let (rank, count, in_place) = (desc.rank, desc.count(), desc.in_place);
+    let avg = desc.reduce_op == Some(ReduceOp::Avg);
+    let root = desc.root.unwrap_or(0);
+    let mut plan = Plan::default();
+    match desc.op {
+        OpKind::Broadcast => direct_broadcast(order, rank, root, count, in_place, &mut plan),
+        OpKind::Reduce => direct_reduce(order, rank, root, count, in_place, avg, &mut plan),
+        OpKind::AllReduce => direct_all_reduce(order, rank, count, in_place, avg, &mut plan),
+        OpKind::ReduceScatter => {
+            direct_reduce_scatter(order, rank, count, in_place, avg, &mut plan)
+        }
+        OpKind::AllGather => direct_all_gather(order, rank, count, in_place, &mut plan),
+        _ => return None,
+    }
+    Some(plan)
 }
