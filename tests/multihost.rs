@@ -9,8 +9,8 @@
 //! never touched, and every namespace is deleted at the end, also when the
 //! test fails (a `Drop` guard).
 //!
-//! Four runs of `oxccl-check --quick`, every process started together:
-//! the first three under `oxccl-run`, one launcher per host, the fourth
+//! Five runs of `oxccl-check --quick`, every process started together:
+//! the first three under `oxccl-run`, one launcher per host, the others
 //! rank by rank:
 //! 1. `OXCCL_SOCKET_IFNAME=oxv`, 2 ranks per host: every rank passes over
 //!    `shm+tcp (oxv0 <its own address>)` (its small calls run the direct
@@ -23,6 +23,9 @@
 //!    round-robin (rank `r` on host `r % 3`), every call on the ring
 //!    (`OXCCL_ALGO=ring`): every rank passes, and with `OXCCL_DEBUG=INFO`
 //!    says its ring stands each host's ranks together.
+//! 5. The same placement, every call direct (`OXCCL_ALGO=direct`): the
+//!    direct schedules in two levels, along rails of ranks that are not
+//!    neighbours in rank order.
 //!
 //! Needs root, `ip netns` and `nsenter`; without them the test is
 //! skipped, unless `CI` is set, where it fails.
@@ -519,12 +522,32 @@ fn collectives_across_three_namespace_hosts() {
         );
     }
 
+    // 5. The same placement, every call direct: all-reduce, reduce-scatter,
+    // all-gather, broadcast and reduce run in two levels along the rails
+    // 0 1 2 and 3 4 5 (broadcast and reduce through the rank at the
+    // root's place on each host).
+    eprintln!("=== run 5: round-robin placement, 3 hosts x 2 ranks, OXCCL_ALGO=direct");
+    let direct = run_job(
+        &net,
+        round_robin,
+        &[
+            ("OXCCL_SOCKET_IFNAME", "oxv"),
+            ("OXCCL_TIMEOUT", "20s"),
+            ("OXCCL_ALGO", "direct"),
+        ],
+        Duration::from_secs(90),
+    );
+    assert_all_correct(&direct, round_robin, |i| {
+        format!("shm+tcp (oxv0 10.213.0.{})", i + 1)
+    });
+
     eprintln!(
-        "=== runs took {:?}, {:?} (decoy, failing as it must), {:?}, {:?}; {:?} in all",
+        "=== runs took {:?}, {:?} (decoy, failing as it must), {:?}, {:?}, {:?}; {:?} in all",
         good.elapsed,
         bad.elapsed,
         auto.elapsed,
         cyclic.elapsed,
+        direct.elapsed,
         total.elapsed()
     );
 }

@@ -646,6 +646,8 @@ pub fn plan_in_order(
     family: Family,
     order: &RingOrder,
 ) -> Plan {
+    // Checks that `order` is of this world, for every family.
+    let place = order.place(desc.rank, desc.world_size);
     // A direct step moves a whole buffer (all-gather, reduce-scatter:
     // a rank's block) in one frame; `bytes()` bounds them all.
     // A tree step moves a whole buffer too (a reduce-scatter's whole
@@ -683,7 +685,6 @@ pub fn plan_in_order(
         .max(elements.div_ceil(MAX_PIECES));
     let rank = desc.rank;
     let world = desc.world_size;
-    let place = order.place(rank, world);
     let in_place = desc.in_place;
     let avg = desc.reduce_op == Some(ReduceOp::Avg);
     let mut steps = Vec::new();

@@ -11,7 +11,7 @@
 //! and in which operand order, so that a run checks that every rank reduces
 //! an element in the same order (the ranks' bits agree), that all-reduce
 //! groups as reduce-scatter does, and that the direct plans fold in rank
-//! order.
+//! order (host by host on hosts of the same size).
 
 use std::collections::{HashMap, VecDeque};
 
@@ -252,8 +252,8 @@ fn simulate(plans: &[Plan], mut ranks: Vec<Rank>) -> Result<Vec<Vec<Sym>>, Strin
 }
 
 /// What the simulator plans with: a family (its rings and chains in rank
-/// order), or the ring family in an order other than the ranks'
-/// ([`shuffled`]).
+/// order), the ring family in an order other than the ranks'
+/// ([`shuffled`]), or a family on hosts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Scheme {
     Of(Family),
@@ -787,8 +787,8 @@ fn reductions_group_alike_on_every_rank() {
                             }
                         }
                         // A direct reduce folds as the direct all-reduce.
-                        if let Some(order) = direct_order {
-                            let root = world - 1;
+                        for root in [0, world / 2, world - 1] {
+                            let Some(order) = direct_order else { break };
                             let reduced = run(
                                 family,
                                 OpKind::Reduce,
@@ -803,7 +803,10 @@ fn reductions_group_alike_on_every_rank() {
                             )
                             .unwrap();
                             for (i, element) in reduced[root].iter().enumerate() {
-                                assert_eq!(element.tree, order, "{what}: reduce element {i}");
+                                assert_eq!(
+                                    element.tree, order,
+                                    "{what}: reduce to {root}, element {i}"
+                                );
                             }
                         }
                     }
