@@ -1130,6 +1130,16 @@ pub(crate) fn debug_info() -> bool {
         .is_ok_and(|v| matches!(v.trim().to_ascii_uppercase().as_str(), "INFO" | "TRACE"))
 }
 
+/// Prints `oxccl INFO <line>` to stderr in one `write`, so that the lines
+/// of ranks sharing a terminal or a pipe never interleave mid-line
+/// (`eprintln!` writes a line in pieces). Callers check [`debug_info`].
+pub(crate) fn info_line(line: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    let text = format!("oxccl INFO {line}\n");
+    // Nowhere to report a failed write to stderr.
+    let _ = std::io::stderr().write_all(text.as_bytes());
+}
+
 impl Communicator {
     fn new(rank: Rank, world: usize, config: CommConfig, transport: Transport) -> Communicator {
         if world > 1 && debug_info() {
@@ -1144,11 +1154,16 @@ impl Communicator {
                 }
                 None => String::new(),
             };
-            eprintln!(
-                "oxccl INFO rank {rank}/{world}: ring {}{levels} over {}",
+            let crowded = if transport.crowded() {
+                "; more ranks than CPUs on this host: waits yield"
+            } else {
+                ""
+            };
+            info_line(format_args!(
+                "rank {rank}/{world}: ring {}{levels} over {}{crowded}",
                 ring.join(" "),
                 transport.describe()
-            );
+            ));
         }
         Communicator {
             rank,

@@ -583,7 +583,7 @@ impl DeviceBackend {
 /// Says which backend a group was given, with `OXCCL_DEBUG=INFO`.
 fn log_choice(what: &str) {
     if crate::comm::debug_info() {
-        eprintln!("oxccl INFO backend: {what}");
+        crate::comm::info_line(format_args!("backend: {what}"));
     }
 }
 

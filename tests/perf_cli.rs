@@ -325,3 +325,67 @@ fn buffers_off_a_cache_line_give_right_results() {
         );
     }
 }
+
+/// Ranks that outnumber the CPUs they may run on together (two ranks
+/// pinned to one CPU with `taskset`) say so with `OXCCL_DEBUG=INFO`, and
+/// their waits on the links yield at once; the run completes and checks
+/// clean. Ranks that each have a CPU do not say so.
+#[test]
+fn crowded_ranks_say_so_and_check_clean() {
+    let taskset_works = Command::new("taskset")
+        .args(["-c", "0", "true"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !taskset_works {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "CI must run this test: install util-linux (taskset)"
+        );
+        eprintln!("crowded_ranks_say_so_and_check_clean: skipped, no taskset");
+        return;
+    }
+    let run = |pinned: bool| {
+        let args = [
+            "-np", "2", "--sizes", "8,64K,1M", "-n", "20", "-w", "2", "-T", "60",
+        ];
+        let mut cmd = if pinned {
+            let mut cmd = Command::new("taskset");
+            cmd.args(["-c", "0", PERF]).args(args);
+            cmd
+        } else {
+            perf_command(&args)
+        };
+        let out = cmd
+            .env_remove("RANK")
+            .env_remove("OMPI_COMM_WORLD_RANK")
+            .env_remove("PMI_RANK")
+            .env_remove("SLURM_PROCID")
+            .env_remove("NCCL_TESTS_MIN_BW")
+            .env_remove("OXCCL_ALGO")
+            .env("OXCCL_TRANSPORT", "tcp")
+            .env("OXCCL_DEBUG", "INFO")
+            .output()
+            .expect("oxccl-perf runs");
+        let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+        let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(out.status.success(), "{stdout}{stderr}");
+        assert!(
+            stdout.contains("Out of bounds values : 0 OK"),
+            "{stdout}{stderr}"
+        );
+        let info: Vec<&str> = stderr
+            .lines()
+            .filter(|l| l.starts_with("oxccl INFO rank "))
+            .collect();
+        assert!(info.len() >= 2, "{stderr}");
+        let saying = info.iter().filter(|l| l.contains("waits yield")).count();
+        (saying, info.len())
+    };
+    // Both ranks on CPU 0: every INFO line says so.
+    let (saying, lines) = run(true);
+    assert_eq!(saying, lines);
+    // Two CPUs or more for two ranks: none does.
+    if std::thread::available_parallelism().is_ok_and(|n| n.get() >= 2) {
+        assert_eq!(run(false).0, 0);
+    }
+}

@@ -605,8 +605,8 @@ impl RemoteLinks {
             .collect::<Result<_>>()?;
         if crate::comm::debug_info() {
             for from in (0..world).filter(|&p| p != rank) {
-                eprintln!(
-                    "oxccl INFO cuda-ring: rank {from} (GPU {}, pid {}) -> rank {rank} (GPU {}): \
+                crate::comm::info_line(format_args!(
+                    "cuda-ring: rank {from} (GPU {}, pid {}) -> rank {rank} (GPU {}): \
                      {} via CUDA IPC{}",
                     bus_of(from),
                     u32::from_le_bytes(record_of(from)[8..12].try_into().unwrap_or([0; 4])),
@@ -617,7 +617,7 @@ impl RemoteLinks {
                     } else {
                         ""
                     }
-                );
+                ));
             }
         }
         Ok(RemoteLinks {

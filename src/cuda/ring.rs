@@ -213,8 +213,8 @@ impl RingGroup {
                 };
                 paths[from * world + to] = path;
                 if crate::comm::debug_info() && from != to {
-                    eprintln!(
-                        "oxccl INFO cuda-ring: rank {from} (GPU {}) -> rank {to} (GPU {}): {}{}",
+                    crate::comm::info_line(format_args!(
+                        "cuda-ring: rank {from} (GPU {}) -> rank {to} (GPU {}): {}{}",
                         devices[from],
                         devices[to],
                         path.name(),
@@ -223,7 +223,7 @@ impl RingGroup {
                         } else {
                             ""
                         }
-                    );
+                    ));
                 }
             }
         }

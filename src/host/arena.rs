@@ -43,6 +43,7 @@ use crate::transport::shm::{process_alive, ProcessStamp, Segment};
 use crate::transport::{FailureCause, TransportError};
 use crate::types::{Element, OpKind, Rank, ReduceOp};
 
+use super::cpus::{self, affinity_words};
 use super::executor::CallInfo;
 use super::reduce::{finish_avg, fold_two_into_both, Walk};
 use super::shared::SharedRegion;
@@ -745,7 +746,7 @@ impl Arena {
         let geometry = Geometry::new(n);
         let memory = heap_memory(geometry)?;
         // Threads of one process: its affinity is the CPUs they share.
-        let cpus: u32 = affinity_words().iter().map(|w| w.count_ones()).sum();
+        let cpu_count = cpus::union_count([&affinity_words()]);
         let arenas = (0..n)
             .map(|rank| {
                 let mut arena = Arena::attach(
@@ -756,7 +757,7 @@ impl Arena {
                     aborted.clone(),
                     timeout,
                 );
-                if n > cpus as usize {
+                if n > cpu_count {
                     arena.mark_oversubscribed();
                 }
                 arena
@@ -1148,14 +1149,7 @@ impl Arena {
         const MAGIC: u64 = 0x0cca_c905_0000_0000;
         let (call, sig) = self.setup_call(MAGIC);
         let all = self.share_words(&call, &sig, affinity_words())?;
-        let cpus: u32 = (0..AFFINITY_WORDS)
-            .map(|w| {
-                all.iter()
-                    .fold(0u64, |union, mine| union | mine[w])
-                    .count_ones()
-            })
-            .sum();
-        Ok(self.world() > cpus as usize)
+        Ok(self.world() > cpus::union_count(&all))
     }
 
     /// Whether the ranks outnumber the CPUs they may run on, which `spin`
@@ -4265,32 +4259,6 @@ enum Reach {
     /// root's input (an empty input there, as `ncclBroadcast` allows) and
     /// so may not have that allocation mapped.
     RootPushesAll,
-}
-
-/// Words of [`affinity_words`]: 1024 CPUs, `cpu_set_t`'s size.
-const AFFINITY_WORDS: usize = 16;
-
-/// The CPUs this thread may run on (`sched_getaffinity`), one bit each;
-/// every bit set when it cannot be read (then nothing looks crowded).
-fn affinity_words() -> [u64; AFFINITY_WORDS] {
-    // SAFETY: cpu_set_t is plain data; sched_getaffinity writes at most
-    // its size.
-    let (rc, set) = unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        let rc = libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set);
-        (rc, set)
-    };
-    if rc != 0 {
-        return [u64::MAX; AFFINITY_WORDS];
-    }
-    let mut words = [0u64; AFFINITY_WORDS];
-    for cpu in 0..AFFINITY_WORDS * 64 {
-        // SAFETY: `cpu` is below cpu_set_t's capacity (1024).
-        if unsafe { libc::CPU_ISSET(cpu, &set) } {
-            words[cpu / 64] |= 1 << (cpu % 64);
-        }
-    }
-    words
 }
 
 /// Whether a posted place word names one of the communicator's allocations

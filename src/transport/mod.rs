@@ -683,6 +683,17 @@ impl Transport {
         }
     }
 
+    /// Whether this rank's host runs more ranks of the job than the CPUs
+    /// they may run on together, so that waits on the links yield at once
+    /// (see `net::NetShared`). Threads of one process: never (their
+    /// arena decides for itself).
+    pub fn crowded(&self) -> bool {
+        match self {
+            Transport::Local(_) => false,
+            Transport::Net(t) => t.crowded(),
+        }
+    }
+
     /// What carries the traffic, for reports: `in-process`, `shm`, `tcp (...)`.
     pub fn describe(&self) -> String {
         match self {

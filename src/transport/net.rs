@@ -61,6 +61,7 @@ use super::{
 };
 use crate::bootstrap::Store;
 use crate::error::{as_ranks_store_error, Error, RendezvousStage, Result};
+use crate::host::cpus;
 use crate::schedule::RingOrder;
 use crate::types::{OpKind, Rank};
 
@@ -476,6 +477,11 @@ pub(crate) struct NetShared {
     /// store's entries, not from this rank's own links): see
     /// [`NetEndpoint::links_all_tcp`].
     links: LinkMap,
+    /// Whether this host's ranks outnumber the CPUs they may run on
+    /// together (the union of their affinities, from the store's entries):
+    /// then a wait yields its core from the first pass instead of spinning
+    /// (`Backoff::wait`), as the arena's waits do.
+    crowded: bool,
 }
 
 /// What decides the link between two global ranks, the same on every rank:
@@ -1077,7 +1083,15 @@ impl Backoff {
     fn wait(&mut self, shared: &NetShared, deadline: Instant) {
         self.idle = self.idle.saturating_add(1);
         if self.idle < SPIN_PASSES {
-            std::hint::spin_loop();
+            // Crowded, the peer this rank waits for may need this core:
+            // four ranks over loopback TCP on two CPUs, 8 B all-reduce
+            // 436–455 µs spinning, 56–81 µs yielding (`docs/performance.md`,
+            // stop 47).
+            if shared.crowded {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
             return;
         }
         if self.idle < 400 {
@@ -1148,6 +1162,12 @@ impl NetEndpoint {
     /// ([`LinkMap::ring_order`]); the same on every member.
     pub fn ring_order(&self) -> &RingOrder {
         &self.ring_order
+    }
+
+    /// Whether this host's ranks outnumber their CPUs
+    /// ([`NetShared`]'s `crowded`).
+    pub fn crowded(&self) -> bool {
+        self.shared.crowded
     }
 
     /// An endpoint for a sub-communicator of `members` (ranks of this one).
@@ -1831,6 +1851,8 @@ impl From<Error> for Refused {
 struct RankInfo {
     host: String,
     addr: SocketAddr,
+    /// The CPUs its process may run on.
+    cpus: cpus::CpuWords,
 }
 
 fn rank_key(r: usize) -> String {
@@ -2099,8 +2121,9 @@ fn connect_rank(setup: Setup) -> Result<(NetEndpoint, Option<Segment>)> {
         };
     };
     let mut entry = format!(
-        "host={host}\npid={}\naddr={my_addr}\nworld={world}\n",
-        std::process::id()
+        "host={host}\npid={}\naddr={my_addr}\nworld={world}\ncpus={}\n",
+        std::process::id(),
+        cpus::to_field(&cpus::affinity_words())
     );
     for (name, value) in &settings {
         entry.push_str(&format!("{}={value}\n", setting_field(name)));
@@ -2181,7 +2204,19 @@ fn connect_rank(setup: Setup) -> Result<(NetEndpoint, Option<Segment>)> {
                 )
             })?
         };
-        infos.push(RankInfo { host, addr });
+        // The CPUs it may run on; an entry without them (unknown) makes
+        // nothing look crowded.
+        let cpus = match field("cpus") {
+            None => [u64::MAX; cpus::AFFINITY_WORDS],
+            Some(text) => cpus::from_field(&text).ok_or_else(|| {
+                bootstrap_error(
+                    rank,
+                    "rendezvous",
+                    format!("rank {r} published a malformed CPU set {text:?}"),
+                )
+            })?,
+        };
+        infos.push(RankInfo { host, addr, cpus });
     }
 
     // 3. Which link for each pair.
@@ -2191,6 +2226,9 @@ fn connect_rank(setup: Setup) -> Result<(NetEndpoint, Option<Segment>)> {
         .filter(|&r| infos[r].host == infos[rank].host)
         .collect();
     let use_shm = |peer: usize| transport != TransportKind::Tcp && local.contains(&peer);
+    // More ranks on this host than the CPUs they may run on together:
+    // waits give the core away at once (see `Backoff`).
+    let crowded = local.len() > cpus::union_count(local.iter().map(|&r| &infos[r].cpus));
     let links = LinkMap {
         tcp_forced: transport == TransportKind::Tcp,
         host_of: {
@@ -2390,6 +2428,7 @@ fn connect_rank(setup: Setup) -> Result<(NetEndpoint, Option<Segment>)> {
             aborted: Arc::new(AtomicBool::new(false)),
             endpoints: AtomicUsize::new(1),
             links,
+            crowded,
         }),
         ctx: 0,
         members: all,
@@ -2444,6 +2483,7 @@ mod tests {
                     tcp_forced: true,
                     host_of: vec![0, 0],
                 },
+                crowded: false,
             }),
             ctx: 0,
             members: vec![0, 1],
