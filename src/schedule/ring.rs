@@ -111,16 +111,28 @@ pub(super) fn all_gather_piece(
     output: impl Fn(usize) -> Span,
     steps: &mut Vec<Step>,
 ) {
+    all_gather_piece_start(place, own_input, &output, steps);
+    all_gather_piece_rest(place, output, steps);
+}
+
+/// The steps of [`all_gather_piece`] that need no receive: the own
+/// piece's send (and its copy from `own_input`). A plan may put other
+/// steps between them and [`all_gather_piece_rest`] (work to do while the
+/// send travels), provided every rank of the ring does.
+pub(super) fn all_gather_piece_start(
+    place: Place<'_>,
+    own_input: Option<Span>,
+    output: impl Fn(usize) -> Span,
+    steps: &mut Vec<Step>,
+) {
     let (world, rank) = (place.world(), place.rank());
-    let (prev, next) = neighbours(place);
-    let nonempty = |c: usize| output(c).len > 0;
     let own_input = own_input.filter(|s| s.len > 0);
     // Out of place the own piece goes out from the input, before it is
     // copied into the output: the next rank's receive need not wait for
     // the copy.
-    if world > 1 && nonempty(rank) {
+    if world > 1 && output(rank).len > 0 {
         steps.push(Step::Send {
-            peer: next,
+            peer: place.after(1),
             src: own_input.unwrap_or_else(|| output(rank)),
         });
     }
@@ -130,9 +142,20 @@ pub(super) fn all_gather_piece(
             dst: output(rank),
         });
     }
+}
+
+/// The steps of [`all_gather_piece`] after [`all_gather_piece_start`]'s.
+pub(super) fn all_gather_piece_rest(
+    place: Place<'_>,
+    output: impl Fn(usize) -> Span,
+    steps: &mut Vec<Step>,
+) {
+    let world = place.world();
     if world == 1 {
         return;
     }
+    let (prev, next) = neighbours(place);
+    let nonempty = |c: usize| output(c).len > 0;
     for k in 0..world - 2 {
         let c = place.after(world - k - 1);
         if nonempty(c) {

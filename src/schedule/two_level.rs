@@ -30,7 +30,9 @@
 //! A rank emits step 2's first send of piece `j` before step 1 of piece
 //! `j + 1`, and the rest of step 2 after it: the network carries the send
 //! while the host's passes run (eight ranks on two shaped namespace hosts,
-//! 16 MiB: 177–190 → 150 ms, `docs/performance.md` stop 46).
+//! 16 MiB: 177–190 → 150 ms, `docs/performance.md` stop 46). Likewise step
+//! 3's first send of a piece goes before step 4 of the piece before it
+//! (stop 47).
 //!
 //! All-reduce is steps 1–4 and reduce-scatter steps 1–2, on
 //! the same chunks, so all-reduce is all-gather ∘ reduce-scatter bit for
@@ -47,7 +49,8 @@
 //! its partials go to scratch, one slot per host.
 
 use super::ring::{
-    all_gather_piece, reduce_scatter_piece, reduce_scatter_piece_rest, reduce_scatter_piece_start,
+    all_gather_piece, all_gather_piece_rest, all_gather_piece_start, reduce_scatter_piece,
+    reduce_scatter_piece_rest, reduce_scatter_piece_start,
 };
 use super::{direct, BufId, ChunkLayout, Place, Plan, RingOrder, Span, Step};
 use crate::desc::CollectiveDesc;
@@ -157,16 +160,25 @@ impl<'a> Grid<'a> {
         }
     }
 
-    /// Steps 3 and 4 for one piece: `output(c)` is where chunk `c`'s piece
-    /// lands; this rank's own is there already, or first copied from
-    /// `own_input`.
-    fn all_gather_piece(
+    /// Step 3's steps that need no receive, for one piece: `output(c)` is
+    /// where chunk `c`'s piece lands; this rank's own is there already, or
+    /// first copied from `own_input`.
+    fn rail_gather_start(
         &self,
         own_input: Option<Span>,
         output: impl Fn(Rank) -> Span,
         steps: &mut Vec<Step>,
     ) {
-        all_gather_piece(self.on_rail(), own_input, &output, steps);
+        all_gather_piece_start(self.on_rail(), own_input, output, steps);
+    }
+
+    /// The rest of step 3 for one piece.
+    fn rail_gather_rest(&self, output: impl Fn(Rank) -> Span, steps: &mut Vec<Step>) {
+        all_gather_piece_rest(self.on_rail(), output, steps);
+    }
+
+    /// Step 4 for one piece.
+    fn host_gathers(&self, output: impl Fn(Rank) -> Span, steps: &mut Vec<Step>) {
         for h in 0..self.hosts {
             all_gather_piece(self.in_host(), None, |c| output(self.on_host(c, h)), steps);
         }
@@ -191,15 +203,27 @@ pub fn all_reduce(
         let (offset, len) = layout.piece(c, j);
         Span::new(buf, offset, len)
     };
+    // After piece `j`'s reduce-scatter, its rail all-gather; the host's
+    // all-gather passes of piece `j - 1` run while its first send travels.
+    let output = |j: usize| move |c: Rank| at(BufId::Recv, j, c);
     grid.reduce_scatter(
         layout.pieces(),
         |j, c| at(input_buf, j, c),
         |j, h| at(BufId::Recv, j, grid.rail[h]),
         |j| at(BufId::Recv, j, rank),
         avg,
-        |j, steps| grid.all_gather_piece(None, |c| at(BufId::Recv, j, c), steps),
+        |j, steps| {
+            grid.rail_gather_start(None, output(j), steps);
+            if j > 0 {
+                grid.host_gathers(output(j - 1), steps);
+            }
+            grid.rail_gather_rest(output(j), steps);
+        },
         steps,
     );
+    if let Some(last) = layout.pieces().checked_sub(1) {
+        grid.host_gathers(output(last), steps);
+    }
 }
 
 /// Two-level reduce-scatter, `recv_count` elements per rank (steps 1–2);
@@ -260,16 +284,33 @@ pub fn all_gather(
 ) {
     let grid = Grid::new(order, rank);
     let layout = ChunkLayout::new(send_count * grid.world(), grid.world(), piece_elems);
-    for j in 0..layout.pieces() {
-        let own_input = (!in_place).then(|| {
+    let own_input = |j: usize| {
+        (!in_place).then(|| {
             let (offset, len) = layout.piece_in_chunk(rank, j);
             Span::new(BufId::Send, offset, len)
-        });
-        let output = |c: Rank| {
+        })
+    };
+    let output = |j: usize| {
+        move |c: Rank| {
             let (offset, len) = layout.piece(c, j);
             Span::new(BufId::Recv, offset, len)
-        };
-        grid.all_gather_piece(own_input, output, steps);
+        }
+    };
+    // Piece `j + 1`'s first rail send goes before piece `j`'s host
+    // passes, so the network carries it while they run.
+    let pieces = layout.pieces();
+    if pieces > 0 {
+        grid.rail_gather_start(own_input(0), output(0), steps);
+        grid.rail_gather_rest(output(0), steps);
+    }
+    for j in 0..pieces {
+        if j + 1 < pieces {
+            grid.rail_gather_start(own_input(j + 1), output(j + 1), steps);
+        }
+        grid.host_gathers(output(j), steps);
+        if j + 1 < pieces {
+            grid.rail_gather_rest(output(j + 1), steps);
+        }
     }
 }
 
