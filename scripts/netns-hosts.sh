@@ -11,6 +11,8 @@
 # bridge. Variables:
 #   HOSTS=2        hosts (setup, run)
 #   PER_HOST=2     ranks per host (run)
+#   WORLD=HOSTS*PER_HOST   ranks in all (run): another count places them
+#                  unevenly (round-robin: the first hosts get one more)
 #   RATE=1gbit     each host's egress, shaped with `tc tbf` (setup); empty: unshaped
 #   PLACEMENT=round-robin   rank r on host r % HOSTS (mpirun --map-by node,
 #                  Slurm's cyclic distribution); `block`: host r / PER_HOST
@@ -62,7 +64,7 @@ teardown() {
 }
 
 run() {
-    local world=$((HOSTS * PER_HOST)) pids=() failed=0
+    local world=${WORLD:-$((HOSTS * PER_HOST))} pids=() failed=0
     # The caller's OXCCL_* settings (OXCCL_ALGO, OXCCL_DEBUG, ...) reach
     # every rank; nothing else of its environment does.
     local settings=()
@@ -70,13 +72,15 @@ run() {
     mkdir -p "$OUT"
     for ((r = 0; r < world; r++)); do
         local host local_rank
+        local on_host=$PER_HOST
         if [ "$PLACEMENT" = block ]; then
             host=$((r / PER_HOST)) local_rank=$((r % PER_HOST))
         else
             host=$((r % HOSTS)) local_rank=$((r / HOSTS))
+            on_host=$(((world - host + HOSTS - 1) / HOSTS))
         fi
         env -i PATH="$PATH" RANK="$r" WORLD_SIZE="$world" LOCAL_RANK="$local_rank" \
-            LOCAL_WORLD_SIZE="$PER_HOST" MASTER_ADDR=10.216.0.1 MASTER_PORT="$PORT" \
+            LOCAL_WORLD_SIZE="$on_host" MASTER_ADDR=10.216.0.1 MASTER_PORT="$PORT" \
             OXCCL_SOCKET_IFNAME=nv OXCCL_JOB_ID="netns$$" "${settings[@]}" \
             nsenter --net="/run/netns/oxnh-$host" "$@" >"$OUT/rank$r.out" 2>&1 &
         pids+=($!)

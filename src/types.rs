@@ -9,8 +9,8 @@
 //! one way (an `f16` Avg premultiplies on the host and NCCL and divides at
 //! the end on the cuda-ring: see the table): the shared arena
 //! and the direct (one-step) schedules fold in rank order, `((x0 ⊕ x1) ⊕ x2)
-//! ⊕ …` (across hosts with the same number of ranks each, the direct
-//! schedules fold each host's terms, then the host sums in host order); a
+//! ⊕ …` (across hosts the direct schedules fold each host's terms, then
+//! the host sums in host order); a
 //! ring starts each chunk at a different rank (as NCCL's does, and the
 //! CUDA ring shares its plan), so the same call run as a ring (large calls
 //! over TCP, `OXCCL_ALGO=ring`, the CUDA backends) or in two levels may

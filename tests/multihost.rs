@@ -9,7 +9,7 @@
 //! never touched, and every namespace is deleted at the end, also when the
 //! test fails (a `Drop` guard).
 //!
-//! Five runs of `oxccl-check --quick`, every process started together:
+//! Six runs of `oxccl-check --quick`, every process started together:
 //! the first three under `oxccl-run`, one launcher per host, the others
 //! rank by rank:
 //! 1. `OXCCL_SOCKET_IFNAME=oxv`, 2 ranks per host: every rank passes over
@@ -26,6 +26,8 @@
 //! 5. The same placement, every call direct (`OXCCL_ALGO=direct`): the
 //!    direct schedules in two levels, along rails of ranks that are not
 //!    neighbours in rank order.
+//! 6. Five ranks round-robin, so the hosts run 2, 2 and 1: the ring in
+//!    host order in one level, and small calls through each host's leader.
 //!
 //! Needs root, `ip netns` and `nsenter`; without them the test is
 //! skipped, unless `CI` is set, where it fails.
@@ -206,10 +208,11 @@ enum Placement {
     /// One `oxccl-run` per host, `nproc` ranks each, numbered host by host
     /// (as `torchrun` does); its output lines carry `[rank R] `.
     Launchers { nproc: usize },
-    /// Rank `r` on host `r % HOSTS`, `per_host` ranks a host, each started
-    /// on its own with the launchers' variables (`mpirun --map-by node`,
-    /// Slurm's cyclic distribution): hosts' ranks are not consecutive.
-    RoundRobin { per_host: usize },
+    /// Rank `r` of `world` on host `r % HOSTS`, each started on its own
+    /// with the launchers' variables (`mpirun --map-by node`, Slurm's
+    /// cyclic distribution): hosts' ranks are not consecutive, and with a
+    /// world that `HOSTS` does not divide the hosts run unequal numbers.
+    RoundRobin { world: usize },
 }
 
 /// The command of each process of a run and the host it runs on: the
@@ -236,11 +239,11 @@ fn commands(net: &Net, placement: Placement) -> Vec<(usize, Command)> {
                 })
                 .collect()
         }
-        Placement::RoundRobin { per_host } => {
-            let world = HOSTS * per_host;
+        Placement::RoundRobin { world } => {
             (0..world)
                 .map(|rank| {
                     let host = rank % HOSTS;
+                    let on_host = (0..world).filter(|r| r % HOSTS == host).count();
                     // Not `ip netns exec`: each of its runs mounts its own
                     // /sys in a mount namespace of its own, and ranks in
                     // different mount namespaces are different hosts to
@@ -252,7 +255,7 @@ fn commands(net: &Net, placement: Placement) -> Vec<(usize, Command)> {
                         .env("RANK", rank.to_string())
                         .env("WORLD_SIZE", world.to_string())
                         .env("LOCAL_RANK", (rank / HOSTS).to_string())
-                        .env("LOCAL_WORLD_SIZE", per_host.to_string())
+                        .env("LOCAL_WORLD_SIZE", on_host.to_string())
                         .env("MASTER_ADDR", MASTER_ADDR)
                         .env("MASTER_PORT", MASTER_PORT);
                     (host, cmd)
@@ -367,11 +370,10 @@ fn run_job(net: &Net, placement: Placement, env: &[(&str, &str)], deadline: Dura
 
 /// Checks that every rank of every host passed over `transport(host)`.
 fn assert_all_correct(r: &RunResult, placement: Placement, transport: impl Fn(usize) -> String) {
-    let (per_host, launchers) = match placement {
-        Placement::Launchers { nproc } => (nproc, true),
-        Placement::RoundRobin { per_host } => (per_host, false),
+    let (per_host, world, launchers) = match placement {
+        Placement::Launchers { nproc } => (nproc, HOSTS * nproc, true),
+        Placement::RoundRobin { world } => (world.div_ceil(HOSTS), world, false),
     };
-    let world = HOSTS * per_host;
     for rank in 0..world {
         // Which process printed the rank's line, on which host.
         let (process, host) = if launchers {
@@ -496,7 +498,7 @@ fn collectives_across_three_namespace_hosts() {
     // and all-reduce, reduce-scatter and all-gather run it in two levels
     // (within each host, then along the rails 0 1 2 and 3 4 5).
     eprintln!("=== run 4: round-robin placement, 3 hosts x 2 ranks, OXCCL_ALGO=ring");
-    let round_robin = Placement::RoundRobin { per_host: 2 };
+    let round_robin = Placement::RoundRobin { world: 6 };
     let cyclic = run_job(
         &net,
         round_robin,
@@ -541,13 +543,42 @@ fn collectives_across_three_namespace_hosts() {
         format!("shm+tcp (oxv0 10.213.0.{})", i + 1)
     });
 
+    // 6. Five ranks round-robin: hosts of 2, 2 and 1 (0 3 | 1 4 | 2). The
+    // ring stands each host's ranks together in one level; small calls go
+    // through each host's leader (0, 1, 2).
+    eprintln!("=== run 6: round-robin placement, 5 ranks on 3 hosts (2, 2, 1)");
+    let uneven = Placement::RoundRobin { world: 5 };
+    let leaders = run_job(
+        &net,
+        uneven,
+        &[
+            ("OXCCL_SOCKET_IFNAME", "oxv"),
+            ("OXCCL_TIMEOUT", "20s"),
+            ("OXCCL_DEBUG", "INFO"),
+        ],
+        Duration::from_secs(90),
+    );
+    assert_all_correct(&leaders, uneven, |i| {
+        let link = if i == 2 { "tcp" } else { "shm+tcp" };
+        format!("{link} (oxv0 10.213.0.{})", i + 1)
+    });
+    for (rank, node) in leaders.nodes.iter().enumerate() {
+        let want = format!("oxccl INFO rank {rank}/5: ring 0 3 1 4 2 over ");
+        assert!(
+            node.stderr.lines().any(|l| l.starts_with(&want)),
+            "rank {rank}: no line starting {want:?} in\n{}",
+            node.stderr
+        );
+    }
+
     eprintln!(
-        "=== runs took {:?}, {:?} (decoy, failing as it must), {:?}, {:?}, {:?}; {:?} in all",
+        "=== runs took {:?}, {:?} (decoy, failing as it must), {:?}, {:?}, {:?}, {:?}; {:?} in all",
         good.elapsed,
         bad.elapsed,
         auto.elapsed,
         cyclic.elapsed,
         direct.elapsed,
+        leaders.elapsed,
         total.elapsed()
     );
 }

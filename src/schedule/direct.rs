@@ -10,9 +10,10 @@
 //! all-reduce equals all-gather of reduce-scatter bit for bit, and the
 //! result does not depend on whether the arena or the links carried it
 //! (a ring, for larger calls, starts each chunk at another rank and may
-//! round floats differently: see [`crate::types`]). Across hosts of the
-//! same size the plans run in two levels instead
-//! ([`super::two_level::plan_direct`]), folding host by host.
+//! round floats differently: see [`crate::types`]). Across hosts the plans
+//! run in two levels instead ([`super::two_level::plan_direct`] on hosts
+//! of the same size, [`super::host_leaders`] on others), folding host by
+//! host.
 //! In place, a rank whose own contribution is not first keeps a copy of it
 //! in the plan's scratch buffer before the fold overwrites it.
 

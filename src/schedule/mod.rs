@@ -22,6 +22,7 @@
 
 pub mod direct;
 pub mod doubling;
+pub mod host_leaders;
 pub mod ring;
 pub mod tree;
 pub mod two_level;
@@ -187,6 +188,10 @@ pub struct RingOrder {
     /// with the same number, two or more, on each: position `h·k + l` is
     /// then the `l`-th rank of the `h`-th host ([`two_level`](super::two_level)).
     hosts: Option<(usize, usize)>,
+    /// Where each host's ranks start, then the world size (`[0, 3, 5]`:
+    /// hosts of 3 and 2 ranks), when the ranks stand on two hosts or more
+    /// and some host has two or more; empty otherwise.
+    host_starts: Vec<usize>,
 }
 
 /// [`RingOrder::by_rank`], for plans made with no order at hand.
@@ -199,6 +204,7 @@ impl RingOrder {
             ranks: Vec::new(),
             positions: Vec::new(),
             hosts: None,
+            host_starts: Vec::new(),
         }
     }
 
@@ -227,9 +233,17 @@ impl RingOrder {
             on_host[first] += 1;
         }
         let uniform = first_of.values().all(|&first| on_host[first] == per_host);
+        // Each host's first position: where the sorted ranks change host.
+        let mut host_starts: Vec<usize> = (0..ranks.len())
+            .filter(|&q| q == 0 || first_of_host[ranks[q]] != first_of_host[ranks[q - 1]])
+            .collect();
+        host_starts.push(ranks.len());
         let mut order = RingOrder::from_ranks(ranks);
         if uniform && hosts >= 2 && per_host >= 2 {
             order.hosts = Some((hosts, per_host));
+        }
+        if hosts >= 2 && hosts < host_of.len() {
+            order.host_starts = host_starts;
         }
         order
     }
@@ -256,6 +270,7 @@ impl RingOrder {
             ranks,
             positions,
             hosts: None,
+            host_starts: Vec::new(),
         }
     }
 
@@ -269,6 +284,19 @@ impl RingOrder {
     /// rank of host `h`.
     pub fn hosts(&self) -> Option<(usize, usize)> {
         self.hosts
+    }
+
+    /// The positions of each host's ranks, hosts in order, when the ranks
+    /// stand on two hosts or more and some host has two or more (of any
+    /// sizes: [`hosts`](Self::hosts) says whether they are equal); none
+    /// otherwise.
+    pub fn host_spans(&self) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
+        self.host_starts.windows(2).map(|w| w[0]..w[1])
+    }
+
+    /// Whether [`host_spans`](Self::host_spans) has any.
+    pub fn knows_hosts(&self) -> bool {
+        !self.host_starts.is_empty()
     }
 
     /// The rank at `position` (below the world size).
@@ -469,20 +497,22 @@ pub fn family_name(family: Family, op: OpKind) -> &'static str {
 
 /// [`family_name`] for plans in `order`: on hosts of the same size
 /// ([`RingOrder::hosts`]) `ring2level` for the ring family's all-reduce,
-/// reduce-scatter and all-gather, and `direct2level` for the direct
-/// family's collectives ([`two_level`]).
+/// reduce-scatter and all-gather ([`two_level`]); on hosts of any sizes
+/// ([`RingOrder::knows_hosts`]) `direct2level` for the direct family's
+/// collectives ([`two_level`], [`host_leaders`]).
 pub fn family_name_in(family: Family, op: OpKind, order: &RingOrder) -> &'static str {
     use OpKind::{AllGather, AllReduce, Broadcast, Reduce, ReduceScatter};
-    if order.hosts().is_some() {
-        match (family, op) {
-            (Family::Ring, AllReduce | ReduceScatter | AllGather) => return "ring2level",
-            (Family::Direct, AllReduce | ReduceScatter | AllGather | Broadcast | Reduce) => {
-                return "direct2level"
-            }
-            _ => {}
+    match (family, op) {
+        (Family::Ring, AllReduce | ReduceScatter | AllGather) if order.hosts().is_some() => {
+            "ring2level"
         }
+        (Family::Direct, AllReduce | ReduceScatter | AllGather | Broadcast | Reduce)
+            if order.knows_hosts() =>
+        {
+            "direct2level"
+        }
+        _ => family_name(family, op),
     }
-    family_name(family, op)
 }
 
 /// How a count of elements is cut into one chunk per rank, and each chunk into
@@ -634,8 +664,9 @@ pub fn plan_with(desc: &CollectiveDesc, chunk_bytes: usize, family: Family) -> P
 /// [`plan_with`], rings and chains in `order`; on hosts of the same size
 /// ([`RingOrder::hosts`]) the ring family's all-reduce, reduce-scatter and
 /// all-gather and the direct family's collectives run in two levels
-/// ([`two_level`]). The tree family, all-to-all and the barrier go by rank
-/// whatever it says.
+/// ([`two_level`]), and on hosts of unequal size the direct family's
+/// through a leader per host ([`host_leaders`]). The tree family,
+/// all-to-all and the barrier go by rank whatever it says.
 ///
 /// # Panics
 ///
@@ -658,10 +689,13 @@ pub fn plan_in_order(
         Family::Ring => None,
     };
     if let Some(schedules) = whole.filter(|_| desc.bytes() <= MAX_PIECE_BYTES) {
-        // Hosts of the same size: direct calls run in two levels.
-        let two_level_direct = (family == Family::Direct && order.hosts().is_some())
-            .then(|| two_level::plan_direct(desc, order))
-            .flatten();
+        // Across hosts direct calls run in two levels: along rails on hosts
+        // of the same size, through a leader per host otherwise.
+        let two_level_direct = match family {
+            Family::Direct if order.hosts().is_some() => two_level::plan_direct(desc, order),
+            Family::Direct if order.knows_hosts() => host_leaders::plan(desc, order),
+            _ => None,
+        };
         if let Some(plan) = two_level_direct.or_else(|| plan_whole(desc, schedules)) {
             return plan;
         }
@@ -1061,6 +1095,18 @@ mod tests {
         assert!(grouped.is_by_rank());
         assert_eq!(grouped.hosts(), Some((2, 2)));
         assert_eq!(Place::by_rank(2, 5).after(4), 1);
+        // Host spans, of any sizes: positions 0..3 (b), 3..5 (a), 5..7 (c);
+        // none with one host, or with one rank on every host.
+        let spans: Vec<_> = order.host_spans().collect();
+        assert_eq!(spans, [0..3, 3..5, 5..7]);
+        assert!(order.knows_hosts());
+        let spans: Vec<_> = RingOrder::grouping_hosts(&[0, 0, 1, 1, 2])
+            .host_spans()
+            .collect();
+        assert_eq!(spans, [0..2, 2..4, 4..5]);
+        assert!(!RingOrder::grouping_hosts(&[7; 4]).knows_hosts());
+        assert!(!RingOrder::grouping_hosts(&[0, 1, 2]).knows_hosts());
+        assert!(!RingOrder::by_rank().knows_hosts());
     }
 
     /// The peers each rank's plan names: its ring neighbours in the order
@@ -1111,6 +1157,30 @@ mod tests {
                 assert_eq!(peers(&plan), want.into(), "{op:?} rank {rank}");
             }
         }
+        // Direct calls there go through the hosts' leaders, 0 and 1: the
+        // others talk to their leader only, the leaders to their host
+        // mates and to each other.
+        for (rank, want) in [
+            (0, vec![1, 2, 4]),
+            (2, vec![0]),
+            (4, vec![0]),
+            (1, vec![0, 3]),
+            (3, vec![1]),
+        ] {
+            for op in [OpKind::AllReduce, OpKind::ReduceScatter, OpKind::AllGather] {
+                let plan = plan_in_order(&call(op, rank, 5), 8, Family::Direct, &order);
+                let want: std::collections::BTreeSet<Rank> = want.iter().copied().collect();
+                assert_eq!(peers(&plan), want, "direct {op:?} rank {rank}");
+            }
+        }
+        assert_eq!(
+            family_name_in(Family::Direct, OpKind::AllReduce, &order),
+            "direct2level"
+        );
+        assert_eq!(
+            family_name_in(Family::Ring, OpKind::AllReduce, &order),
+            "ring"
+        );
         // Six ranks round-robin on two hosts: 0 2 4 | 1 3 5, rails 0 1,
         // 2 3, 4 5.
         let order = RingOrder::grouping_hosts(&[0, 1, 0, 1, 0, 1]);

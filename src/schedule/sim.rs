@@ -267,10 +267,14 @@ enum Scheme {
         fewest: bool,
         round_robin: bool,
     },
+    /// A family over ranks on hosts of unequal size ([`unequal_hosts`]):
+    /// the direct family through a leader per host
+    /// ([`super::host_leaders`]).
+    OnUnequalHosts(Family),
 }
 
 /// Every scheme each check runs.
-const SCHEMES: [Scheme; 10] = [
+const SCHEMES: [Scheme; 12] = [
     Scheme::Of(Family::Ring),
     Scheme::Of(Family::Direct),
     Scheme::Of(Family::Tree),
@@ -305,7 +309,18 @@ const SCHEMES: [Scheme; 10] = [
         fewest: true,
         round_robin: false,
     },
+    Scheme::OnUnequalHosts(Family::Direct),
+    Scheme::OnUnequalHosts(Family::Ring),
 ];
+
+/// Ranks on hosts of unequal size for every world from 3: rank `r` on
+/// host `r % 3` while `r < 4`, then on host 1 (3 ranks: hosts of one
+/// each; 5 ranks: 0 3 | 1 4 | 2; 9 ranks: 0 3 | 1 4 5 6 7 8 | 2), so the
+/// hosts are uneven, interleaved, and some hold one rank.
+fn unequal_hosts(world: usize) -> RingOrder {
+    let host_of: Vec<usize> = (0..world).map(|r| if r < 4 { r % 3 } else { 1 }).collect();
+    RingOrder::grouping_hosts(&host_of)
+}
 
 /// Rank `r` on host `r % H` (round-robin) or `r / (world / H)`, `H` the
 /// least or the greatest divisor of `world` that leaves two ranks or more
@@ -386,6 +401,9 @@ fn run(
             } => {
                 let order = on_hosts(world, fewest, round_robin);
                 plan_in_order(&desc, piece_elems * 8, family, &order)
+            }
+            Scheme::OnUnequalHosts(family) => {
+                plan_in_order(&desc, piece_elems * 8, family, &unequal_hosts(world))
             }
         });
         let send: Vec<Sym> = (0..send_len).map(|i| send_init(r, i)).collect();
@@ -706,13 +724,11 @@ fn direct_on_hosts_order(order: &RingOrder, world: usize) -> u64 {
         let first = terms.next().expect("a term");
         terms.fold(first, node)
     };
-    match order.hosts() {
-        None => fold(&mut (0..world).map(leaf)),
-        Some((hosts, per_host)) => fold(
-            &mut (0..hosts)
-                .map(|h| fold(&mut (0..per_host).map(|l| leaf(order.rank_at(h * per_host + l))))),
-        ),
+    if !order.knows_hosts() {
+        return fold(&mut (0..world).map(leaf));
     }
+    let host_sum = |span: std::ops::Range<usize>| fold(&mut span.map(|q| leaf(order.rank_at(q))));
+    fold(&mut order.host_spans().map(host_sum))
 }
 
 /// Every rank of an all-reduce holds each element grouped alike (so the
@@ -769,6 +785,9 @@ fn reductions_group_alike_on_every_rank() {
                                 &on_hosts(world, fewest, round_robin),
                                 world,
                             )),
+                            Scheme::OnUnequalHosts(Family::Direct) => {
+                                Some(direct_on_hosts_order(&unequal_hosts(world), world))
+                            }
                             _ => None,
                         };
                         for i in 0..count {
