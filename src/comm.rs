@@ -1152,6 +1152,11 @@ impl Communicator {
                 Some((hosts, per_host)) => {
                     format!(" (two levels: {hosts} hosts x {per_host} ranks)")
                 }
+                None if order.knows_hosts() => {
+                    let sizes: Vec<String> =
+                        order.host_spans().map(|s| s.len().to_string()).collect();
+                    format!(" (hosts of {} ranks)", sizes.join(" "))
+                }
                 None => String::new(),
             };
             let crowded = if transport.crowded() {

@@ -563,7 +563,7 @@ fn collectives_across_three_namespace_hosts() {
         format!("{link} (oxv0 10.213.0.{})", i + 1)
     });
     for (rank, node) in leaders.nodes.iter().enumerate() {
-        let want = format!("oxccl INFO rank {rank}/5: ring 0 3 1 4 2 over ");
+        let want = format!("oxccl INFO rank {rank}/5: ring 0 3 1 4 2 (hosts of 2 2 1 ranks) over ");
         assert!(
             node.stderr.lines().any(|l| l.starts_with(&want)),
             "rank {rank}: no line starting {want:?} in\n{}",
