@@ -11,8 +11,9 @@
 # bridge. Variables:
 #   HOSTS=2        hosts (setup, run)
 #   PER_HOST=2     ranks per host (run)
-#   WORLD=HOSTS*PER_HOST   ranks in all (run): another count places them
-#                  unevenly (round-robin: the first hosts get one more)
+#   WORLD=HOSTS*PER_HOST   ranks in all (run; round-robin placement only):
+#                  another count places them unevenly (the first hosts
+#                  get one more)
 #   RATE=1gbit     each host's egress, shaped with `tc tbf` (setup); empty: unshaped
 #   PLACEMENT=round-robin   rank r on host r % HOSTS (mpirun --map-by node,
 #                  Slurm's cyclic distribution); `block`: host r / PER_HOST

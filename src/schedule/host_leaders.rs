@@ -131,7 +131,8 @@ pub fn all_reduce(
 /// host's whole inputs folded at its leader into scratch, each host's
 /// blocks' sums sent to that host's leader, which folds them in host order
 /// and sends each of its ranks its block. Scratch at a leader: the host
-/// sum of every block, then room for one block.
+/// sum of every block (none when it is alone on its host), then room for
+/// one block.
 pub fn reduce_scatter(
     order: &RingOrder,
     rank: Rank,
@@ -163,19 +164,25 @@ pub fn reduce_scatter(
         });
         return;
     }
-    let sums = |block: Rank| Span::new(BufId::Scratch, block * recv_count, recv_count);
-    let spare = Span::new(BufId::Scratch, world * recv_count, recv_count);
-    plan.scratch_len = plan.scratch_len.max((world + 1) * recv_count);
-    // 1. The host's sum of every block.
-    let everything = Span::new(BufId::Scratch, 0, world * recv_count);
-    let input = Span::new(input_buf, 0, world * recv_count);
-    direct::fold_in_order(
-        hosts.mine().iter().copied(),
-        rank,
-        input,
-        everything,
-        &mut plan.steps,
-    );
+    // 1. The host's sum of every block, in scratch; a leader alone on its
+    //    host has it in its input already.
+    let alone = hosts.mine().len() == 1;
+    let sums_buf = if alone { input_buf } else { BufId::Scratch };
+    let sums = |block: Rank| Span::new(sums_buf, block * recv_count, recv_count);
+    let spare_at = if alone { 0 } else { world * recv_count };
+    let spare = Span::new(BufId::Scratch, spare_at, recv_count);
+    plan.scratch_len = plan.scratch_len.max(spare_at + recv_count);
+    if !alone {
+        let everything = Span::new(BufId::Scratch, 0, world * recv_count);
+        let input = Span::new(input_buf, 0, world * recv_count);
+        direct::fold_in_order(
+            hosts.mine().iter().copied(),
+            rank,
+            input,
+            everything,
+            &mut plan.steps,
+        );
+    }
     // 2. Each other host's blocks to its leader; this host's folded here.
     for (h, members) in hosts.members.iter().enumerate() {
         if h == hosts.host {

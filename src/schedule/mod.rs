@@ -212,9 +212,11 @@ impl RingOrder {
     /// `host_of[rank]` (any labels): hosts in the order of their lowest
     /// rank, and within a host its ranks ascending. Ranks already grouped
     /// by host (one launcher per host numbering its ranks in turn, as
-    /// `torchrun` and `oxccl-run` do) keep rank order. When every host has
-    /// the same number of ranks, two or more, on two hosts or more, the
-    /// order knows it ([`hosts`](Self::hosts)).
+    /// `torchrun` and `oxccl-run` do) keep rank order. With two hosts or
+    /// more and two ranks or more on some, the order knows its hosts'
+    /// spans ([`host_spans`](Self::host_spans)); when every host has the
+    /// same number of ranks, two or more, it knows that too
+    /// ([`hosts`](Self::hosts)).
     pub fn grouping_hosts<H: Eq + std::hash::Hash>(host_of: &[H]) -> RingOrder {
         // The lowest rank of each rank's host: the sort key, then the rank.
         let mut first_of = std::collections::HashMap::new();
@@ -324,6 +326,11 @@ impl RingOrder {
             self.hosts.is_none_or(|(h, k)| h * k == world),
             "a ring order of {:?} hosts × ranks planning for {world}",
             self.hosts
+        );
+        assert!(
+            self.host_starts.last().is_none_or(|&end| end == world),
+            "a ring order of hosts of {:?} ranks planning for {world}",
+            self.host_spans().map(|s| s.len()).collect::<Vec<_>>()
         );
         Place {
             world,
@@ -690,10 +697,13 @@ pub fn plan_in_order(
     };
     if let Some(schedules) = whole.filter(|_| desc.bytes() <= MAX_PIECE_BYTES) {
         // Across hosts direct calls run in two levels: along rails on hosts
-        // of the same size, through a leader per host otherwise.
+        // of the same size, through a leader per host otherwise (and
+        // broadcasts and reduces on any hosts).
         let two_level_direct = match family {
-            Family::Direct if order.hosts().is_some() => two_level::plan_direct(desc, order),
-            Family::Direct if order.knows_hosts() => host_leaders::plan(desc, order),
+            Family::Direct if order.knows_hosts() => order
+                .hosts()
+                .and_then(|_| two_level::plan_direct(desc, order))
+                .or_else(|| host_leaders::plan(desc, order)),
             _ => None,
         };
         if let Some(plan) = two_level_direct.or_else(|| plan_whole(desc, schedules)) {
@@ -1189,8 +1199,7 @@ mod tests {
             let host_mates: Vec<Rank> =
                 (0..6).filter(|r| r % 2 == rank % 2 && *r != rank).collect();
             let rail_mate = rank ^ 1;
-            // Rings and direct calls alike: only the rail mate is across
-            // (a rooted direct call talks to some of them).
+            // Rings and direct calls alike: only the rail mate is across.
             let mut host_and_rail: std::collections::BTreeSet<Rank> =
                 host_mates.iter().copied().collect();
             host_and_rail.insert(rail_mate);
@@ -1200,15 +1209,23 @@ mod tests {
                     assert_eq!(peers(&plan), host_and_rail, "{family:?} {op:?} rank {rank}");
                 }
             }
+            // A rooted direct call crosses once per other host: between the
+            // root and that host's leader (0 and 1), or the root's host
+            // mates and the root.
             for op in [OpKind::Broadcast, OpKind::Reduce] {
                 for root in 0..6 {
                     let desc = call(op, rank, 6).with_root(root);
                     let plan = plan_in_order(&desc, 8, Family::Direct, &order);
-                    assert!(
-                        peers(&plan).is_subset(&host_and_rail),
-                        "{op:?} root {root} rank {rank}: {:?}",
-                        peers(&plan)
-                    );
+                    let across: Vec<Rank> = peers(&plan)
+                        .into_iter()
+                        .filter(|p| p % 2 != rank % 2)
+                        .collect();
+                    let want = match () {
+                        _ if rank == root => vec![1 - root % 2],
+                        _ if rank < 2 && rank % 2 != root % 2 => vec![root],
+                        _ => vec![],
+                    };
+                    assert_eq!(across, want, "{op:?} root {root} rank {rank}");
                 }
             }
             assert_eq!(

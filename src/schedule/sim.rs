@@ -313,12 +313,20 @@ const SCHEMES: [Scheme; 12] = [
     Scheme::OnUnequalHosts(Family::Ring),
 ];
 
-/// Ranks on hosts of unequal size for every world from 3: rank `r` on
-/// host `r % 3` while `r < 4`, then on host 1 (3 ranks: hosts of one
-/// each; 5 ranks: 0 3 | 1 4 | 2; 9 ranks: 0 3 | 1 4 5 6 7 8 | 2), so the
-/// hosts are uneven, interleaved, and some hold one rank.
+/// Ranks on hosts of unequal size for every world from 4, interleaved,
+/// some holding one rank: an odd world puts rank `r` on host `r % 3`
+/// while `r < 4`, then on host 1 (5 ranks: 0 3 | 1 4 | 2; 9 ranks: 0 3 |
+/// 1 4 5 6 7 8 | 2); an even one puts rank 0 alone on the first host and
+/// the others on two hosts by parity (6 ranks: 0 | 1 3 5 | 2 4).
 fn unequal_hosts(world: usize) -> RingOrder {
-    let host_of: Vec<usize> = (0..world).map(|r| if r < 4 { r % 3 } else { 1 }).collect();
+    let host_of: Vec<usize> = (0..world)
+        .map(|r| match (world % 2, r) {
+            (0, 0) => 0,
+            (0, _) => 1 + r % 2,
+            _ if r < 4 => r % 3,
+            _ => 1,
+        })
+        .collect();
     RingOrder::grouping_hosts(&host_of)
 }
 
@@ -716,9 +724,10 @@ fn a_plan_with_a_missing_receive_is_caught() {
     assert!(simulate(&plans, ranks).unwrap_err().contains("deadlock"));
 }
 
-/// How a direct plan over `order` (of `world` ranks) groups every element: in rank order,
-/// ((x0 ⊕ x1) ⊕ x2) ⊕ …; on hosts of the same size, each host's terms in
-/// the host's order, then the host sums in host order.
+/// How a direct plan over `order` (of `world` ranks) groups every
+/// element: in rank order, ((x0 ⊕ x1) ⊕ x2) ⊕ …; where the order knows
+/// its hosts, each host's terms in the host's order, then the host sums
+/// in host order.
 fn direct_on_hosts_order(order: &RingOrder, world: usize) -> u64 {
     let fold = |terms: &mut dyn Iterator<Item = u64>| {
         let first = terms.next().expect("a term");

@@ -549,115 +549,16 @@ pub fn direct_all_gather(
     grid.share_rails_with_host_mates(block, plan);
 }
 
-/// Two-level direct broadcast of `count` elements from `root`: the root
-/// sends to its rail mates (one message across to each other host), then
-/// to its host mates; each rail mate passes it on to its own host mates.
-pub fn direct_broadcast(
-    order: &RingOrder,
-    rank: Rank,
-    root: Rank,
-    count: usize,
-    in_place: bool,
-    plan: &mut Plan,
-) {
-    if count == 0 {
-        return;
-    }
-    let grid = Grid::new(order, rank);
-    let out = Span::new(BufId::Recv, 0, count);
-    let host_leader = grid.on_host(root, grid.host);
-    if rank == root {
-        let src = if in_place {
-            out
-        } else {
-            Span::new(BufId::Send, 0, count)
-        };
-        for peer in grid.rail_mates().chain(grid.host_mates()) {
-            plan.steps.push(Step::Send { peer, src });
-        }
-        if !in_place {
-            plan.steps.push(Step::Copy { src, dst: out });
-        }
-    } else if rank == host_leader {
-        plan.steps.push(Step::Recv {
-            peer: root,
-            dst: out,
-        });
-        for peer in grid.host_mates() {
-            plan.steps.push(Step::Send { peer, src: out });
-        }
-    } else {
-        plan.steps.push(Step::Recv {
-            peer: host_leader,
-            dst: out,
-        });
-    }
-}
-
-/// Two-level direct reduce of `count` elements to `root`: each host's
-/// ranks send to the one at the root's place on it (the root itself on
-/// its host), which folds them in the host's order; those send the host
-/// sums to the root, which folds them in host order. Off the root only
-/// the input is read (the host sums sit in scratch); the root's host sum
-/// sits in scratch too.
-#[allow(clippy::too_many_arguments)]
-pub fn direct_reduce(
-    order: &RingOrder,
-    rank: Rank,
-    root: Rank,
-    count: usize,
-    in_place: bool,
-    avg: bool,
-    plan: &mut Plan,
-) {
-    if count == 0 {
-        return;
-    }
-    let grid = Grid::new(order, rank);
-    let input = Span::new(if in_place { BufId::Recv } else { BufId::Send }, 0, count);
-    let host_leader = grid.on_host(root, grid.host);
-    if rank != host_leader {
-        plan.steps.push(Step::Send {
-            peer: host_leader,
-            src: input,
-        });
-        return;
-    }
-    let host_sum = Span::new(BufId::Scratch, 0, count);
-    plan.scratch_len = plan.scratch_len.max(count);
-    let host_ring = grid.host_ring.iter().copied();
-    direct::fold_in_order(host_ring, rank, input, host_sum, &mut plan.steps);
-    if rank != root {
-        plan.steps.push(Step::Send {
-            peer: root,
-            src: host_sum,
-        });
-        return;
-    }
-    let dst = Span::new(BufId::Recv, 0, count);
-    direct::fold_in_order(
-        grid.rail.iter().copied(),
-        rank,
-        host_sum,
-        dst,
-        &mut plan.steps,
-    );
-    if avg {
-        plan.steps.push(Step::DivideByWorld { span: dst });
-    }
-}
-
 /// The two-level direct plan of `desc` (all-reduce, reduce-scatter,
-/// all-gather, broadcast, reduce), `None` for other operations. `desc`'s
-/// world must be `order`'s, with [`RingOrder::hosts`].
+/// all-gather), `None` for other operations (a broadcast or reduce goes
+/// through a rank on each host on hosts of any sizes:
+/// [`super::host_leaders`]). `desc`'s world must be `order`'s, with
+/// [`RingOrder::hosts`].
 pub fn plan_direct(desc: &CollectiveDesc, order: &RingOrder) -> Option<Plan> {
     let (rank, count, in_place) = (desc.rank, desc.count(), desc.in_place);
     let avg = desc.reduce_op == Some(ReduceOp::Avg);
-    let root = desc.root.unwrap_or(0);
     let mut plan = Plan::default();
     match desc.op {
-        OpKind::Broadcast => direct_broadcast(order, rank, root, count, in_place, &mut plan),
-        OpKind::Reduce => direct_reduce(order, rank, root, count, in_place, avg, &mut plan),
         OpKind::AllReduce => direct_all_reduce(order, rank, count, in_place, avg, &mut plan),
         OpKind::ReduceScatter => {
             direct_reduce_scatter(order, rank, count, in_place, avg, &mut plan)
