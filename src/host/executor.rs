@@ -583,13 +583,22 @@ pub(crate) fn execute_exchange<T: Element>(
 /// this project's machine, `docs/performance.md`). Taken out for a call
 /// and put back after it, so a call that finds it taken (none does today:
 /// calls do not nest) allocates its own. The largest scratch any call of
-/// this thread used stays allocated until the thread ends. Plans write
-/// their scratch before they read it, so what an earlier call left there
-/// is never read (the simulator starts scratch with unset symbols).
+/// this thread used, up to [`KEPT_SCRATCH_MAX_BYTES`], stays allocated
+/// until the thread ends (a larger one is freed when its call ends). Plans
+/// write their scratch before they read it, so what an earlier call left
+/// there is never read (the simulator starts scratch with unset symbols).
 struct PlanScratch {
     /// 8-byte words: every element type's alignment divides 8.
     words: Vec<u64>,
 }
+
+/// The most scratch a thread keeps between calls: enough for a two-level
+/// reduce-scatter of 128 MiB on two ranks a host (its scratch is half its
+/// input) or the direct and tree plans' scratch of the calls the table
+/// gives them, while a thread that once ran a huge call under a forced
+/// `OXCCL_ALGO` does not hold its scratch for good (the thread outlives
+/// the communicator).
+const KEPT_SCRATCH_MAX_BYTES: usize = 64 << 20;
 
 thread_local! {
     static KEPT_SCRATCH: std::cell::Cell<Vec<u64>> = const { std::cell::Cell::new(Vec::new()) };
@@ -599,8 +608,9 @@ impl PlanScratch {
     /// At least `bytes` of scratch.
     fn take(bytes: usize) -> PlanScratch {
         // (`try_with`: a call while the thread's locals are torn down
-        // allocates its own.)
-        let mut words = if bytes == 0 {
+        // allocates its own; so does one above the cap, which leaves the
+        // kept scratch as it is.)
+        let mut words = if bytes == 0 || bytes > KEPT_SCRATCH_MAX_BYTES {
             Vec::new()
         } else {
             KEPT_SCRATCH
@@ -626,7 +636,7 @@ impl PlanScratch {
 impl Drop for PlanScratch {
     fn drop(&mut self) {
         let words = std::mem::take(&mut self.words);
-        if words.capacity() > 0 {
+        if words.capacity() > 0 && words.capacity() * 8 <= KEPT_SCRATCH_MAX_BYTES {
             // Dropped instead while the thread's locals are torn down.
             let _ = KEPT_SCRATCH.try_with(|kept| {
                 let other = kept.take();
@@ -905,6 +915,16 @@ mod tests {
             // No scratch takes nothing.
             let mut none = PlanScratch::take(0);
             assert!(none.as_slice_of::<f64>(0).is_empty());
+            drop(none);
+            drop(again);
+            // Scratch above the cap is freed after its call: the kept one
+            // stays what it was.
+            let huge = PlanScratch::take(KEPT_SCRATCH_MAX_BYTES + 8);
+            assert!(huge.words.capacity() * 8 > KEPT_SCRATCH_MAX_BYTES);
+            drop(huge);
+            let mut kept = PlanScratch::take(8);
+            assert_eq!(kept.as_slice_of::<u8>(8).as_ptr() as usize, first);
+            assert!(kept.words.capacity() * 8 <= KEPT_SCRATCH_MAX_BYTES);
         })
         .join()
         .unwrap();
