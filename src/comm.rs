@@ -1615,7 +1615,8 @@ impl Communicator {
             memory: MemoryKind::Host,
         });
         let Backend::Host(transport) = &self.backend;
-        schedule::family_name_in(self.plan_family(&desc), op, transport.ring_order())
+        let family = schedule::family_that_runs(&desc, self.plan_family(&desc));
+        schedule::family_name_in(family, op, transport.ring_order())
     }
 
     /// [`algorithm_for`](Self::algorithm_for) a call that reduces by

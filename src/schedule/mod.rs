@@ -486,6 +486,19 @@ pub fn choose(desc: &CollectiveDesc) -> Family {
     Family::Ring
 }
 
+/// The family whose plan runs `desc` when `family` is asked for: the
+/// ring for a direct or tree call above [`MAX_PIECE_BYTES`] (a direct
+/// step moves a whole buffer in one frame, all-gather's and
+/// reduce-scatter's a rank's block, and `bytes()` bounds them all; a tree
+/// step moves a whole buffer too, a reduce-scatter's whole input).
+/// [`plan_in_order`] plans with it and the reports name it.
+pub fn family_that_runs(desc: &CollectiveDesc, family: Family) -> Family {
+    match family {
+        Family::Direct | Family::Tree if desc.bytes() > MAX_PIECE_BYTES => Family::Ring,
+        _ => family,
+    }
+}
+
 /// The name `oxccl-perf` prints for a plan family running `op`.
 pub fn family_name(family: Family, op: OpKind) -> &'static str {
     match (family, op) {
@@ -686,16 +699,12 @@ pub fn plan_in_order(
 ) -> Plan {
     // Checks that `order` is of this world, for every family.
     let place = order.place(desc.rank, desc.world_size);
-    // A direct step moves a whole buffer (all-gather, reduce-scatter:
-    // a rank's block) in one frame; `bytes()` bounds them all.
-    // A tree step moves a whole buffer too (a reduce-scatter's whole
-    // input, in scratch).
-    let whole = match family {
+    let whole = match family_that_runs(desc, family) {
         Family::Direct => Some(&DIRECT_SCHEDULES),
         Family::Tree => Some(&TREE_SCHEDULES),
         Family::Ring => None,
     };
-    if let Some(schedules) = whole.filter(|_| desc.bytes() <= MAX_PIECE_BYTES) {
+    if let Some(schedules) = whole {
         // Across hosts direct calls run in two levels: along rails on hosts
         // of the same size, through a leader per host otherwise (and
         // broadcasts and reduces on any hosts).
@@ -923,6 +932,8 @@ mod tests {
             let plan = plan_with(&all_reduce, 256 << 10, family);
             assert!(frame_bytes(&plan, 4).count() > 0);
             assert!(frame_bytes(&plan, 4).all(|b| b <= MAX_PIECE_BYTES));
+            // And the reports name the ring that runs it.
+            assert_eq!(family_that_runs(&all_reduce, family), Family::Ring);
         }
 
         let broadcast = CollectiveDesc::new(
