@@ -1160,7 +1160,7 @@ impl Communicator {
                 None => String::new(),
             };
             let crowded = if transport.crowded() {
-                "; more ranks than CPUs on this host: waits yield"
+                "; more ranks than CPUs on this machine: waits yield"
             } else {
                 ""
             };

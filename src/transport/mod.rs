@@ -683,8 +683,9 @@ impl Transport {
         }
     }
 
-    /// Whether this rank's host runs more ranks of the job than the CPUs
-    /// they may run on together, so that waits on the links yield at once
+    /// Whether this rank's machine (its kernel) runs more ranks of the job
+    /// than the CPUs they may run on together, so that waits on the links
+    /// yield at once
     /// (see `net::NetShared`). Threads of one process: never (their
     /// arena decides for itself).
     pub fn crowded(&self) -> bool {

@@ -477,8 +477,10 @@ pub(crate) struct NetShared {
     /// store's entries, not from this rank's own links): see
     /// [`NetEndpoint::links_all_tcp`].
     links: LinkMap,
-    /// Whether this host's ranks outnumber the CPUs they may run on
-    /// together (the union of their affinities, from the store's entries):
+    /// Whether the job's ranks on this rank's machine (its kernel: this
+    /// host and any containers or network namespaces beside it) outnumber
+    /// the CPUs they may run on together (the union of their affinities,
+    /// from the store's entries):
     /// then a wait yields its core from the first pass instead of spinning
     /// (`Backoff::wait`), as the arena's waits do.
     crowded: bool,
@@ -1165,7 +1167,7 @@ impl NetEndpoint {
         &self.ring_order
     }
 
-    /// Whether this host's ranks outnumber their CPUs
+    /// Whether this machine's ranks outnumber their CPUs
     /// ([`NetShared`]'s `crowded`).
     pub fn crowded(&self) -> bool {
         self.shared.crowded
@@ -1852,6 +1854,9 @@ impl From<Error> for Refused {
 struct RankInfo {
     host: String,
     addr: SocketAddr,
+    /// The kernel it runs on (`shm::kernel_identity`): ranks of one kernel
+    /// share its CPUs, in whatever namespaces or containers.
+    kernel: String,
     /// The CPUs its process may run on.
     cpus: cpus::CpuWords,
 }
@@ -1861,7 +1866,7 @@ fn rank_key(r: usize) -> String {
 }
 
 /// The value of `name=` in a rank's entry (`host=…`, `pid=…`, `addr=…`,
-/// `world=…`, `cpus=…`, one per line).
+/// `world=…`, `kernel=…`, `cpus=…`, one per line).
 fn entry_field(entry: &str, name: &str) -> Option<String> {
     entry
         .lines()
@@ -2122,8 +2127,9 @@ fn connect_rank(setup: Setup) -> Result<(NetEndpoint, Option<Segment>)> {
         };
     };
     let mut entry = format!(
-        "host={host}\npid={}\naddr={my_addr}\nworld={world}\ncpus={}\n",
+        "host={host}\npid={}\naddr={my_addr}\nworld={world}\nkernel={}\ncpus={}\n",
         std::process::id(),
+        shm::kernel_identity(),
         cpus::to_field(&cpus::affinity_words())
     );
     for (name, value) in &settings {
@@ -2212,7 +2218,15 @@ fn connect_rank(setup: Setup) -> Result<(NetEndpoint, Option<Segment>)> {
         let cpus = field("cpus")
             .and_then(|text| cpus::from_field(&text))
             .unwrap_or([u64::MAX; cpus::AFFINITY_WORDS]);
-        infos.push(RankInfo { host, addr, cpus });
+        // An entry without it (another build's) counts as a kernel of its
+        // own host.
+        let kernel = field("kernel").unwrap_or_else(|| host.clone());
+        infos.push(RankInfo {
+            host,
+            addr,
+            kernel,
+            cpus,
+        });
     }
 
     // 3. Which link for each pair.
@@ -2222,9 +2236,16 @@ fn connect_rank(setup: Setup) -> Result<(NetEndpoint, Option<Segment>)> {
         .filter(|&r| infos[r].host == infos[rank].host)
         .collect();
     let use_shm = |peer: usize| transport != TransportKind::Tcp && local.contains(&peer);
-    // More ranks on this host than the CPUs they may run on together:
-    // waits give the core away at once (see `Backoff`).
-    let crowded = local.len() > cpus::union_count(local.iter().map(|&r| &infos[r].cpus));
+    // More ranks on this rank's kernel (this host, and any containers or
+    // namespaces beside it) than the CPUs they may run on together: waits
+    // give the core away at once (see `Backoff`).
+    let same_kernel: Vec<usize> = all
+        .iter()
+        .copied()
+        .filter(|&r| infos[r].kernel == infos[rank].kernel)
+        .collect();
+    let crowded =
+        same_kernel.len() > cpus::union_count(same_kernel.iter().map(|&r| &infos[r].cpus));
     let links = LinkMap {
         tcp_forced: transport == TransportKind::Tcp,
         host_of: {

@@ -1030,6 +1030,16 @@ pub(crate) fn host_identity() -> String {
     )
 }
 
+/// What makes two ranks share CPUs: the same running kernel (its boot id),
+/// whatever their namespaces or containers; `host_identity` where the boot
+/// id cannot be read.
+pub(crate) fn kernel_identity() -> String {
+    match std::fs::read_to_string("/proc/sys/kernel/random/boot_id") {
+        Ok(id) if !id.trim().is_empty() => format!("boot|{}", id.trim()),
+        _ => host_identity(),
+    }
+}
+
 /// Bits that differ between processes and calls, without /proc: the
 /// clock's nanoseconds mixed with a stack address (randomised per process).
 fn random_suffix() -> u64 {
