@@ -6,35 +6,45 @@ use std::time::{Duration, Instant};
 
 const PERF: &str = env!("CARGO_BIN_EXE_oxccl-perf");
 
-/// oxccl-perf with `args`, outside any launcher this test runs under (it
-/// would act as one rank of that job) and without NCCL_TESTS_MIN_BW.
-fn perf_command(args: &[&str]) -> Command {
-    let mut cmd = Command::new(PERF);
-    cmd.args(args)
-        .env_remove("RANK")
+/// `cmd` outside any launcher this test runs under (oxccl-perf would act
+/// as one rank of that job) and without NCCL_TESTS_MIN_BW.
+fn outside_launchers(cmd: &mut Command) -> &mut Command {
+    cmd.env_remove("RANK")
         .env_remove("OMPI_COMM_WORLD_RANK")
         .env_remove("PMI_RANK")
         .env_remove("SLURM_PROCID")
-        .env_remove("NCCL_TESTS_MIN_BW");
+        .env_remove("NCCL_TESTS_MIN_BW")
+}
+
+/// oxccl-perf with `args`, [`outside_launchers`].
+fn perf_command(args: &[&str]) -> Command {
+    let mut cmd = Command::new(PERF);
+    outside_launchers(cmd.args(args));
     cmd
 }
 
-/// Runs oxccl-perf with `args`, killed after 60 s (a hang fails the test).
-fn perf(args: &[&str]) -> Output {
-    let mut child = perf_command(args)
+/// Runs `cmd` with its output captured, killed after `limit` (a hang
+/// fails the test).
+fn output_within(mut cmd: Command, limit: Duration) -> Output {
+    let mut child = cmd
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .expect("oxccl-perf starts");
+        .expect("the command starts");
     let start = Instant::now();
     while child.try_wait().expect("wait").is_none() {
-        if start.elapsed() > Duration::from_secs(60) {
+        if start.elapsed() > limit {
             let _ = child.kill();
-            panic!("oxccl-perf {args:?} still running after 60 s");
+            panic!("{cmd:?} still running after {limit:?}");
         }
         std::thread::sleep(Duration::from_millis(20));
     }
     child.wait_with_output().expect("output")
+}
+
+/// Runs oxccl-perf with `args`, killed after 60 s.
+fn perf(args: &[&str]) -> Output {
+    output_within(perf_command(args), Duration::from_secs(60))
 }
 
 /// A JSON file for `-J`, as a path and as an argument.
@@ -366,33 +376,15 @@ fn crowded_ranks_say_so_and_check_clean() {
         ];
         let mut cmd = if pinned {
             let mut cmd = Command::new("taskset");
-            cmd.args(["-c", &cpu, PERF]).args(args);
+            outside_launchers(cmd.args(["-c", &cpu, PERF]).args(args));
             cmd
         } else {
             perf_command(&args)
         };
-        let mut child = cmd
-            .env_remove("RANK")
-            .env_remove("OMPI_COMM_WORLD_RANK")
-            .env_remove("PMI_RANK")
-            .env_remove("SLURM_PROCID")
-            .env_remove("NCCL_TESTS_MIN_BW")
-            .env_remove("OXCCL_ALGO")
+        cmd.env_remove("OXCCL_ALGO")
             .env("OXCCL_TRANSPORT", "tcp")
-            .env("OXCCL_DEBUG", "INFO")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("oxccl-perf starts");
-        let start = Instant::now();
-        while child.try_wait().expect("wait").is_none() {
-            if start.elapsed() > Duration::from_secs(90) {
-                let _ = child.kill();
-                panic!("oxccl-perf (pinned: {pinned}) still running after 90 s");
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let out = child.wait_with_output().expect("output");
+            .env("OXCCL_DEBUG", "INFO");
+        let out = output_within(cmd, Duration::from_secs(90));
         let stdout = String::from_utf8_lossy(&out.stdout).to_string();
         let stderr = String::from_utf8_lossy(&out.stderr).to_string();
         assert!(out.status.success(), "{stdout}{stderr}");
