@@ -619,6 +619,9 @@ impl PlanScratch {
         };
         let needed = bytes.div_ceil(8);
         if words.len() < needed {
+            // Exactly what the call needs: growth by doubling could pass
+            // the cap for a call below it, and the kept scratch be freed.
+            words.reserve_exact(needed - words.len());
             words.resize(needed, 0);
         }
         PlanScratch { words }
