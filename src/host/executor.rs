@@ -928,6 +928,14 @@ mod tests {
             let mut kept = PlanScratch::take(8);
             assert_eq!(kept.as_slice_of::<u8>(8).as_ptr() as usize, first);
             assert!(kept.words.capacity() * 8 <= KEPT_SCRATCH_MAX_BYTES);
+            drop(kept);
+            // Grown by a call below the cap (5/8, then 6/8 of it: doubling
+            // would pass it), the scratch is still kept.
+            drop(PlanScratch::take(KEPT_SCRATCH_MAX_BYTES / 8 * 5));
+            let grown = PlanScratch::take(KEPT_SCRATCH_MAX_BYTES / 8 * 6);
+            let at = grown.words.as_ptr() as usize;
+            drop(grown);
+            assert_eq!(PlanScratch::take(8).words.as_ptr() as usize, at);
         })
         .join()
         .unwrap();
