@@ -323,13 +323,16 @@ pub fn all_gather(
 // rail, all-gather within the host), and each host's link carries
 // `(H-1)·M` of an all-reduce of `M` bytes: `M` with two hosts.
 //
-// Chunks are the ring's (chunk `c`, rank `c`'s block), taken whole. Each
-// chunk is folded within each host in the host's order and then along
-// the rail in host order, `((x_R(h,0) ⊕ x_R(h,1)) ⊕ …)` and `((P_0 ⊕ P_1)
-// ⊕ …)`, alike in all-reduce and reduce-scatter: all-reduce is all-gather
-// ∘ reduce-scatter bit for bit, and every rank holds the same bits. Per
-// pair every step sends a rail's chunks in host order and the receiver
-// takes them in that order; empty chunks are skipped at both ends.
+// Every element is folded within each host in the host's order and then
+// along the rail in host order, `((x_R(h,0) ⊕ x_R(h,1)) ⊕ …)` and
+// `((P_0 ⊕ P_1) ⊕ …)`, alike in all-reduce and reduce-scatter: all-reduce
+// is all-gather ∘ reduce-scatter bit for bit, and every rank holds the
+// same bits. A reduce-scatter (and an all-gather) moves rank `c`'s block
+// as chunk `c`: per pair every step sends a rail's chunks in host order
+// and the receiver takes them in that order. An all-reduce, whose
+// grouping does not depend on which rank folds an element, cuts its
+// buffer into one region per place on a host instead, so each step sends
+// one frame per peer. Empty chunks and regions are skipped at both ends.
 
 impl Grid<'_> {
     /// This rank's host mates, in the host's order.
@@ -411,9 +414,17 @@ impl Grid<'_> {
     }
 }
 
-/// Two-level direct all-reduce of `count` elements. Scratch: a copy of one
-/// chunk (this rank's term, where the fold's destination holds it and it
-/// is not first).
+/// Two-level direct all-reduce of `count` elements. The buffer is cut
+/// into `k` regions, region `l` the `l`-th rank's of every host and so its
+/// rail's: step 1 sends each host mate its region of this rank's input
+/// (one frame), step 2 sends this rank's region, summed over its host, to
+/// each rail mate, and step 3 sends each host mate the finished region.
+/// An element's terms are grouped as in [`direct_reduce_scatter`] (each
+/// host's in the host's order, then the host sums in host order), which
+/// does not depend on which rank folds it, so all-reduce is still
+/// all-gather ∘ reduce-scatter bit for bit; it takes a frame per peer per
+/// step where the ring's chunks took one per chunk of a rail. Scratch: a
+/// copy of the region (this rank's host sum, when its host is not first).
 pub fn direct_all_reduce(
     order: &RingOrder,
     rank: Rank,
@@ -426,39 +437,73 @@ pub fn direct_all_reduce(
         return;
     }
     let grid = Grid::new(order, rank);
-    let layout = ChunkLayout::new(count, grid.world(), count);
-    let chunk = |buf: BufId, c: Rank| {
-        let (offset, len) = layout.chunk(c);
+    let regions = ChunkLayout::new(count, grid.per_host, count);
+    let region = |buf: BufId, local: usize| {
+        let (offset, len) = regions.chunk(local);
         Span::new(buf, offset, len)
     };
+    let local_of = |r: Rank| order.position_of(r) % grid.per_host;
     let input_buf = if in_place { BufId::Recv } else { BufId::Send };
-    // 1. Host sums of this rank's rail chunks, in the output: in place,
-    //    every send of the input goes before any fold writes it.
-    grid.send_rails_to_host_mates(|c| chunk(input_buf, c), plan);
-    grid.fold_rail_over_host(|c| chunk(input_buf, c), |c| chunk(BufId::Recv, c), plan);
-    // 2. Along the rail, every rank folds the rail's chunks from every
-    //    host's sum, in host order.
-    for mate in grid.rail_mates() {
-        for &c in &grid.rail {
-            let src = chunk(BufId::Recv, c);
+    let mine = region(BufId::Recv, grid.local);
+    if mine.len == 0 {
+        // Fewer elements than ranks a host: this rank's region is empty,
+        // but it still sends the others theirs and takes them back.
+        for mate in grid.host_mates() {
+            let src = region(input_buf, local_of(mate));
             if src.len > 0 {
                 plan.steps.push(Step::Send { peer: mate, src });
             }
         }
-    }
-    for &c in &grid.rail {
-        let dst = chunk(BufId::Recv, c);
-        if dst.len == 0 {
-            continue;
+        for mate in grid.host_mates() {
+            let dst = region(BufId::Recv, local_of(mate));
+            if dst.len > 0 {
+                plan.steps.push(Step::Recv { peer: mate, dst });
+            }
         }
-        let own = direct::keep_own(grid.host == 0, dst, dst, plan);
-        direct::fold_in_order(grid.rail.iter().copied(), rank, own, dst, &mut plan.steps);
-        if avg {
-            plan.steps.push(Step::DivideByWorld { span: dst });
+        return;
+    }
+    // 1. This rank's region summed over its host, in the output: in place,
+    //    every send of the input goes before any fold writes it.
+    for mate in grid.host_mates() {
+        let src = region(input_buf, local_of(mate));
+        if src.len > 0 {
+            plan.steps.push(Step::Send { peer: mate, src });
         }
     }
-    // 3. Within the host, every rank's rail chunks to every host mate.
-    grid.share_rails_with_host_mates(|c| chunk(BufId::Recv, c), plan);
+    let own = direct::keep_own(grid.local == 0, region(input_buf, grid.local), mine, plan);
+    direct::fold_in_order(
+        grid.host_ring.iter().copied(),
+        rank,
+        own,
+        mine,
+        &mut plan.steps,
+    );
+    // 2. Along the rail, every rank folds the region from every host's
+    //    sum, in host order.
+    for mate in grid.rail_mates() {
+        plan.steps.push(Step::Send {
+            peer: mate,
+            src: mine,
+        });
+    }
+    let own = direct::keep_own(grid.host == 0, mine, mine, plan);
+    direct::fold_in_order(grid.rail.iter().copied(), rank, own, mine, &mut plan.steps);
+    if avg {
+        plan.steps.push(Step::DivideByWorld { span: mine });
+    }
+    // 3. Within the host, the finished regions.
+    for mate in grid.host_mates() {
+        plan.steps.push(Step::Send {
+            peer: mate,
+            src: mine,
+        });
+    }
+    for mate in grid.host_mates() {
+        let dst = region(BufId::Recv, local_of(mate));
+        if dst.len > 0 {
+            plan.steps.push(Step::Recv { peer: mate, dst });
+        }
+    }
 }
 
 /// Two-level direct reduce-scatter, `recv_count` elements per rank. The
