@@ -424,7 +424,8 @@ impl Grid<'_> {
 /// does not depend on which rank folds it, so all-reduce is still
 /// all-gather ∘ reduce-scatter bit for bit; it takes a frame per peer per
 /// step where the ring's chunks took one per chunk of a rail. Scratch: a
-/// copy of the region (this rank's host sum, when its host is not first).
+/// copy of the region (in place, this rank's term when it is not first on
+/// its host; then its host sum, when its host is not first).
 pub fn direct_all_reduce(
     order: &RingOrder,
     rank: Rank,
@@ -446,7 +447,7 @@ pub fn direct_all_reduce(
     let input_buf = if in_place { BufId::Recv } else { BufId::Send };
     let mine = region(BufId::Recv, grid.local);
     if mine.len == 0 {
-        // Fewer elements than ranks a host: this rank's region is empty,
+        // Fewer elements than ranks on a host: this rank's region is empty,
         // but it still sends the others theirs and takes them back.
         for mate in grid.host_mates() {
             let src = region(input_buf, local_of(mate));
