@@ -408,3 +408,149 @@ fn crowded_ranks_say_so_and_check_clean() {
         assert_eq!(run(false).0, 0);
     }
 }
+
+/// The type, redop and root columns of the table's rows, in order.
+fn row_sweeps(stdout: &str) -> Vec<(String, String, i64)> {
+    stdout
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let cols: Vec<&str> = l.split_whitespace().collect();
+            Some((
+                cols.get(2)?.to_string(),
+                cols.get(3)?.to_string(),
+                cols.get(4)?.parse().ok()?,
+            ))
+        })
+        .collect()
+}
+
+/// The #wrong columns of the table's rows.
+fn row_wrongs(stdout: &str) -> Vec<String> {
+    stdout
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .flat_map(|l| {
+            let cols: Vec<&str> = l.split_whitespace().collect();
+            [cols.get(8), cols.get(12)].map(|c| c.map_or("missing", |c| *c).to_string())
+        })
+        .collect()
+}
+
+/// As nccl-tests: `-d all`, `-o all` and `-r all` sweep every type, within
+/// it every reduction, within that every root, in one table, one footer
+/// and one JSON file (rows naming their type, reduction and root), every
+/// row checked. Reductions apply only to collectives that reduce and roots
+/// only to rooted ones; a list of names runs those in its order.
+#[test]
+fn every_type_reduction_and_root_in_one_run() {
+    const TYPES: [&str; 10] = [
+        "int8", "uint8", "int32", "uint32", "int64", "uint64", "half", "float", "double",
+        "bfloat16",
+    ];
+    const OPS: [&str; 5] = ["sum", "prod", "max", "min", "avg"];
+    let (json, json_arg) = json_path("sweeps");
+    let out = perf(&[
+        "-t",
+        "3",
+        "--collective",
+        "reduce",
+        "-d",
+        "all",
+        "-o",
+        "all",
+        "-r",
+        "all",
+        "--sizes",
+        "48,6K",
+        "-n",
+        "1",
+        "-w",
+        "0",
+        "-J",
+        &json_arg,
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut expected = Vec::new();
+    for dtype in TYPES {
+        for op in OPS {
+            for root in 0..3 {
+                // Two sizes each.
+                let sweep = (dtype.to_string(), op.to_string(), root);
+                expected.extend([sweep.clone(), sweep]);
+            }
+        }
+    }
+    assert_eq!(row_sweeps(&stdout), expected, "{stdout}");
+    let wrongs = row_wrongs(&stdout);
+    assert!(wrongs.iter().all(|w| w == "0"), "{wrongs:?}\n{stdout}");
+    assert_eq!(
+        stdout.matches("Out of bounds values : 0 OK").count(),
+        1,
+        "{stdout}"
+    );
+    let written = take_json(&json);
+    assert!(
+        written.contains("\"dtype\": \"all\", \"op\": \"all\""),
+        "{written}"
+    );
+    assert_eq!(written.matches("\"bytes\":").count(), expected.len());
+    assert!(
+        written.contains("\"dtype\": \"bfloat16\", \"redop\": \"avg\", \"root\": 2,"),
+        "{written}"
+    );
+
+    // A collective that neither reduces nor has a root sweeps the types
+    // alone; lists run in their order, as processes too.
+    let out = perf(&[
+        "-np",
+        "2",
+        "--collective",
+        "all_gather",
+        "-d",
+        "bf16,int8",
+        "-o",
+        "all",
+        "-r",
+        "all",
+        "--sizes",
+        "64",
+        "-n",
+        "1",
+        "-w",
+        "0",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let none = |dtype: &str| (dtype.to_string(), "none".to_string(), -1);
+    assert_eq!(
+        row_sweeps(&stdout),
+        [none("bfloat16"), none("int8")],
+        "{stdout}"
+    );
+    assert!(row_wrongs(&stdout).iter().all(|w| w == "0"), "{stdout}");
+
+    // Names it does not know, or names twice, are usage errors.
+    for bad in [
+        &["-d", "float,fp8"][..],
+        &["-d", "half,f16"],
+        &["-o", "sum,"],
+        &["-r", "every"],
+    ] {
+        let out = perf(bad);
+        assert_eq!(out.status.code(), Some(2), "{bad:?}");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("usage"),
+            "{bad:?}"
+        );
+    }
+}

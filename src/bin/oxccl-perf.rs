@@ -37,9 +37,12 @@ usage: oxccl-perf [options]
   -c, --check <0|1>       check results (default 1)
   -a, --average <0..3>    the time reported: rank 0's (0), the ranks' mean (1, default,
                           as nccl-tests), their minimum (2) or maximum (3)
-  -d, --datatype <type>   int8 uint8 int32 uint32 int64 uint64 half float double bfloat16 (default float)
-  -o, --op <op>           sum prod max min avg (default sum)
-  -r, --root <rank>       root of broadcast and reduce (default 0)
+  -d, --datatype <type>   int8 uint8 int32 uint32 int64 uint64 half float double bfloat16
+                          (default float), several separated by commas, or all
+  -o, --op <op>           sum prod max min avg (default sum), several separated by
+                          commas, or all
+  -r, --root <rank>       root of broadcast and reduce (default 0), or all (every rank
+                          in turn)
   -t, --nthreads <n>      ranks, one thread each (default 2)
       -np <n>             ranks, one process each (shared memory or TCP, see
                           OXCCL_TRANSPORT); under a launcher, one rank per process
@@ -217,9 +220,17 @@ struct Args {
     check: bool,
     /// `-a`: how the ranks' times make the one reported.
     average: TimeAcrossRanks,
+    /// The element type, reduction and root of the size sweep running
+    /// now: one of [`combinations`] (`-d`, `-o` and `-r` may ask for
+    /// several).
     dtype: DType,
     op: ReduceOp,
     root: usize,
+    /// `-d`, `-o`: the types and reductions to sweep, in order.
+    dtypes: Vec<DType>,
+    ops: Vec<ReduceOp>,
+    /// `-r all`: every rank as the root in turn.
+    all_roots: bool,
     ranks: usize,
     /// `-np`: start this many processes.
     processes: Option<usize>,
@@ -275,6 +286,74 @@ fn parse_size(s: &str) -> Result<usize, String> {
     oxccl::parse_byte_size(s).ok_or_else(|| format!("bad size {:?}", s.trim()))
 }
 
+/// `-d`'s or `-o`'s value: one name, several separated by commas (each
+/// once, in the order given), or `all` (every one, in nccl-tests' order).
+fn name_list<V: Copy + PartialEq>(
+    value: &str,
+    all: &[V],
+    from_name: impl Fn(&str) -> Option<V>,
+    what: &str,
+) -> Result<Vec<V>, String> {
+    if value == "all" {
+        return Ok(all.to_vec());
+    }
+    let mut list = Vec::new();
+    for name in value.split(',').map(str::trim) {
+        let v = from_name(name).ok_or_else(|| format!("unknown {what} {name:?}"))?;
+        if list.contains(&v) {
+            return Err(format!("{what} {name:?} is named twice"));
+        }
+        list.push(v);
+    }
+    Ok(list)
+}
+
+/// The size sweeps that `-d`, `-o` and `-r` ask for, in nccl-tests' order
+/// (each type, within it each reduction, within that each root), each as
+/// `a` with that type, reduction and root. Reductions apply only to the
+/// collectives that reduce and roots only to rooted ones (`-r all`: ranks
+/// `0..world`); the others sweep once per type.
+fn combinations(a: &Args, world: usize) -> Vec<Args> {
+    let ops = if a.coll.reduces() {
+        &a.ops[..]
+    } else {
+        &a.ops[..1]
+    };
+    let roots = if a.coll.rooted() && a.all_roots {
+        0..world
+    } else {
+        a.root..a.root + 1
+    };
+    let mut runs = Vec::new();
+    for &dtype in &a.dtypes {
+        for &op in ops {
+            for root in roots.clone() {
+                runs.push(Args {
+                    dtype,
+                    op,
+                    root,
+                    ..a.clone()
+                });
+            }
+        }
+    }
+    runs
+}
+
+/// The names of `list` joined by commas, or `all` when it is `all` in
+/// its order (for the JSON's and the plot's labels).
+fn list_text<V: Copy + PartialEq>(
+    list: &[V],
+    all: &[V],
+    name: impl Fn(V) -> &'static str,
+) -> String {
+    if list == all {
+        "all".into()
+    } else {
+        list.iter().map(|&v| name(v)).collect::<Vec<_>>().join(",")
+    }
+}
+
 fn parse_args() -> Result<Args, String> {
     let mut factor: Option<usize> = None;
     let mut step_bytes: Option<usize> = None;
@@ -290,6 +369,9 @@ fn parse_args() -> Result<Args, String> {
         dtype: DType::F32,
         op: ReduceOp::Sum,
         root: 0,
+        dtypes: vec![DType::F32],
+        ops: vec![ReduceOp::Sum],
+        all_roots: false,
         ranks: 2,
         processes: None,
         coll: Coll::AllReduce,
@@ -365,13 +447,11 @@ fn parse_args() -> Result<Args, String> {
                     .ok_or_else(|| format!("{flag}: 0 (rank 0), 1 (mean), 2 (min) or 3 (max)"))?
             }
             "-d" | "--datatype" => {
-                a.dtype =
-                    DType::from_name(value).ok_or_else(|| format!("unknown datatype {value:?}"))?
+                a.dtypes = name_list(value, &DType::ALL, DType::from_name, "datatype")?
             }
-            "-o" | "--op" => {
-                a.op = ReduceOp::from_name(value).ok_or_else(|| format!("unknown op {value:?}"))?
-            }
-            "-r" | "--root" => a.root = num()?,
+            "-o" | "--op" => a.ops = name_list(value, &ReduceOp::ALL, ReduceOp::from_name, "op")?,
+            "-r" | "--root" if value == "all" => a.all_roots = true,
+            "-r" | "--root" => (a.root, a.all_roots) = (num()?, false),
             "-t" | "--nthreads" => a.ranks = num()?,
             "-np" => a.processes = Some(num()?),
             "--collective" => {
@@ -417,10 +497,14 @@ fn parse_args() -> Result<Args, String> {
         (Some(_), None) => SizeStep::Bytes(1 << 20),
         (None, None) => SizeStep::Factor(2),
     };
-    if a.offset >= BUFFER_ALIGN || !a.offset.is_multiple_of(a.dtype.size()) {
+    (a.dtype, a.op) = (a.dtypes[0], a.ops[0]);
+    // Every type's size is a power of two: a multiple of the largest is
+    // a multiple of them all.
+    let largest_element = a.dtypes.iter().map(|d| d.size()).max().unwrap_or(1);
+    if a.offset >= BUFFER_ALIGN || !a.offset.is_multiple_of(largest_element) {
         return Err(format!(
-            "--offset takes bytes below {BUFFER_ALIGN}, a multiple of the element size ({})",
-            a.dtype.size()
+            "--offset takes bytes below {BUFFER_ALIGN}, a multiple of the element size \
+             ({largest_element})"
         ));
     }
     if a.offset != 0 && (a.shared || a.backend != "host") {
@@ -461,7 +545,7 @@ fn parse_args() -> Result<Args, String> {
     if under_launcher() {
         return Ok(a);
     }
-    if a.coll.rooted() && a.root >= a.ranks {
+    if a.coll.rooted() && !a.all_roots && a.root >= a.ranks {
         return Err(format!(
             "root {} is out of range for {} ranks",
             a.root, a.ranks
@@ -875,6 +959,11 @@ fn median_sample(samples: &mut [f64]) -> f64 {
 struct Row {
     bytes: usize,
     count: usize,
+    /// The table's type, redop and root columns (`none` and -1 where the
+    /// collective has no reduction or root): a run may sweep several.
+    dtype: &'static str,
+    redop: &'static str,
+    root: i64,
     algo: String,
     /// Out of place, then in place.
     time_us: [f64; 2],
@@ -899,6 +988,48 @@ struct RunResult {
     /// meanwhile (the ranks' cores moved), which the footer then reports.
     transport: String,
     transport_at_end: String,
+}
+
+impl RunResult {
+    /// A run with nothing measured yet, of rank `rank` of `ranks`.
+    fn new(rank: usize, ranks: usize, transport: String) -> RunResult {
+        RunResult {
+            rank,
+            ranks,
+            wrong: 0,
+            busbw_sum: 0.0,
+            busbw_count: 0,
+            rows: Vec::new(),
+            transport_at_end: transport.clone(),
+            transport,
+        }
+    }
+
+    /// Adds one size's measurements (its busbw to the footer's average).
+    fn push(&mut self, row: Row, measured: usize) {
+        self.wrong += row.wrong.iter().sum::<u64>();
+        self.busbw_sum += row.busbw[..measured].iter().sum::<f64>();
+        self.busbw_count += measured;
+        self.rows.push(row);
+    }
+}
+
+/// A row of `a`'s sweep (its type, reduction and root columns) for a
+/// buffer of `count` elements, `bytes` bytes, run by `algo`.
+fn new_row(a: &Args, bytes: usize, count: usize, algo: String) -> Row {
+    Row {
+        bytes,
+        count,
+        dtype: a.dtype.name(),
+        redop: if a.coll.reduces() {
+            a.op.name()
+        } else {
+            "none"
+        },
+        root: if a.coll.rooted() { a.root as i64 } else { -1 },
+        algo,
+        ..Row::default()
+    }
 }
 
 fn op_kind(coll: Coll) -> oxccl::OpKind {
@@ -953,52 +1084,40 @@ fn print_row(a: &Args, row: &Row, n: usize) {
             row.time_us[k], row.algbw[k], row.busbw[k], wrong
         );
     }
-    let redop = if a.coll.reduces() {
-        a.op.name()
-    } else {
-        "none"
-    };
-    let root = if a.coll.rooted() { a.root as i64 } else { -1 };
     println!(
-        "{:>12}  {:>12}  {:>8}  {redop:>6}  {root:>6}{cols}  {:>8}",
+        "{:>12}  {:>12}  {:>8}  {:>6}  {:>6}{cols}  {:>8}",
         row.bytes,
         a.coll.shown_count(row.count, n),
-        a.dtype.name(),
+        row.dtype,
+        row.redop,
+        row.root,
         row.algo
     );
 }
 
-fn bench<T: Element>(comm: &mut Communicator, a: &Args) -> oxccl::Result<RunResult> {
+/// Sweeps the sizes for `a`'s type, reduction and root, adding the rows
+/// to `result`.
+fn bench<T: Element>(
+    comm: &mut Communicator,
+    a: &Args,
+    result: &mut RunResult,
+) -> oxccl::Result<()> {
     let n = comm.world_size();
     let elem = std::mem::size_of::<T>();
-    let sizes = size_list(a);
-    let mut result = RunResult {
-        rank: comm.rank(),
-        ranks: comm.world_size(),
-        wrong: 0,
-        busbw_sum: 0.0,
-        busbw_count: 0,
-        rows: Vec::new(),
-        transport: comm.transport_description(),
-        transport_at_end: String::new(),
-    };
     let mut last_count = usize::MAX;
-    for size in sizes {
+    for size in size_list(a) {
         let count = count_for(a, size, elem, n);
         if count == last_count {
             continue;
         }
         last_count = count;
         let bytes = count * elem;
-        let mut row = Row {
-            bytes,
-            count,
-            algo: comm
-                .algorithm_for_reduction::<T>(op_kind(a.coll), a.op, bytes)
-                .to_string(),
-            ..Row::default()
-        };
-        for (k, &in_place) in a.coll.variants(&a.backend).iter().enumerate() {
+        let algo = comm
+            .algorithm_for_reduction::<T>(op_kind(a.coll), a.op, bytes)
+            .to_string();
+        let mut row = new_row(a, bytes, count, algo);
+        let variants = a.coll.variants(&a.backend);
+        for (k, &in_place) in variants.iter().enumerate() {
             let s = measure::<T>(comm, a, count, in_place)?;
             if a.shared {
                 // What actually ran: zero copy needs every rank's buffers
@@ -1009,16 +1128,86 @@ fn bench<T: Element>(comm: &mut Communicator, a: &Args) -> oxccl::Result<RunResu
             }
             let algbw = bytes as f64 / s.time_us / 1e3;
             let busbw = algbw * a.coll.bus_factor(n);
-            result.wrong += s.wrong;
-            result.busbw_sum += busbw;
-            result.busbw_count += 1;
             (row.time_us[k], row.algbw[k], row.busbw[k], row.wrong[k]) =
                 (s.time_us, algbw, busbw, s.wrong);
         }
         if comm.rank() == 0 {
             print_row(a, &row, n);
         }
-        result.rows.push(row);
+        result.push(row, variants.len());
+    }
+    Ok(())
+}
+
+/// Runs `f` with `T` the element type `$dtype` names, or returns
+/// `$unsupported` for a type this build cannot run.
+macro_rules! with_element_type {
+    ($dtype:expr, $unsupported:expr, |$T:ident| $body:expr) => {
+        match $dtype {
+            DType::I8 => {
+                type $T = i8;
+                $body
+            }
+            DType::U8 => {
+                type $T = u8;
+                $body
+            }
+            DType::I32 => {
+                type $T = i32;
+                $body
+            }
+            DType::U32 => {
+                type $T = u32;
+                $body
+            }
+            DType::I64 => {
+                type $T = i64;
+                $body
+            }
+            DType::U64 => {
+                type $T = u64;
+                $body
+            }
+            DType::F16 => {
+                type $T = f16;
+                $body
+            }
+            DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            DType::F64 => {
+                type $T = f64;
+                $body
+            }
+            DType::BF16 => {
+                type $T = bf16;
+                $body
+            }
+            _ => $unsupported,
+        }
+    };
+}
+// For `device` (declared above the macro, so out of its textual scope).
+#[cfg(feature = "cuda")]
+use with_element_type;
+
+/// Every sweep `-d`, `-o` and `-r` ask for ([`combinations`]), on one
+/// communicator, as one run (one table, one footer).
+fn bench_all(comm: &mut Communicator, a: &Args) -> oxccl::Result<RunResult> {
+    let mut result = RunResult::new(comm.rank(), comm.world_size(), comm.transport_description());
+    for one in combinations(a, comm.world_size()) {
+        let unsupported = Err(oxccl::Error::InvalidArgument {
+            op: op_kind(one.coll),
+            rank: comm.rank(),
+            arg: "datatype",
+            reason: format!("{} is not an element type this benchmark runs", one.dtype),
+        });
+        with_element_type!(one.dtype, unsupported, |T| bench::<T>(
+            comm,
+            &one,
+            &mut result
+        ))?;
     }
     result.transport_at_end = comm.transport_description();
     Ok(result)
@@ -1049,13 +1238,16 @@ fn print_header(a: &Args, ranks: usize, what: &str, transport: &str) {
         },
         u8::from(a.check)
     );
-    let premultiplied = a.backend != "host" || a.dtype.avg_premultiplies_on_host();
-    if a.check
-        && a.coll.reduces()
-        && !oxccl::check::exactly_checkable(a.dtype, a.op, ranks, premultiplied)
-    {
-        let why = if a.op == ReduceOp::Avg
-            && oxccl::check::exactly_checkable(a.dtype, ReduceOp::Sum, ranks, premultiplied)
+    // The roots do not matter here: the sweeps of each type and reduction.
+    let sweeps = combinations(a, 1);
+    for one in sweeps.iter().filter(|_| a.check && a.coll.reduces()) {
+        let (dtype, op) = (one.dtype, one.op);
+        let premultiplied = a.backend != "host" || dtype.avg_premultiplies_on_host();
+        if oxccl::check::exactly_checkable(dtype, op, ranks, premultiplied) {
+            continue;
+        }
+        let why = if op == ReduceOp::Avg
+            && oxccl::check::exactly_checkable(dtype, ReduceOp::Sum, ranks, premultiplied)
         {
             "is premultiplied, and its rounding could hide a missing rank"
         } else {
@@ -1064,8 +1256,8 @@ fn print_header(a: &Args, ranks: usize, what: &str, transport: &str) {
         println!(
             "# check: {} {} over {ranks} ranks {why}: reduced values are not checked, moved \
              ones are",
-            a.dtype.name(),
-            a.op.name()
+            dtype.name(),
+            op.name()
         );
     }
     println!("#");
@@ -1085,13 +1277,13 @@ fn comm_builder(a: &Args) -> oxccl::CommBuilder {
 }
 
 /// This process is one rank of a launched job.
-fn run_as_rank<T: Element>(a: &Args) -> Result<RunResult, String> {
+fn run_as_rank(a: &Args) -> Result<RunResult, String> {
     let mut comm = comm_builder(a).from_env().map_err(|e| e.to_string())?;
     if comm.rank() == 0 {
         let transport = comm.transport_description();
         print_header(a, comm.world_size(), "processes", &transport);
     }
-    bench::<T>(&mut comm, a).map_err(|e| {
+    bench_all(&mut comm, a).map_err(|e| {
         // Most errors name their rank already.
         let (rank, text) = (comm.rank(), e.to_string());
         if text.starts_with(&format!("rank {rank}:")) {
@@ -1102,9 +1294,11 @@ fn run_as_rank<T: Element>(a: &Args) -> Result<RunResult, String> {
     })
 }
 
-fn run_typed<T: Element>(a: &Args) -> Result<RunResult, String> {
+/// The host backend's run: this process as one rank under a launcher,
+/// else `-t` ranks as its threads.
+fn run_on_host(a: &Args) -> Result<RunResult, String> {
     if under_launcher() {
-        return run_as_rank::<T>(a);
+        return run_as_rank(a);
     }
     print_header(a, a.ranks, "threads", "in-process");
     let comms = comm_builder(a)
@@ -1118,7 +1312,7 @@ fn run_typed<T: Element>(a: &Args) -> Result<RunResult, String> {
                 // One core each when there are enough (`--bind-to core`): a rank
                 // is one thread here.
                 oxccl::launch::bind_thread_like_a_rank(comm.rank(), comm.world_size());
-                bench::<T>(&mut comm, &a).map_err(|e| e.to_string())
+                bench_all(&mut comm, &a).map_err(|e| e.to_string())
             })
         })
         .collect();
@@ -1132,39 +1326,10 @@ fn run_typed<T: Element>(a: &Args) -> Result<RunResult, String> {
     out
 }
 
-/// The host backend's run for `-d`'s element type.
-fn run_on_host(a: &Args) -> Result<RunResult, String> {
-    match a.dtype {
-        DType::I8 => run_typed::<i8>(a),
-        DType::U8 => run_typed::<u8>(a),
-        DType::I32 => run_typed::<i32>(a),
-        DType::U32 => run_typed::<u32>(a),
-        DType::I64 => run_typed::<i64>(a),
-        DType::U64 => run_typed::<u64>(a),
-        DType::F16 => run_typed::<f16>(a),
-        DType::F32 => run_typed::<f32>(a),
-        DType::F64 => run_typed::<f64>(a),
-        DType::BF16 => run_typed::<bf16>(a),
-        _ => Err(format!("unsupported datatype {}", a.dtype)),
-    }
-}
-
 /// `--backend nccl|cuda-ring`: the same table on GPU buffers.
 #[cfg(feature = "cuda")]
 fn run_on_gpus(a: &Args) -> Result<RunResult, String> {
-    match a.dtype {
-        DType::I8 => device::run_typed::<i8>(a),
-        DType::U8 => device::run_typed::<u8>(a),
-        DType::I32 => device::run_typed::<i32>(a),
-        DType::U32 => device::run_typed::<u32>(a),
-        DType::I64 => device::run_typed::<i64>(a),
-        DType::U64 => device::run_typed::<u64>(a),
-        DType::F16 => device::run_typed::<f16>(a),
-        DType::F32 => device::run_typed::<f32>(a),
-        DType::F64 => device::run_typed::<f64>(a),
-        DType::BF16 => device::run_typed::<bf16>(a),
-        _ => Err(format!("unsupported datatype {}", a.dtype)),
-    }
+    device::run(a)
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -1261,7 +1426,7 @@ fn run_label(a: &Args, run: &RunResult) -> String {
         format!(
             "oxccl {} {} {}x{} {}",
             a.coll.name(),
-            a.dtype.name(),
+            dtypes_text(a),
             run.ranks,
             if a.processes.is_some() || under_launcher() {
                 "proc"
@@ -1273,15 +1438,24 @@ fn run_label(a: &Args, run: &RunResult) -> String {
     })
 }
 
-/// Reads the `--compare` runs.
+/// `-d`'s types as the labels name them: `float`, `half,float` or `all`.
+fn dtypes_text(a: &Args) -> String {
+    list_text(&a.dtypes, &DType::ALL, DType::name)
+}
+
+/// `-o`'s reductions likewise.
+fn ops_text(a: &Args) -> String {
+    list_text(&a.ops, &ReduceOp::ALL, ReduceOp::name)
+}
+
+/// Reads the `--compare` runs (a series for each sweep in each).
 fn compare_runs(a: &Args) -> Result<Vec<report::Series>, String> {
-    a.compare
-        .iter()
-        .map(|file| {
-            let text = std::fs::read_to_string(file).map_err(|e| format!("reading {file}: {e}"))?;
-            report::parse_json(&text).map_err(|e| format!("{file}: {e}"))
-        })
-        .collect()
+    let mut series = Vec::new();
+    for file in &a.compare {
+        let text = std::fs::read_to_string(file).map_err(|e| format!("reading {file}: {e}"))?;
+        series.extend(report::parse_json(&text).map_err(|e| format!("{file}: {e}"))?);
+    }
+    Ok(series)
 }
 
 /// `-J` and `--plot`, on rank 0 after a run.
@@ -1293,7 +1467,7 @@ fn write_outputs(a: &Args, run: &RunResult) -> Result<(), String> {
         println!("# JSON written to {path}");
     }
     if let Some(path) = &a.plot {
-        let mut series = vec![report::parse_json(&json)?];
+        let mut series = report::parse_json(&json)?;
         series.extend(compare_runs(a)?);
         std::fs::write(path, report::svg(&series)).map_err(|e| format!("writing {path}: {e}"))?;
         println!("# plot written to {path}");

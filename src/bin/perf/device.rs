@@ -11,9 +11,10 @@ use cudarc::driver::{sys::CUevent_flags, CudaSlice, DeviceRepr};
 use oxccl::{DeviceBackend, DeviceCommunicator, Element, ReduceOp};
 
 use super::{
-    count_for, prepare, print_header, print_row, size_list, under_launcher, Args, Coll, Row,
-    RunResult,
+    combinations, count_for, new_row, prepare, print_header, print_row, size_list, under_launcher,
+    with_element_type, Args, Coll, RunResult,
 };
+use oxccl::{bf16, f16, DType};
 
 /// Device copies of one size's buffers.
 struct DeviceBufs<T> {
@@ -141,22 +142,15 @@ fn measure<T: Element + DeviceRepr>(
     Ok((time_us, wrong))
 }
 
+/// Sweeps the sizes for `a`'s type, reduction and root, adding the rows
+/// to `result`.
 fn bench<T: Element + DeviceRepr>(
     comm: &mut DeviceCommunicator,
     a: &Args,
-) -> Result<RunResult, String> {
+    result: &mut RunResult,
+) -> Result<(), String> {
     let n = comm.world_size();
     let elem = std::mem::size_of::<T>();
-    let mut result = RunResult {
-        rank: comm.rank(),
-        ranks: comm.world_size(),
-        wrong: 0,
-        busbw_sum: 0.0,
-        busbw_count: 0,
-        rows: Vec::new(),
-        transport: comm.backend_description(),
-        transport_at_end: String::new(),
-    };
     let mut last_count = usize::MAX;
     for size in size_list(a) {
         let count = count_for(a, size, elem, n);
@@ -166,28 +160,37 @@ fn bench<T: Element + DeviceRepr>(
         }
         last_count = count;
         let bytes = count * elem;
-        let mut row = Row {
-            bytes,
-            count,
-            algo: comm.algorithm_for(super::op_kind(a.coll)).into(),
-            ..Row::default()
-        };
-        for (k, &in_place) in a.coll.variants(&a.backend).iter().enumerate() {
+        let algo = comm.algorithm_for(super::op_kind(a.coll)).into();
+        let mut row = new_row(a, bytes, count, algo);
+        let variants = a.coll.variants(&a.backend);
+        for (k, &in_place) in variants.iter().enumerate() {
             let (time_us, wrong) = measure::<T>(comm, a, count, in_place)?;
             let algbw = bytes as f64 / time_us / 1e3;
             let busbw = algbw * a.coll.bus_factor(n);
-            result.wrong += wrong;
-            result.busbw_sum += busbw;
-            result.busbw_count += 1;
             (row.time_us[k], row.algbw[k], row.busbw[k], row.wrong[k]) =
                 (time_us, algbw, busbw, wrong);
         }
         if comm.rank() == 0 {
             print_row(a, &row, n);
         }
-        result.rows.push(row);
+        result.push(row, variants.len());
     }
-    result.transport_at_end = result.transport.clone();
+    Ok(())
+}
+
+/// Every sweep `-d`, `-o` and `-r` ask for, on one communicator, as one
+/// run.
+fn bench_all(comm: &mut DeviceCommunicator, a: &Args) -> Result<RunResult, String> {
+    let transport = comm.backend_description();
+    let mut result = RunResult::new(comm.rank(), comm.world_size(), transport);
+    for one in combinations(a, comm.world_size()) {
+        let unsupported = Err(format!("unsupported datatype {}", one.dtype));
+        with_element_type!(one.dtype, unsupported, |T| bench::<T>(
+            comm,
+            &one,
+            &mut result
+        ))?;
+    }
     Ok(result)
 }
 
@@ -259,14 +262,14 @@ fn device_builder(a: &Args) -> oxccl::DeviceCommBuilder {
     }
 }
 
-/// Runs the benchmark on GPUs for element type `T`.
-pub(crate) fn run_typed<T: Element + DeviceRepr>(a: &Args) -> Result<RunResult, String> {
+/// Runs the benchmark on GPUs.
+pub(crate) fn run(a: &Args) -> Result<RunResult, String> {
     if under_launcher() {
         let mut comm = device_builder(a).from_env().map_err(|e| e.to_string())?;
         if comm.rank() == 0 {
             header(a, &comm, "processes");
         }
-        return bench::<T>(&mut comm, a).map_err(|e| format!("rank {}: {e}", comm.rank()));
+        return bench_all(&mut comm, a).map_err(|e| format!("rank {}: {e}", comm.rank()));
     }
     let comms = device_builder(a)
         .local_group(a.ranks)
@@ -276,7 +279,7 @@ pub(crate) fn run_typed<T: Element + DeviceRepr>(a: &Args) -> Result<RunResult, 
         .into_iter()
         .map(|mut comm| {
             let a = a.clone();
-            std::thread::spawn(move || bench::<T>(&mut comm, &a))
+            std::thread::spawn(move || bench_all(&mut comm, &a))
         })
         .collect();
     let mut out = Err("no ranks".to_string());

@@ -13,9 +13,12 @@
 //! ```
 //!
 //! `count` is the table's count column: nccl-tests' count, per rank for
-//! all_gather, reduce_scatter and all_to_all.
+//! all_gather, reduce_scatter and all_to_all. Each row also names its
+//! type, reduction and root (`"dtype"`, `"redop"`, `"root"`: the table's
+//! columns), since `-d`, `-o` and `-r` may sweep several in one run; the
+//! top-level `"dtype"` and `"op"` then list them (`"all"` for every one).
 
-use super::{Args, RunResult};
+use super::{dtypes_text, ops_text, Args, RunResult};
 
 /// Escapes a string for JSON.
 fn quote(text: &str) -> String {
@@ -53,8 +56,8 @@ pub fn to_json(label: &str, a: &Args, run: &RunResult) -> String {
          \"unix_time\": {unix_time},\n \"rows\": [",
         quote(label),
         quote(a.coll.name()),
-        quote(a.dtype.name()),
-        quote(a.op.name()),
+        quote(&dtypes_text(a)),
+        quote(&ops_text(a)),
         run.ranks,
         quote(&run.transport),
         a.iters,
@@ -65,10 +68,13 @@ pub fn to_json(label: &str, a: &Args, run: &RunResult) -> String {
             out.push(',');
         }
         out += &format!(
-            "\n  {{\"bytes\": {}, \"count\": {}, \"algo\": {}, \
-             \"time_us\": {}, \"algbw\": {}, \"busbw\": {}, \"wrong\": {}",
+            "\n  {{\"bytes\": {}, \"count\": {}, \"dtype\": {}, \"redop\": {}, \"root\": {}, \
+             \"algo\": {}, \"time_us\": {}, \"algbw\": {}, \"busbw\": {}, \"wrong\": {}",
             r.bytes,
             a.coll.shown_count(r.count, run.ranks),
+            quote(r.dtype),
+            quote(r.redop),
+            r.root,
             quote(&r.algo),
             num(r.time_us[0]),
             num(r.algbw[0]),
@@ -302,8 +308,33 @@ mod json {
     }
 }
 
-/// Reads a run written by [`to_json`].
-pub fn parse_json(text: &str) -> Result<Series, String> {
+/// What tells one sweep's rows from another's in a run of several
+/// (`-d`, `-o`, `-r`): the table's type, redop and root columns, each as
+/// it would read in a label (empty where a file does not say, as files of
+/// one sweep written before these fields, or other tools' files).
+#[derive(Clone, Debug, PartialEq)]
+struct Sweep([String; 3]);
+
+impl Sweep {
+    fn of(row: &json::Value) -> Sweep {
+        let text = |k: &str| {
+            row.get(k)
+                .and_then(json::Value::str)
+                .unwrap_or("")
+                .to_string()
+        };
+        let root = match row.get("root").and_then(json::Value::num) {
+            Some(root) if root >= 0.0 => format!("root {root}"),
+            _ => String::new(),
+        };
+        Sweep([text("dtype"), text("redop"), root])
+    }
+}
+
+/// Reads a run written by [`to_json`]: one series, or one per sweep when
+/// its rows hold several, each labelled with the parts that vary between
+/// them (`"… half sum"`, `"… root 1"`).
+pub fn parse_json(text: &str) -> Result<Vec<Series>, String> {
     let v = json::parse(text)?;
     let label = v
         .get("label")
@@ -313,16 +344,49 @@ pub fn parse_json(text: &str) -> Result<Series, String> {
     let Some(json::Value::Arr(rows)) = v.get("rows") else {
         return Err("no \"rows\" array: not an oxccl-perf JSON file".into());
     };
-    let mut points = Vec::new();
+    let mut sweeps: Vec<(Sweep, Vec<_>)> = Vec::new();
     for row in rows {
         let field = |k: &str| row.get(k).and_then(json::Value::num);
         let (oop, ip) = (field("busbw"), field("busbw_ip"));
         let Some(bytes) = field("bytes").filter(|_| oop.is_some() || ip.is_some()) else {
             return Err("a row lacks \"bytes\", or both \"busbw\" and \"busbw_ip\"".into());
         };
-        points.push((bytes, oop, ip));
+        let sweep = Sweep::of(row);
+        let at = match sweeps.iter().position(|(s, _)| *s == sweep) {
+            Some(at) => at,
+            None => {
+                sweeps.push((sweep, Vec::new()));
+                sweeps.len() - 1
+            }
+        };
+        sweeps[at].1.push((bytes, oop, ip));
     }
-    Ok(Series { label, points })
+    if sweeps.is_empty() {
+        // A run of no rows is still a run (a legend entry, no line).
+        return Ok(vec![Series {
+            label,
+            points: Vec::new(),
+        }]);
+    }
+    let varies: Vec<bool> = (0..3)
+        .map(|part| {
+            sweeps
+                .iter()
+                .any(|(s, _)| s.0[part] != sweeps[0].0 .0[part])
+        })
+        .collect();
+    Ok(sweeps
+        .into_iter()
+        .map(|(sweep, points)| {
+            let mut label = label.clone();
+            for (part, text) in sweep.0.iter().enumerate() {
+                if varies[part] {
+                    label = format!("{label} {text}");
+                }
+            }
+            Series { label, points }
+        })
+        .collect())
 }
 
 fn escape_xml(text: &str) -> String {
@@ -477,14 +541,68 @@ mod tests {
         let text = "{\"label\": \"a \\\"b\\\"\", \"rows\": [{\"bytes\": 8, \"busbw\": 1.5, \"busbw_ip\": 2}, \
                     {\"bytes\": 1e3, \"busbw\": 0.25}]}";
         let s = parse_json(text).unwrap();
-        assert_eq!(s.label, "a \"b\"");
+        assert_eq!(s.len(), 1);
+        assert_eq!(s[0].label, "a \"b\"");
         assert_eq!(
-            s.points,
+            s[0].points,
             vec![(8.0, Some(1.5), Some(2.0)), (1000.0, Some(0.25), None)]
         );
         // In place only (Open MPI's broadcast, the ceiling).
         let ip = parse_json("{\"rows\": [{\"bytes\": 8, \"busbw_ip\": 3}]}").unwrap();
-        assert_eq!(ip.points, vec![(8.0, None, Some(3.0))]);
+        assert_eq!(ip[0].points, vec![(8.0, None, Some(3.0))]);
+        let empty = parse_json("{\"label\": \"e\", \"rows\": []}").unwrap();
+        assert_eq!(
+            empty,
+            vec![Series {
+                label: "e".into(),
+                points: vec![]
+            }]
+        );
+    }
+
+    #[test]
+    fn a_run_of_several_sweeps_reads_as_a_series_each() {
+        let row = |dtype: &str, redop: &str, root: i64, bytes: u32, busbw: f64| {
+            format!(
+                "{{\"bytes\": {bytes}, \"dtype\": \"{dtype}\", \"redop\": \"{redop}\", \
+                 \"root\": {root}, \"busbw\": {busbw}}}"
+            )
+        };
+        let rows = [
+            row("half", "sum", 0, 8, 1.0),
+            row("half", "sum", 0, 64, 2.0),
+            row("half", "max", 0, 8, 3.0),
+            row("float", "sum", 0, 8, 4.0),
+            row("float", "max", 0, 8, 5.0),
+        ];
+        let text = format!("{{\"label\": \"r\", \"rows\": [{}]}}", rows.join(","));
+        let series = parse_json(&text).unwrap();
+        let labels: Vec<_> = series.iter().map(|s| s.label.as_str()).collect();
+        // The root is the same in every row: not in the labels.
+        assert_eq!(
+            labels,
+            ["r half sum", "r half max", "r float sum", "r float max"]
+        );
+        assert_eq!(
+            series[0].points,
+            vec![(8.0, Some(1.0), None), (64.0, Some(2.0), None)]
+        );
+        assert_eq!(series[3].points, vec![(8.0, Some(5.0), None)]);
+        // Roots alone vary (a broadcast's -r all); -1 is "no root".
+        let text = format!(
+            "{{\"label\": \"b\", \"rows\": [{}, {}]}}",
+            row("float", "none", 0, 8, 1.0),
+            row("float", "none", 1, 8, 2.0)
+        );
+        let labels: Vec<_> = parse_json(&text)
+            .unwrap()
+            .into_iter()
+            .map(|s| s.label)
+            .collect();
+        assert_eq!(labels, ["b root 0", "b root 1"]);
+        let unrooted = row("float", "sum", -1, 8, 1.0);
+        let text = format!("{{\"label\": \"u\", \"rows\": [{unrooted}]}}");
+        assert_eq!(parse_json(&text).unwrap()[0].label, "u");
     }
 
     #[test]
