@@ -487,6 +487,8 @@ fn every_type_reduction_and_root_in_one_run() {
         }
     }
     assert_eq!(row_sweeps(&stdout), expected, "{stdout}");
+    // The header names --sizes' list, not -b's and -e's defaults.
+    assert!(stdout.contains("#  sizes: 48,6144 warmup"), "{stdout}");
     let wrongs = row_wrongs(&stdout);
     assert!(wrongs.iter().all(|w| w == "0"), "{wrongs:?}\n{stdout}");
     assert_eq!(

@@ -1224,11 +1224,24 @@ fn print_header(a: &Args, ranks: usize, what: &str, transport: &str) {
         "# oxccl-perf: collective {:?}, {ranks} ranks ({what}), backend {}, transport {transport}",
         a.coll, a.backend
     );
+    // `--sizes` replaces -b, -e and the step: the header names its list.
+    let sizes = match &a.sizes {
+        Some(list) => format!(
+            "sizes: {}",
+            list.iter()
+                .map(|s| s.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        ),
+        None => format!(
+            "minBytes {} maxBytes {} step: {}",
+            a.min_bytes,
+            a.max_bytes,
+            a.step.describe()
+        ),
+    };
     println!(
-        "#  minBytes {} maxBytes {} step: {} warmup iters: {} iters: {} {} validation: {}",
-        a.min_bytes,
-        a.max_bytes,
-        a.step.describe(),
+        "#  {sizes} warmup iters: {} iters: {} {} validation: {}",
         a.warmup,
         a.iters,
         if a.samples > 1 {
