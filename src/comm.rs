@@ -17,7 +17,7 @@ use crate::schedule::{self, RingOrder};
 use crate::transport::local::{LocalEndpoint, LocalGroup};
 use crate::transport::net::{self, TransportKind};
 use crate::transport::shm::LinkStores;
-use crate::transport::{Elsewhere, FailureCause, Space, Transport, TransportError};
+use crate::transport::{Elsewhere, FailureCause, LinkKind, Space, Transport, TransportError};
 use crate::types::{DType, Element, OpKind, Rank, ReduceOp};
 
 /// Default wait before a peer is declared unresponsive.
@@ -1234,6 +1234,34 @@ impl Communicator {
     /// The settings in force.
     pub fn config(&self) -> &CommConfig {
         &self.config
+    }
+
+    /// What carries messages from this rank to `peer` (a rank of this
+    /// communicator): between threads of one process, shared memory between
+    /// processes of one host, or TCP. `None` for this rank itself and for
+    /// a rank the communicator does not have. (The shared arena, where
+    /// there is one, carries some calls among the ranks of one host
+    /// besides.)
+    pub fn link_to(&self, peer: Rank) -> Option<LinkKind> {
+        let Backend::Host(transport) = &self.backend;
+        transport.link_kind(peer)
+    }
+
+    /// Whether this rank's machine runs more of the job's ranks than the
+    /// CPUs they may run on together (the union of their affinities; for
+    /// processes, every rank on this kernel counts, containers and network
+    /// namespaces of one machine included). Then a rank waiting for a peer
+    /// yields its CPU at once instead of spinning, and messages between
+    /// ranks that share a CPU wait for it: `OXCCL_DEBUG=INFO` says so too.
+    pub fn ranks_outnumber_cpus(&self) -> bool {
+        let Backend::Host(transport) = &self.backend;
+        match transport {
+            // As `local_group` decides for the arena of its threads.
+            Transport::Local(_) => {
+                self.world > crate::host::cpus::union_count([&crate::host::cpus::affinity_words()])
+            }
+            Transport::Net(_) => transport.crowded(),
+        }
     }
 
     /// What carries this communicator's traffic: `in-process`, `shm`,

@@ -65,4 +65,5 @@ pub use error::{Error, RendezvousStage, Result};
 pub use half::{bf16, f16};
 pub use host::SharedBuffer;
 pub use transport::net::TransportKind;
+pub use transport::LinkKind;
 pub use types::{DType, Element, OpKind, Rank, ReduceOp};

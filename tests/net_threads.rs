@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use common::run_ranks_net;
 use oxccl::check::{edge_counts, every_collective_every_dtype};
-use oxccl::{Communicator, Error, ReduceOp, TransportKind};
+use oxccl::{Communicator, Error, LinkKind, ReduceOp, TransportKind};
 
 fn fail(what: String) -> Error {
     Error::Config {
@@ -166,6 +166,68 @@ fn a_wait_on_one_rank_still_drains_another() {
         })
         .unwrap_or_else(|e| panic!("{kind:?}: {e}"));
     }
+}
+
+/// `link_to` names what carries messages to each peer, in a split by the
+/// split's ranks; `None` for the rank itself and for ranks it lacks.
+#[test]
+fn each_peers_link_is_named() {
+    for (kind, link) in [
+        (TransportKind::Shm, LinkKind::SharedMemory),
+        (TransportKind::Tcp, LinkKind::Tcp),
+    ] {
+        run_ranks_net(3, Communicator::builder(), kind, move |comm| {
+            let (rank, world) = (comm.rank(), comm.world_size());
+            let links: Vec<_> = (0..world + 1).map(|p| comm.link_to(p)).collect();
+            let expected: Vec<_> = (0..world + 1)
+                .map(|p| (p != rank && p < world).then_some(link))
+                .collect();
+            if links != expected {
+                return Err(fail(format!("rank {rank}: {links:?}")));
+            }
+            let pair = comm.split(u32::from(rank == 2), rank as i64)?;
+            let in_pair: Vec<_> = (0..3).map(|p| pair.link_to(p)).collect();
+            let expected = match rank {
+                0 => vec![None, Some(link), None],
+                1 => vec![Some(link), None, None],
+                _ => vec![None, None, None],
+            };
+            if in_pair != expected {
+                return Err(fail(format!("rank {rank} in its split: {in_pair:?}")));
+            }
+            Ok(())
+        })
+        .unwrap_or_else(|e| panic!("{kind:?}: {e}"));
+    }
+    let group = Communicator::local_group(2).expect("two threads");
+    for comm in &group {
+        let peer = 1 - comm.rank();
+        assert_eq!(comm.link_to(peer), Some(LinkKind::InProcess));
+        assert_eq!(comm.link_to(comm.rank()), None);
+        assert_eq!(comm.link_to(2), None);
+        assert_eq!(LinkKind::InProcess.name(), "in-process");
+    }
+}
+
+/// Threads outnumber the CPUs when there are more of them than this
+/// process may run on.
+#[test]
+fn threads_beyond_the_cpus_outnumber_them() {
+    // The CPUs of this process's affinity (not `available_parallelism`,
+    // which a CPU quota may lower).
+    // SAFETY: cpu_set_t is plain data, written by sched_getaffinity.
+    let cpus = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        assert_eq!(
+            libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set),
+            0
+        );
+        libc::CPU_COUNT(&set) as usize
+    };
+    let crowded = Communicator::local_group(cpus + 1).expect("threads");
+    assert!(crowded.iter().all(|c| c.ranks_outnumber_cpus()));
+    let alone = Communicator::local_group(1).expect("one thread");
+    assert!(!alone[0].ranks_outnumber_cpus());
 }
 
 #[test]

@@ -198,6 +198,11 @@ impl LocalEndpoint {
         }
     }
 
+    /// This endpoint's communicator rank, and how many ranks it has.
+    pub fn rank_and_world(&self) -> (usize, usize) {
+        (self.rank, self.members.len())
+    }
+
     pub fn group(&self) -> &Arc<LocalGroup> {
         &self.group
     }

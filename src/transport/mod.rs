@@ -10,7 +10,7 @@ pub(crate) mod tcp;
 use std::time::Duration;
 
 use crate::schedule::RingOrder;
-use crate::types::OpKind;
+use crate::types::{OpKind, Rank};
 
 /// A map keyed by frame keys and other small integer tuples, looked up
 /// several times per frame. It hashes with a multiply-rotate (as rustc's
@@ -700,6 +700,43 @@ impl Transport {
         match self {
             Transport::Local(_) => "in-process".into(),
             Transport::Net(t) => t.describe(),
+        }
+    }
+
+    /// What carries messages to communicator rank `peer` (`None`: this
+    /// rank, or no rank of the communicator).
+    pub fn link_kind(&self, peer: Rank) -> Option<LinkKind> {
+        match self {
+            Transport::Local(t) => {
+                let (rank, world) = t.rank_and_world();
+                (peer < world && peer != rank).then_some(LinkKind::InProcess)
+            }
+            Transport::Net(t) => t.link_kind(peer),
+        }
+    }
+}
+
+/// What carries a communicator's messages to one peer
+/// ([`Communicator::link_to`](crate::Communicator::link_to)).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum LinkKind {
+    /// Threads of one process (`local_group`): in-process mailboxes and
+    /// the shared arena.
+    InProcess,
+    /// Processes of one host: shared-memory rings (and the arena).
+    SharedMemory,
+    /// TCP: between hosts, or on one with `OXCCL_TRANSPORT=tcp`.
+    Tcp,
+}
+
+impl LinkKind {
+    /// `in-process`, `shm` or `tcp`, as `transport_description` names them.
+    pub fn name(self) -> &'static str {
+        match self {
+            LinkKind::InProcess => "in-process",
+            LinkKind::SharedMemory => "shm",
+            LinkKind::Tcp => "tcp",
         }
     }
 }

@@ -1186,6 +1186,17 @@ impl NetEndpoint {
         }
     }
 
+    /// What carries messages to communicator rank `peer`; `None` for this
+    /// rank itself and for ranks outside the communicator.
+    pub fn link_kind(&self, peer: Rank) -> Option<super::LinkKind> {
+        let global = *self.members.get(peer)?;
+        let fabric = self.shared.lock();
+        match &fabric.peers.get(global)?.as_ref()?.link {
+            Link::Shm(_) => Some(super::LinkKind::SharedMemory),
+            Link::Tcp(_) => Some(super::LinkKind::Tcp),
+        }
+    }
+
     /// Which links carry this communicator's traffic: `shm`, `tcp` (with the
     /// interface), `shm+tcp`, or `none` for a world of one.
     pub fn describe(&self) -> String {
