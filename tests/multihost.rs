@@ -9,8 +9,8 @@
 //! never touched, and every namespace is deleted at the end, also when the
 //! test fails (a `Drop` guard).
 //!
-//! Six runs of `oxccl-check --quick`, every process started together:
-//! the first three under `oxccl-run`, one launcher per host, the others
+//! Seven runs of `oxccl-check --quick`, every process started together:
+//! the first three and the last under `oxccl-run`, one launcher per host, the others
 //! rank by rank:
 //! 1. `OXCCL_SOCKET_IFNAME=oxv`, 2 ranks per host: every rank passes over
 //!    `shm+tcp (oxv0 <its own address>)` (its small calls run the direct
@@ -28,6 +28,9 @@
 //!    neighbours in rank order.
 //! 6. Five ranks round-robin, so the hosts run 2, 2 and 1: the ring in
 //!    host order in one level, and small calls through each host's leader.
+//! 7. As run 1 with host 2's egress throttled (`tc tbf`, 100 Mbit/s), and
+//!    `--links`: rank 0 names ranks 4 and 5 (host 2) as those every TCP
+//!    link out of is slow.
 //!
 //! Needs root, `ip netns` and `nsenter`; without them the test is
 //! skipped, unless `CI` is set, where it fails.
@@ -216,8 +219,9 @@ enum Placement {
 }
 
 /// The command of each process of a run and the host it runs on: the
-/// launchers, or every rank.
-fn commands(net: &Net, placement: Placement) -> Vec<(usize, Command)> {
+/// launchers, or every rank; every rank runs `oxccl-check --quick` and
+/// `extra` arguments.
+fn commands(net: &Net, placement: Placement, extra: &[&str]) -> Vec<(usize, Command)> {
     let in_host = |ns: &str, program: &str| {
         let mut cmd = Command::new("ip");
         cmd.args(["netns", "exec", ns, program]);
@@ -234,7 +238,8 @@ fn commands(net: &Net, placement: Placement) -> Vec<(usize, Command)> {
                     let mut cmd = in_host(ns, LAUNCHER);
                     cmd.args(["--nnodes", &nnodes, "--node-rank", &i.to_string()])
                         .args(["--master-addr", MASTER_ADDR, "--master-port", MASTER_PORT])
-                        .args(["--nproc-per-node", &nproc, "--", CHECK, "--quick"]);
+                        .args(["--nproc-per-node", &nproc, "--", CHECK, "--quick"])
+                        .args(extra);
                     (i, cmd)
                 })
                 .collect()
@@ -252,6 +257,7 @@ fn commands(net: &Net, placement: Placement) -> Vec<(usize, Command)> {
                     let mut cmd = Command::new("nsenter");
                     cmd.arg(format!("--net=/run/netns/{}", hosts[host]))
                         .args([CHECK, "--quick"])
+                        .args(extra)
                         .env("RANK", rank.to_string())
                         .env("WORLD_SIZE", world.to_string())
                         .env("LOCAL_RANK", (rank / HOSTS).to_string())
@@ -270,10 +276,21 @@ fn commands(net: &Net, placement: Placement) -> Vec<(usize, Command)> {
 /// every one still running after `deadline` and failing. One result per
 /// process (per host for launchers, per rank otherwise).
 fn run_job(net: &Net, placement: Placement, env: &[(&str, &str)], deadline: Duration) -> RunResult {
+    run_job_with(net, placement, env, &[], deadline)
+}
+
+/// [`run_job`], every rank's `oxccl-check` with `extra` arguments.
+fn run_job_with(
+    net: &Net,
+    placement: Placement,
+    env: &[(&str, &str)],
+    extra: &[&str],
+    deadline: Duration,
+) -> RunResult {
     let started = Instant::now();
     let mut launchers = Launchers(Vec::new());
     let mut pipes = Vec::new();
-    let processes = commands(net, placement);
+    let processes = commands(net, placement, extra);
     let count = processes.len();
     for (i, (host, mut cmd)) in processes.into_iter().enumerate() {
         // Nothing of the caller's job (OXCCL_*, MASTER_*, SLURM_*,
@@ -571,14 +588,59 @@ fn collectives_across_three_namespace_hosts() {
         );
     }
 
+    // 7. Host 2's egress throttled to 100 Mbit/s (a NIC that came up
+    // slow): `oxccl-check --links` names its ranks (4 and 5) as the ones
+    // every TCP link out of is slow.
+    eprintln!("=== run 7: host 2's egress at 100 Mbit/s, 3 hosts x 2 ranks, --links");
+    let status = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &net.hosts[2],
+            "tc",
+            "qdisc",
+            "add",
+            "dev",
+            "oxv0",
+        ])
+        .args([
+            "root", "tbf", "rate", "100mbit", "burst", "32k", "latency", "100ms",
+        ])
+        .status()
+        .expect("runs tc");
+    assert!(status.success(), "tc qdisc add: {status}");
+    let throttled = run_job_with(
+        &net,
+        Placement::Launchers { nproc: 2 },
+        &[("OXCCL_SOCKET_IFNAME", "oxv"), ("OXCCL_TIMEOUT", "20s")],
+        &["--links", "--link-bytes", "256K"],
+        Duration::from_secs(90),
+    );
+    assert_all_correct(&throttled, Placement::Launchers { nproc: 2 }, |i| {
+        format!("shm+tcp (oxv0 10.213.0.{})", i + 1)
+    });
+    // Only the named ranks are asserted: six ranks on two CPUs slow some
+    // healthy links by half as well (the report says the machine is
+    // crowded), so which others cross the line varies between runs; the
+    // unit tests of `check/links.rs` pin the rule itself.
+    let report = &throttled.nodes[0].stdout;
+    for rank in [4, 5] {
+        let named = format!(
+            "[rank 0] oxccl-check: links: WARNING every tcp link out of rank {rank} is slow"
+        );
+        assert!(report.contains(&named), "rank {rank} not named:\n{report}");
+    }
+
     eprintln!(
-        "=== runs took {:?}, {:?} (decoy, failing as it must), {:?}, {:?}, {:?}, {:?}; {:?} in all",
+        "=== runs took {:?}, {:?} (decoy, failing as it must), {:?}, {:?}, {:?}, {:?}, {:?}; \
+         {:?} in all",
         good.elapsed,
         bad.elapsed,
         auto.elapsed,
         cyclic.elapsed,
         direct.elapsed,
         leaders.elapsed,
+        throttled.elapsed,
         total.elapsed()
     );
 }

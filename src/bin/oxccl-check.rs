@@ -15,10 +15,14 @@
 //!
 //! `--loop-seconds S` keeps all-reducing `--size` bytes afterwards, for
 //! fault drills: kill a rank meanwhile and the survivors must fail within
-//! the timeout, naming it.
+//! the timeout, naming it. `--links` measures every link between two ranks
+//! and names the slow ones (`check/links.rs`).
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
+
+#[path = "check/links.rs"]
+mod links;
 
 use oxccl::check::{
     broadcast_burst, edge_counts, every_collective, every_collective_every_dtype, lane_burst,
@@ -34,6 +38,12 @@ usage: oxccl-check [options]      (one process per rank, under a launcher)
   --loop-seconds s      afterwards, all-reduce --size bytes repeatedly for s seconds,
                         checking every result
   --size bytes          message size of the loop (default 64M; suffixes K M G)
+  --links               afterwards, measure every link between two ranks, one pair at a
+                        time (an 8-byte round trip, --link-bytes one way each direction);
+                        rank 0 prints them and warns of links below half the speed of
+                        their kind's upper quartile, and of ranks all of whose links out
+                        (or in) are slow
+  --link-bytes bytes    bytes sent one way per link measurement (default 1M)
   -h, --help            this text";
 
 struct Args {
@@ -44,6 +54,8 @@ struct Args {
     chunk_bytes: Option<usize>,
     loop_seconds: f64,
     loop_bytes: usize,
+    /// `--links`: measure every link afterwards, sending this many bytes.
+    link_bytes: Option<usize>,
 }
 
 /// The longest `--loop-seconds`: a year.
@@ -57,7 +69,10 @@ fn parse_args() -> Result<Args, String> {
         chunk_bytes: None,
         loop_seconds: 0.0,
         loop_bytes: 64 << 20,
+        link_bytes: None,
     };
+    let mut links = false;
+    let mut link_bytes = 1 << 20;
     // `args_os`: `args` panics on an argument that is not UTF-8.
     let argv: Vec<String> = std::env::args_os()
         .skip(1)
@@ -114,10 +129,18 @@ fn parse_args() -> Result<Args, String> {
                 a.loop_bytes =
                     oxccl::parse_byte_size(&v).ok_or_else(|| format!("--size: bad size {v:?}"))?;
             }
+            "--links" => links = true,
+            "--link-bytes" => {
+                let v = value()?;
+                link_bytes = oxccl::parse_byte_size(&v)
+                    .filter(|&b| b > 0)
+                    .ok_or_else(|| format!("--link-bytes: bad size {v:?} (1 byte or more)"))?;
+            }
             other => return Err(format!("unknown option {other}")),
         }
         i += 1;
     }
+    a.link_bytes = links.then_some(link_bytes);
     Ok(a)
 }
 
@@ -209,6 +232,12 @@ fn run(a: &Args) -> Result<String, String> {
             rounds += 1;
         }
         println!("rank {rank}: looped {rounds} all-reduces");
+    }
+    if let Some(bytes) = a.link_bytes {
+        let all = links::measure(&mut comm, bytes)?;
+        if rank == 0 {
+            print!("{}", links::report(&all, bytes));
+        }
     }
     // After the checks: it also tells how often the arena measured.
     let transport = comm.transport_description();
