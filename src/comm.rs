@@ -1248,18 +1248,19 @@ impl Communicator {
     }
 
     /// Whether this rank's machine runs more of the job's ranks than the
-    /// CPUs they may run on together (the union of their affinities; for
-    /// processes, every rank on this kernel counts, containers and network
-    /// namespaces of one machine included). Then a rank waiting for a peer
-    /// yields its CPU at once instead of spinning, and messages between
-    /// ranks that share a CPU wait for it: `OXCCL_DEBUG=INFO` says so too.
+    /// CPUs they may run on together. For processes, every rank of the job
+    /// on this kernel counts (containers and network namespaces of one
+    /// machine included) against the union of their affinities, and then
+    /// every wait for a peer yields its CPU at once instead of spinning
+    /// (`OXCCL_DEBUG=INFO` says so). For threads, the whole group that
+    /// `local_group` made counts (a split answers for it) against this
+    /// process's affinity when it was made, and then the shared arena's
+    /// waits yield at once. Either way, messages between ranks that share
+    /// a CPU wait for it.
     pub fn ranks_outnumber_cpus(&self) -> bool {
         let Backend::Host(transport) = &self.backend;
         match transport {
-            // As `local_group` decides for the arena of its threads.
-            Transport::Local(_) => {
-                self.world > crate::host::cpus::union_count([&crate::host::cpus::affinity_words()])
-            }
+            Transport::Local(endpoint) => endpoint.group().outnumbers_cpus(),
             Transport::Net(_) => transport.crowded(),
         }
     }

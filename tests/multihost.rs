@@ -592,7 +592,10 @@ fn collectives_across_three_namespace_hosts() {
     // slow): `oxccl-check --links` names its ranks (4 and 5) as the ones
     // every TCP link out of is slow.
     eprintln!("=== run 7: host 2's egress at 100 Mbit/s, 3 hosts x 2 ranks, --links");
-    let status = Command::new("ip")
+    let tbf = [
+        "root", "tbf", "rate", "100mbit", "burst", "32k", "latency", "100ms",
+    ];
+    let shaped = Command::new("ip")
         .args([
             "netns",
             "exec",
@@ -603,12 +606,19 @@ fn collectives_across_three_namespace_hosts() {
             "dev",
             "oxv0",
         ])
-        .args([
-            "root", "tbf", "rate", "100mbit", "burst", "32k", "latency", "100ms",
-        ])
-        .status()
-        .expect("runs tc");
-    assert!(status.success(), "tc qdisc add: {status}");
+        .args(tbf)
+        .status();
+    match shaped {
+        Ok(status) if status.success() => {}
+        // As the namespaces themselves: required under CI, else skipped.
+        other if std::env::var_os("CI").is_some() => {
+            panic!("multihost run 7 needs `tc` and the tbf qdisc: {other:?}")
+        }
+        other => {
+            eprintln!("\n*** run 7 SKIPPED: no `tc` or no tbf qdisc ({other:?}) ***\n");
+            return;
+        }
+    }
     let throttled = run_job_with(
         &net,
         Placement::Launchers { nproc: 2 },

@@ -185,11 +185,13 @@ fn each_peers_link_is_named() {
             if links != expected {
                 return Err(fail(format!("rank {rank}: {links:?}")));
             }
-            let pair = comm.split(u32::from(rank == 2), rank as i64)?;
+            // Keys reversed: global rank 1 is the pair's rank 0, global
+            // rank 0 its rank 1.
+            let pair = comm.split(u32::from(rank == 2), -(rank as i64))?;
             let in_pair: Vec<_> = (0..3).map(|p| pair.link_to(p)).collect();
             let expected = match rank {
-                0 => vec![None, Some(link), None],
-                1 => vec![Some(link), None, None],
+                0 => vec![Some(link), None, None],
+                1 => vec![None, Some(link), None],
                 _ => vec![None, None, None],
             };
             if in_pair != expected {
@@ -228,6 +230,36 @@ fn threads_beyond_the_cpus_outnumber_them() {
     assert!(crowded.iter().all(|c| c.ranks_outnumber_cpus()));
     let alone = Communicator::local_group(1).expect("one thread");
     assert!(!alone[0].ranks_outnumber_cpus());
+    // A split answers for its whole group, and a thread pinned to one CPU
+    // afterwards does not change the answer.
+    let group = Communicator::local_group(2).expect("two threads");
+    let crowded_pair = cpus < 2;
+    let handles: Vec<_> = group
+        .into_iter()
+        .map(|mut comm| {
+            std::thread::spawn(move || {
+                oxccl::launch::bind_thread_like_a_rank(comm.rank(), 2);
+                let single = comm.split(comm.rank() as u32, 0).expect("split");
+                (comm.ranks_outnumber_cpus(), single.ranks_outnumber_cpus())
+            })
+        })
+        .collect();
+    for h in handles {
+        assert_eq!(h.join().expect("no panic"), (crowded_pair, crowded_pair));
+    }
+    let big = Communicator::local_group(cpus + 1).expect("threads");
+    let handles: Vec<_> = big
+        .into_iter()
+        .map(|mut comm| {
+            std::thread::spawn(move || {
+                let single = comm.split(comm.rank() as u32, 0).expect("split");
+                single.ranks_outnumber_cpus()
+            })
+        })
+        .collect();
+    for h in handles {
+        assert!(h.join().expect("no panic"));
+    }
 }
 
 #[test]

@@ -75,6 +75,10 @@ fn sizes_that_never_end_or_overflow_are_usage_errors() {
         (&["-T", "soon"][..], "-T: seconds, 0 or more"),
         (&["--offset", "64"][..], "--offset takes bytes below 64"),
         (&["--offset", "6"][..], "a multiple of the element size (4)"),
+        (
+            &["--offset", "4", "-d", "half,double"][..],
+            "a multiple of the element size (the largest 8)",
+        ),
         (&["--offset", "16", "--shared"][..], "not with --shared"),
     ] {
         let out = perf(args);
@@ -437,7 +441,8 @@ fn row_wrongs(stdout: &str) -> Vec<String> {
         .collect()
 }
 
-/// As nccl-tests: `-d all`, `-o all` and `-r all` sweep every type, within
+/// As nccl-tests: `-d all`, `-o all` and `-r all` (or `-r -1`, nccl-tests'
+/// spelling) sweep every type, within
 /// it every reduction, within that every root, in one table, one footer
 /// and one JSON file (rows naming their type, reduction and root), every
 /// row checked. Reductions apply only to collectives that reduce and roots
@@ -460,7 +465,7 @@ fn every_type_reduction_and_root_in_one_run() {
         "-o",
         "all",
         "-r",
-        "all",
+        "-1",
         "--sizes",
         "48,6K",
         "-n",
@@ -495,6 +500,26 @@ fn every_type_reduction_and_root_in_one_run() {
         stdout.matches("Out of bounds values : 0 OK").count(),
         1,
         "{stdout}"
+    );
+    // The footer averages every sweep's rows, both placements (the rows
+    // print two decimals, the footer four).
+    let busbw: Vec<f64> = stdout
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .flat_map(|l| {
+            let cols: Vec<&str> = l.split_whitespace().collect();
+            [7, 11].map(|c| cols[c].parse::<f64>().expect("a busbw column"))
+        })
+        .collect();
+    let mean = busbw.iter().sum::<f64>() / busbw.len() as f64;
+    let footer: f64 = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("# Avg bus bandwidth    : "))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("the footer's average");
+    assert!(
+        (footer - mean).abs() <= 0.006,
+        "footer {footer}, rows {mean}"
     );
     let written = take_json(&json);
     assert!(

@@ -43,7 +43,7 @@ usage: oxccl-check [options]      (one process per rank, under a launcher)
                         rank 0 prints them and warns of links below half the speed of
                         their kind's upper quartile, and of ranks all of whose links out
                         (or in) are slow
-  --link-bytes bytes    bytes sent one way per link measurement (default 1M)
+  --link-bytes bytes    bytes sent one way per link measurement (default 1M; implies --links)
   -h, --help            this text";
 
 struct Args {
@@ -131,6 +131,7 @@ fn parse_args() -> Result<Args, String> {
             }
             "--links" => links = true,
             "--link-bytes" => {
+                links = true;
                 let v = value()?;
                 link_bytes = oxccl::parse_byte_size(&v)
                     .filter(|&b| b > 0)

@@ -41,8 +41,8 @@ usage: oxccl-perf [options]
                           (default float), several separated by commas, or all
   -o, --op <op>           sum prod max min avg (default sum), several separated by
                           commas, or all
-  -r, --root <rank>       root of broadcast and reduce (default 0), or all (every rank
-                          in turn)
+  -r, --root <rank>       root of broadcast and reduce (default 0), or all (or -1, as
+                          nccl-tests spells it: every rank in turn)
   -t, --nthreads <n>      ranks, one thread each (default 2)
       -np <n>             ranks, one process each (shared memory or TCP, see
                           OXCCL_TRANSPORT); under a launcher, one rank per process
@@ -450,7 +450,8 @@ fn parse_args() -> Result<Args, String> {
                 a.dtypes = name_list(value, &DType::ALL, DType::from_name, "datatype")?
             }
             "-o" | "--op" => a.ops = name_list(value, &ReduceOp::ALL, ReduceOp::from_name, "op")?,
-            "-r" | "--root" if value == "all" => a.all_roots = true,
+            // nccl-tests takes -1 for every root (its help says "all").
+            "-r" | "--root" if value == "all" || value == "-1" => a.all_roots = true,
             "-r" | "--root" => (a.root, a.all_roots) = (num()?, false),
             "-t" | "--nthreads" => a.ranks = num()?,
             "-np" => a.processes = Some(num()?),
@@ -502,9 +503,14 @@ fn parse_args() -> Result<Args, String> {
     // a multiple of them all.
     let largest_element = a.dtypes.iter().map(|d| d.size()).max().unwrap_or(1);
     if a.offset >= BUFFER_ALIGN || !a.offset.is_multiple_of(largest_element) {
+        let which = if a.dtypes.len() > 1 {
+            "the largest "
+        } else {
+            ""
+        };
         return Err(format!(
             "--offset takes bytes below {BUFFER_ALIGN}, a multiple of the element size \
-             ({largest_element})"
+             ({which}{largest_element})"
         ));
     }
     if a.offset != 0 && (a.shared || a.backend != "host") {
@@ -1139,8 +1145,8 @@ fn bench<T: Element>(
     Ok(())
 }
 
-/// Runs `f` with `T` the element type `$dtype` names, or returns
-/// `$unsupported` for a type this build cannot run.
+/// Evaluates `$body` with `$T` the element type that `$dtype` names, or
+/// `$unsupported` (evaluated only then) for a type this build cannot run.
 macro_rules! with_element_type {
     ($dtype:expr, $unsupported:expr, |$T:ident| $body:expr) => {
         match $dtype {
@@ -1197,17 +1203,17 @@ use with_element_type;
 fn bench_all(comm: &mut Communicator, a: &Args) -> oxccl::Result<RunResult> {
     let mut result = RunResult::new(comm.rank(), comm.world_size(), comm.transport_description());
     for one in combinations(a, comm.world_size()) {
-        let unsupported = Err(oxccl::Error::InvalidArgument {
-            op: op_kind(one.coll),
-            rank: comm.rank(),
-            arg: "datatype",
-            reason: format!("{} is not an element type this benchmark runs", one.dtype),
-        });
-        with_element_type!(one.dtype, unsupported, |T| bench::<T>(
-            comm,
-            &one,
-            &mut result
-        ))?;
+        let rank = comm.rank();
+        with_element_type!(
+            one.dtype,
+            Err(oxccl::Error::InvalidArgument {
+                op: op_kind(one.coll),
+                rank,
+                arg: "datatype",
+                reason: format!("{} is not an element type this benchmark runs", one.dtype),
+            }),
+            |T| bench::<T>(comm, &one, &mut result)
+        )?;
     }
     result.transport_at_end = comm.transport_description();
     Ok(result)

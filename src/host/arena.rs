@@ -746,7 +746,7 @@ impl Arena {
         let geometry = Geometry::new(n);
         let memory = heap_memory(geometry)?;
         // Threads of one process: its affinity is the CPUs they share.
-        let cpu_count = cpus::union_count([&affinity_words()]);
+        let oversubscribed = cpus::threads_outnumber_cpus(n);
         let arenas = (0..n)
             .map(|rank| {
                 let mut arena = Arena::attach(
@@ -757,7 +757,7 @@ impl Arena {
                     aborted.clone(),
                     timeout,
                 );
-                if n > cpu_count {
+                if oversubscribed {
                     arena.mark_oversubscribed();
                 }
                 arena

@@ -46,6 +46,14 @@ pub(crate) fn union_count<'a>(sets: impl IntoIterator<Item = &'a CpuWords>) -> u
     union.iter().map(|w| w.count_ones() as usize).sum()
 }
 
+/// Whether `threads` threads of this process outnumber the CPUs it may run
+/// on (its affinity, read now: before the threads pin themselves): what
+/// `local_group` decides once for its threads, their arena and
+/// `Communicator::ranks_outnumber_cpus`.
+pub(crate) fn threads_outnumber_cpus(threads: usize) -> bool {
+    threads > union_count([&affinity_words()])
+}
+
 /// `words` as text for a rendezvous entry: hexadecimal words separated by
 /// commas, trailing empty words left out (`"3"` for CPUs 0 and 1).
 pub(crate) fn to_field(words: &CpuWords) -> String {

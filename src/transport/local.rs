@@ -87,6 +87,8 @@ pub(crate) struct LocalGroup {
     /// the cause they gave (its rank global): they take part in no
     /// further call of it (see [`LocalEndpoint::mark_failed`]).
     failed: Mutex<HashMap<(u64, usize), Option<FailureCause>>>,
+    /// [`LocalGroup::outnumbers_cpus`].
+    outnumber_cpus: bool,
 }
 
 /// How long a receive that also watches another way sleeps at most: at
@@ -113,6 +115,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 impl LocalGroup {
     pub fn new(world: usize) -> Arc<LocalGroup> {
         Arc::new(LocalGroup {
+            outnumber_cpus: crate::host::cpus::threads_outnumber_cpus(world),
             mailboxes: (0..world).map(|_| Mailbox::default()).collect(),
             aborted: Arc::new(AtomicBool::new(false)),
             departed: Mutex::new(HashSet::new()),
@@ -125,6 +128,12 @@ impl LocalGroup {
             let _guard = lock(&mailbox.frames);
             mailbox.arrived.notify_all();
         }
+    }
+
+    /// Whether the group's threads outnumbered this process's CPUs when
+    /// it was made (splits share the answer).
+    pub fn outnumbers_cpus(&self) -> bool {
+        self.outnumber_cpus
     }
 
     /// The abort flag, for waits outside the mailboxes (the arena).

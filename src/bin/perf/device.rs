@@ -184,12 +184,11 @@ fn bench_all(comm: &mut DeviceCommunicator, a: &Args) -> Result<RunResult, Strin
     let transport = comm.backend_description();
     let mut result = RunResult::new(comm.rank(), comm.world_size(), transport);
     for one in combinations(a, comm.world_size()) {
-        let unsupported = Err(format!("unsupported datatype {}", one.dtype));
-        with_element_type!(one.dtype, unsupported, |T| bench::<T>(
-            comm,
-            &one,
-            &mut result
-        ))?;
+        with_element_type!(
+            one.dtype,
+            Err(format!("unsupported datatype {}", one.dtype)),
+            |T| bench::<T>(comm, &one, &mut result)
+        )?;
     }
     Ok(result)
 }
