@@ -780,14 +780,19 @@ impl CommBuilder {
         let group = LocalGroup::new(n);
         let members: Vec<usize> = (0..n).collect();
         let mut arenas: Vec<Option<Arena>> = if n > 1 && !config.algo.links_only() {
-            Arena::local_group(n, group.abort_flag(), config.timeout)
-                .ok_or_else(|| Error::Bootstrap {
-                    context: format!("local_group of {n} ranks"),
-                    detail: "the system would not allocate their shared arena".into(),
-                })?
-                .into_iter()
-                .map(Some)
-                .collect()
+            Arena::local_group(
+                n,
+                group.abort_flag(),
+                config.timeout,
+                group.outnumbers_cpus(),
+            )
+            .ok_or_else(|| Error::Bootstrap {
+                context: format!("local_group of {n} ranks"),
+                detail: "the system would not allocate their shared arena".into(),
+            })?
+            .into_iter()
+            .map(Some)
+            .collect()
         } else {
             (0..n).map(|_| None).collect()
         };
@@ -1253,8 +1258,9 @@ impl Communicator {
     /// machine included) against the union of their affinities, and then
     /// every wait for a peer yields its CPU at once instead of spinning
     /// (`OXCCL_DEBUG=INFO` says so). For threads, the whole group that
-    /// `local_group` made counts (a split answers for it) against this
-    /// process's affinity when it was made, and then the shared arena's
+    /// `local_group` made counts (a split answers for it) against the
+    /// affinity of the thread that made it, read then (before any thread
+    /// pins itself), and then the shared arena's
     /// waits yield at once. Either way, messages between ranks that share
     /// a CPU wait for it.
     pub fn ranks_outnumber_cpus(&self) -> bool {

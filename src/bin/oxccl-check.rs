@@ -42,7 +42,7 @@ usage: oxccl-check [options]      (one process per rank, under a launcher)
                         time (an 8-byte round trip, --link-bytes one way each direction);
                         rank 0 prints them and warns of links below half the speed of
                         their kind's upper quartile, and of ranks all of whose links out
-                        (or in) are slow
+                        (or in) are slow where a third rank clears the other end
   --link-bytes bytes    bytes sent one way per link measurement (default 1M; implies --links)
   -h, --help            this text";
 

@@ -503,11 +503,8 @@ fn parse_args() -> Result<Args, String> {
     // a multiple of them all.
     let largest_element = a.dtypes.iter().map(|d| d.size()).max().unwrap_or(1);
     if a.offset >= BUFFER_ALIGN || !a.offset.is_multiple_of(largest_element) {
-        let which = if a.dtypes.len() > 1 {
-            "the largest "
-        } else {
-            ""
-        };
+        let sizes_differ = a.dtypes.iter().any(|d| d.size() != largest_element);
+        let which = if sizes_differ { "the largest " } else { "" };
         return Err(format!(
             "--offset takes bytes below {BUFFER_ALIGN}, a multiple of the element size \
              ({which}{largest_element})"

@@ -737,16 +737,17 @@ enum Direct {
 
 impl Arena {
     /// Arenas for `n` threads of one process (element `i` is rank `i`);
-    /// `None` when their memory cannot be had.
+    /// `None` when their memory cannot be had. `oversubscribed`: whether
+    /// the threads outnumber the CPUs they share (`local_group` decides,
+    /// [`cpus::threads_outnumber_cpus`]).
     pub fn local_group(
         n: usize,
         aborted: Arc<AtomicBool>,
         timeout: Duration,
+        oversubscribed: bool,
     ) -> Option<Vec<Arena>> {
         let geometry = Geometry::new(n);
         let memory = heap_memory(geometry)?;
-        // Threads of one process: its affinity is the CPUs they share.
-        let oversubscribed = cpus::threads_outnumber_cpus(n);
         let arenas = (0..n)
             .map(|rank| {
                 let mut arena = Arena::attach(
@@ -4443,9 +4444,13 @@ mod tests {
     /// tick off (the pid reused by a later process) is found gone.
     #[test]
     fn control_lines_carry_the_process_stamp() {
-        let arenas =
-            Arena::local_group(2, Arc::new(AtomicBool::new(false)), Duration::from_secs(1))
-                .unwrap();
+        let arenas = Arena::local_group(
+            2,
+            Arc::new(AtomicBool::new(false)),
+            Duration::from_secs(1),
+            false,
+        )
+        .unwrap();
         let own = ProcessStamp::own();
         for rank in 0..2 {
             let control = arenas[0].control(rank);
@@ -4519,8 +4524,11 @@ mod tests {
             libc::CPU_SET(first, &mut one);
             assert_eq!(libc::sched_setaffinity(0, size, &one), 0);
             let flag = Arc::new(AtomicBool::new(false));
-            let crowded = Arena::local_group(2, flag.clone(), Duration::from_secs(1)).unwrap();
-            let alone = Arena::local_group(1, flag, Duration::from_secs(1)).unwrap();
+            let local_group = |n| {
+                let crowded = cpus::threads_outnumber_cpus(n);
+                Arena::local_group(n, flag.clone(), Duration::from_secs(1), crowded).unwrap()
+            };
+            let (crowded, alone) = (local_group(2), local_group(1));
             libc::sched_setaffinity(0, size, &before);
             assert!(crowded.iter().all(|a| a.spin.is_zero()));
             assert!(crowded[0]

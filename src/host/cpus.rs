@@ -46,9 +46,9 @@ pub(crate) fn union_count<'a>(sets: impl IntoIterator<Item = &'a CpuWords>) -> u
     union.iter().map(|w| w.count_ones() as usize).sum()
 }
 
-/// Whether `threads` threads of this process outnumber the CPUs it may run
+/// Whether `threads` threads outnumber the CPUs the calling thread may run
 /// on (its affinity, read now: before the threads pin themselves): what
-/// `local_group` decides once for its threads, their arena and
+/// `local_group` decides once, for its threads' arena and
 /// `Communicator::ranks_outnumber_cpus`.
 pub(crate) fn threads_outnumber_cpus(threads: usize) -> bool {
     threads > union_count([&affinity_words()])
