@@ -1732,7 +1732,10 @@ impl Communicator {
             Algo::Ring => schedule::Family::Ring,
             Algo::Direct => schedule::Family::Direct,
             Algo::Tree => schedule::Family::Tree,
-            Algo::Auto => schedule::choose(desc),
+            Algo::Auto => {
+                let Backend::Host(transport) = &self.backend;
+                schedule::choose_for(desc, transport.crowded_host())
+            }
         }
     }
 

@@ -356,8 +356,9 @@ fn first_allowed_cpu() -> Option<String> {
 /// so with `OXCCL_DEBUG=INFO` (their waits on the links then yield at
 /// once: a speed-up, measured by `oxccl-perf`, not here); the run
 /// completes and checks clean. Ranks that each have a CPU do not say so.
-#[test]
-fn crowded_ranks_say_so_and_check_clean() {
+/// The first allowed CPU, where `taskset` can pin a command to it; `None`
+/// (the calling test skips, named `test`) where it cannot, except under CI.
+fn pinning_cpu(test: &str) -> Option<String> {
     let cpu = first_allowed_cpu();
     let taskset_works = cpu.as_ref().is_some_and(|cpu| {
         Command::new("taskset")
@@ -365,13 +366,20 @@ fn crowded_ranks_say_so_and_check_clean() {
             .status()
             .is_ok_and(|s| s.success())
     });
-    let Some(cpu) = cpu.filter(|_| taskset_works) else {
+    if !taskset_works {
         assert!(
             std::env::var_os("CI").is_none(),
-            "CI must run this test: `taskset -c <first allowed CPU> true` failed \
+            "CI must run {test}: `taskset -c <first allowed CPU> true` failed \
              (install util-linux; allow sched_setaffinity)"
         );
-        eprintln!("crowded_ranks_say_so_and_check_clean: skipped, taskset cannot pin");
+        eprintln!("{test}: skipped, taskset cannot pin");
+    }
+    cpu.filter(|_| taskset_works)
+}
+
+#[test]
+fn crowded_ranks_say_so_and_check_clean() {
+    let Some(cpu) = pinning_cpu("crowded_ranks_say_so_and_check_clean") else {
         return;
     };
     let run = |pinned: bool| {
@@ -410,6 +418,50 @@ fn crowded_ranks_say_so_and_check_clean() {
     // Two CPUs or more for two ranks: none does.
     if std::thread::available_parallelism().is_ok_and(|n| n.get() >= 2) {
         assert_eq!(run(false).0, 0);
+    }
+}
+
+/// Three ranks over TCP pinned to one CPU (a crowded host): small
+/// broadcasts and all-gathers run the trees (`binomial`, `doubling`),
+/// reductions stay direct, and every result checks clean.
+#[test]
+fn crowded_hosts_broadcast_and_gather_through_trees() {
+    let Some(cpu) = pinning_cpu("crowded_hosts_broadcast_and_gather_through_trees") else {
+        return;
+    };
+    for (collective, sizes, algos) in [
+        ("broadcast", "8,64K", ["binomial", "binomial"]),
+        ("all_gather", "48,64K", ["doubling", "doubling"]),
+        ("all_reduce", "8,1K", ["oneshot", "oneshot"]),
+    ] {
+        let mut cmd = Command::new("taskset");
+        outside_launchers(cmd.args(["-c", &cpu, PERF]).args([
+            "-np",
+            "3",
+            "--collective",
+            collective,
+            "--sizes",
+            sizes,
+            "-n",
+            "20",
+            "-w",
+            "2",
+        ]));
+        cmd.env_remove("OXCCL_ALGO").env("OXCCL_TRANSPORT", "tcp");
+        let out = output_within(cmd, Duration::from_secs(90));
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{collective}: {stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(stdout.contains("Out of bounds values : 0 OK"), "{stdout}");
+        let ran: Vec<&str> = stdout
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .filter_map(|l| l.split_whitespace().last())
+            .collect();
+        assert_eq!(ran, algos, "{collective}: {stdout}");
     }
 }
 

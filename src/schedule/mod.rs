@@ -486,6 +486,31 @@ pub fn choose(desc: &CollectiveDesc) -> Family {
     Family::Ring
 }
 
+/// [`choose`] for a communicator whose ranks all share one host that has
+/// fewer CPUs than ranks (`crowded_host`, the same on every rank): there
+/// broadcasts and all-gathers among 3 to [`TREE_MIN_WORLD`] ranks take the
+/// trees (binomial, recursive doubling) while they fit
+/// [`TREE_MAX_BYTES_SENT`], because each rank's messages wait for it to be
+/// scheduled, and the trees send fewer per rank than the direct calls
+/// (the root's `N−1`, or every rank's `N−1`). Four ranks over loopback TCP
+/// on the two vCPUs of `docs/performance.md` (stop 48), µs, direct →
+/// tree: broadcast 8 B 17–21 → 9–17, 4 KiB 22–23 → 7–25, 64 KiB 51–76 →
+/// 39–71; all-gather 4 KiB 63–124 → 39–42, 64 KiB 83–143 → 56–84.
+/// These two only move data, so the family changes no bit of a result;
+/// reductions keep the table's choice (all-reduce and reduce-scatter must
+/// stay alike, and the trees' reduce-scatter and reduce measured slower
+/// there, stop 47).
+pub fn choose_for(desc: &CollectiveDesc, crowded_host: bool) -> Family {
+    let moves_only = matches!(desc.op, OpKind::Broadcast | OpKind::AllGather);
+    if crowded_host && moves_only && (3..TREE_MIN_WORLD).contains(&desc.world_size) {
+        let rounds = desc.world_size.next_power_of_two().trailing_zeros() as usize;
+        if desc.bytes().saturating_mul(rounds) <= TREE_MAX_BYTES_SENT {
+            return Family::Tree;
+        }
+    }
+    choose(desc)
+}
+
 /// The family whose plan runs `desc` when `family` is asked for: the
 /// ring for a direct or tree call above [`MAX_PIECE_BYTES`] (a direct
 /// step moves a whole buffer in one frame, all-gather's and
@@ -989,6 +1014,54 @@ mod tests {
                 family(OpKind::ReduceScatter, world, bytes),
                 family(OpKind::AllReduce, world, bytes),
                 "world {world}, {bytes} bytes"
+            );
+        }
+    }
+
+    /// On a crowded host, broadcasts and all-gathers among three ranks or
+    /// more take the trees while they fit; nothing else changes.
+    #[test]
+    fn crowded_hosts_move_small_calls_through_trees() {
+        let host = |len| BufDesc {
+            len,
+            memory: crate::desc::MemoryKind::Host,
+        };
+        let desc = |op, world: usize, bytes: usize| {
+            let desc = CollectiveDesc::new(op, DType::U8, 0, world, crate::desc::MemoryKind::Host);
+            match op {
+                OpKind::AllGather => desc.with_send(host(bytes / world)).with_recv(host(bytes)),
+                OpKind::AllReduce => desc
+                    .with_reduce_op(ReduceOp::Sum)
+                    .with_send(host(bytes))
+                    .with_recv(host(bytes)),
+                OpKind::ReduceScatter => desc
+                    .with_reduce_op(ReduceOp::Sum)
+                    .with_send(host(bytes))
+                    .with_recv(host(bytes / world)),
+                OpKind::Reduce => desc
+                    .with_reduce_op(ReduceOp::Sum)
+                    .with_root(0)
+                    .with_in_place(host(bytes)),
+                _ => desc.with_root(0).with_in_place(host(bytes)),
+            }
+        };
+        let crowded = |op, world, bytes| choose_for(&desc(op, world, bytes), true);
+        assert_eq!(crowded(OpKind::Broadcast, 4, 8), Family::Tree);
+        assert_eq!(crowded(OpKind::Broadcast, 3, 64 << 10), Family::Tree);
+        assert_eq!(crowded(OpKind::AllGather, 4, 4 << 10), Family::Tree);
+        assert_eq!(crowded(OpKind::AllGather, 4, 128 << 10), Family::Tree);
+        // Two rounds of 1 MiB are past the trees' bound: the ring.
+        assert_eq!(crowded(OpKind::AllGather, 4, 1 << 20), Family::Ring);
+        // Two ranks: a tree is the direct call.
+        assert_eq!(crowded(OpKind::Broadcast, 2, 8), Family::Direct);
+        for op in [OpKind::AllReduce, OpKind::ReduceScatter, OpKind::Reduce] {
+            assert_eq!(crowded(op, 4, 4096), Family::Direct, "{op:?}");
+        }
+        for op in [OpKind::Broadcast, OpKind::AllGather] {
+            assert_eq!(choose_for(&desc(op, 4, 4096), false), Family::Direct);
+            assert_eq!(
+                choose_for(&desc(op, 4, 4096), false),
+                choose(&desc(op, 4, 4096))
             );
         }
     }

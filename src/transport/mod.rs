@@ -683,6 +683,17 @@ impl Transport {
         }
     }
 
+    /// Whether the communicator's ranks all run on one host and outnumber
+    /// the CPUs there ([`net::NetEndpoint::crowded_host`]; threads: their
+    /// group's decision, `LocalGroup::outnumbers_cpus`). The same on every
+    /// rank: the schedule table reads it (`schedule::choose`).
+    pub fn crowded_host(&self) -> bool {
+        match self {
+            Transport::Local(t) => t.group().outnumbers_cpus(),
+            Transport::Net(t) => t.crowded_host(),
+        }
+    }
+
     /// Whether this rank's machine (its kernel) runs more ranks of the job
     /// than the CPUs they may run on together, so that waits on the links
     /// yield at once

@@ -508,6 +508,13 @@ impl LinkMap {
             || (members.len() >= 2 && members.iter().all(|&m| hosts.insert(self.host_of[m])))
     }
 
+    /// Whether `members` (global ranks) all run on one host.
+    fn one_host(&self, members: &[usize]) -> bool {
+        members
+            .iter()
+            .all(|&m| self.host_of[m] == self.host_of[members[0]])
+    }
+
     /// The ring order of `members` (global ranks; position `i` in it is
     /// communicator rank `i`): each host's members next to each other
     /// ([`RingOrder::grouping_hosts`]), also when TCP is forced (loopback
@@ -1135,6 +1142,8 @@ pub(crate) struct NetEndpoint {
     members: Vec<usize>,
     /// [`links_all_tcp`](Self::links_all_tcp), decided once.
     links_all_tcp: bool,
+    /// [`crowded_host`](Self::crowded_host), decided once.
+    crowded_host: bool,
     /// [`ring_order`](Self::ring_order), decided once.
     ring_order: RingOrder,
 }
@@ -1161,6 +1170,13 @@ impl NetEndpoint {
         self.links_all_tcp
     }
 
+    /// Whether this endpoint's members all run on one host and it is
+    /// [`crowded`](Self::crowded). They share its kernel, so every member
+    /// answers alike and plans may depend on it (`schedule::choose`).
+    pub fn crowded_host(&self) -> bool {
+        self.crowded_host
+    }
+
     /// The order of this endpoint's members around the ring
     /// ([`LinkMap::ring_order`]); the same on every member.
     pub fn ring_order(&self) -> &RingOrder {
@@ -1179,6 +1195,7 @@ impl NetEndpoint {
         let members: Vec<usize> = members.iter().map(|&r| self.members[r]).collect();
         NetEndpoint {
             links_all_tcp: self.shared.links.all_tcp(&members),
+            crowded_host: self.shared.crowded && self.shared.links.one_host(&members),
             ring_order: self.shared.links.ring_order(&members),
             shared: self.shared.clone(),
             ctx,
@@ -2450,6 +2467,7 @@ fn connect_rank(setup: Setup) -> Result<(NetEndpoint, Option<Segment>)> {
     };
     let endpoint = NetEndpoint {
         links_all_tcp: links.all_tcp(&all),
+        crowded_host: crowded && links.one_host(&all),
         ring_order: links.ring_order(&all),
         shared: Arc::new(NetShared {
             fabric: Mutex::new(fabric),
@@ -2516,6 +2534,7 @@ mod tests {
             ctx: 0,
             members: vec![0, 1],
             links_all_tcp: true,
+            crowded_host: false,
             ring_order: RingOrder::by_rank(),
         };
         (endpoint, raw)
