@@ -486,8 +486,9 @@ pub fn choose(desc: &CollectiveDesc) -> Family {
     Family::Ring
 }
 
-/// [`choose`] for a communicator whose ranks all share one host that has
-/// fewer CPUs than ranks (`crowded_host`, the same on every rank): there
+/// [`choose`] for a communicator whose ranks all run on one host, of a
+/// machine where the job's ranks outnumber the CPUs they may run on (`crowded_host`,
+/// the same on every rank): there
 /// broadcasts and all-gathers among 3 to [`TREE_MIN_WORLD`] ranks take the
 /// trees (binomial, recursive doubling) while they fit
 /// [`TREE_MAX_BYTES_SENT`], because each rank's messages wait for it to be

@@ -683,10 +683,11 @@ impl Transport {
         }
     }
 
-    /// Whether the communicator's ranks all run on one host and outnumber
-    /// the CPUs there ([`net::NetEndpoint::crowded_host`]; threads: their
-    /// group's decision, `LocalGroup::outnumbers_cpus`). The same on every
-    /// rank: the schedule table reads it (`schedule::choose`).
+    /// Whether the communicator's ranks all run on one host, of a machine
+    /// where the job's ranks outnumber the CPUs ([`net::NetEndpoint::crowded_host`];
+    /// threads: their group's decision, `LocalGroup::outnumbers_cpus`).
+    /// The same on every rank: the schedule table reads it
+    /// (`schedule::choose_for`).
     pub fn crowded_host(&self) -> bool {
         match self {
             Transport::Local(t) => t.group().outnumbers_cpus(),

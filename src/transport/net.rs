@@ -495,6 +495,11 @@ pub(crate) struct LinkMap {
     tcp_forced: bool,
     /// Global rank → its host, as an index among the job's hosts.
     host_of: Vec<usize>,
+    /// Global rank → its kernel (machine), as an index among the job's;
+    /// and for each kernel, whether the job's ranks on it outnumber the
+    /// CPUs they may run on together.
+    kernel_of: Vec<usize>,
+    crowded_kernel: Vec<bool>,
 }
 
 impl LinkMap {
@@ -508,11 +513,19 @@ impl LinkMap {
             || (members.len() >= 2 && members.iter().all(|&m| hosts.insert(self.host_of[m])))
     }
 
-    /// Whether `members` (global ranks) all run on one host.
-    fn one_host(&self, members: &[usize]) -> bool {
-        members
-            .iter()
-            .all(|&m| self.host_of[m] == self.host_of[members[0]])
+    /// Whether `members` (global ranks) all run on one host, of one
+    /// machine (kernel) whose job ranks outnumber its CPUs: alike on every
+    /// rank, from the entries every rank read. (Hosts of one machine, such
+    /// as network namespaces, each keep their own schedules across hosts.)
+    fn crowded_together(&self, members: &[usize]) -> bool {
+        let Some(&first) = members.first() else {
+            return false;
+        };
+        let (host, kernel) = (self.host_of[first], self.kernel_of[first]);
+        self.crowded_kernel[kernel]
+            && members
+                .iter()
+                .all(|&m| self.host_of[m] == host && self.kernel_of[m] == kernel)
     }
 
     /// The ring order of `members` (global ranks; position `i` in it is
@@ -1170,9 +1183,11 @@ impl NetEndpoint {
         self.links_all_tcp
     }
 
-    /// Whether this endpoint's members all run on one host and it is
-    /// [`crowded`](Self::crowded). They share its kernel, so every member
-    /// answers alike and plans may depend on it (`schedule::choose`).
+    /// Whether this endpoint's members all run on one host of a machine
+    /// (kernel) whose job ranks outnumber its CPUs
+    /// ([`LinkMap::crowded_together`]):
+    /// every member answers alike, so plans may depend on it
+    /// (`schedule::choose_for`).
     pub fn crowded_host(&self) -> bool {
         self.crowded_host
     }
@@ -1195,7 +1210,7 @@ impl NetEndpoint {
         let members: Vec<usize> = members.iter().map(|&r| self.members[r]).collect();
         NetEndpoint {
             links_all_tcp: self.shared.links.all_tcp(&members),
-            crowded_host: self.shared.crowded && self.shared.links.one_host(&members),
+            crowded_host: self.shared.links.crowded_together(&members),
             ring_order: self.shared.links.ring_order(&members),
             shared: self.shared.clone(),
             ctx,
@@ -2267,25 +2282,32 @@ fn connect_rank(setup: Setup) -> Result<(NetEndpoint, Option<Segment>)> {
     // More ranks on this rank's kernel (this host, and any containers or
     // namespaces beside it) than the CPUs they may run on together: waits
     // give the core away at once (see `Backoff`).
-    let same_kernel: Vec<usize> = all
-        .iter()
-        .copied()
-        .filter(|&r| infos[r].kernel == infos[rank].kernel)
+    // Every kernel's answer, from entries every rank holds alike, so
+    // that plans may depend on it (`LinkMap::crowded_together`).
+    let index_of = |names: Vec<&str>| -> Vec<usize> {
+        let mut seen = HashMap::new();
+        names
+            .into_iter()
+            .map(|name| {
+                let next = seen.len();
+                *seen.entry(name).or_insert(next)
+            })
+            .collect()
+    };
+    let kernel_of = index_of(infos.iter().map(|info| info.kernel.as_str()).collect());
+    let kernels = kernel_of.iter().max().map_or(0, |&k| k + 1);
+    let crowded_kernel: Vec<bool> = (0..kernels)
+        .map(|k| {
+            let on_it: Vec<usize> = all.iter().copied().filter(|&r| kernel_of[r] == k).collect();
+            on_it.len() > cpus::union_count(on_it.iter().map(|&r| &infos[r].cpus))
+        })
         .collect();
-    let crowded =
-        same_kernel.len() > cpus::union_count(same_kernel.iter().map(|&r| &infos[r].cpus));
+    let crowded = crowded_kernel[kernel_of[rank]];
     let links = LinkMap {
         tcp_forced: transport == TransportKind::Tcp,
-        host_of: {
-            let mut hosts = HashMap::new();
-            infos
-                .iter()
-                .map(|info| {
-                    let next = hosts.len();
-                    *hosts.entry(info.host.as_str()).or_insert(next)
-                })
-                .collect()
-        },
+        host_of: index_of(infos.iter().map(|info| info.host.as_str()).collect()),
+        kernel_of,
+        crowded_kernel,
     };
     if transport == TransportKind::Shm {
         if let Some(far) = all.iter().find(|&&r| !local.contains(&r)) {
@@ -2467,7 +2489,7 @@ fn connect_rank(setup: Setup) -> Result<(NetEndpoint, Option<Segment>)> {
     };
     let endpoint = NetEndpoint {
         links_all_tcp: links.all_tcp(&all),
-        crowded_host: crowded && links.one_host(&all),
+        crowded_host: links.crowded_together(&all),
         ring_order: links.ring_order(&all),
         shared: Arc::new(NetShared {
             fabric: Mutex::new(fabric),
@@ -2528,6 +2550,8 @@ mod tests {
                 links: LinkMap {
                     tcp_forced: true,
                     host_of: vec![0, 0],
+                    kernel_of: vec![0, 0],
+                    crowded_kernel: vec![false],
                 },
                 crowded: false,
             }),
@@ -2540,15 +2564,47 @@ mod tests {
         (endpoint, raw)
     }
 
+    impl LinkMap {
+        /// A map of ranks on `host_of`'s hosts, one machine each, none
+        /// crowded.
+        fn on_hosts(tcp_forced: bool, host_of: Vec<usize>) -> LinkMap {
+            let machines = host_of.iter().max().map_or(0, |&h| h + 1);
+            LinkMap {
+                tcp_forced,
+                kernel_of: host_of.clone(),
+                crowded_kernel: vec![false; machines],
+                host_of,
+            }
+        }
+    }
+
+    /// A group is crowded together when all its members run on one crowded
+    /// machine: the same answer for every member, whatever its host.
+    #[test]
+    fn a_group_is_crowded_together_on_one_crowded_machine() {
+        let map = LinkMap {
+            crowded_kernel: vec![true, false],
+            // Ranks 0 and 1 on one host, rank 2 on another of the same
+            // crowded machine (a network namespace, say), rank 3 on
+            // another machine that reads as the same host (a hostname
+            // both share).
+            kernel_of: vec![0, 0, 0, 1],
+            ..LinkMap::on_hosts(false, vec![0, 0, 1, 0])
+        };
+        assert!(map.crowded_together(&[0, 1]));
+        assert!(map.crowded_together(&[2]));
+        assert!(!map.crowded_together(&[0, 2]), "two hosts");
+        assert!(!map.crowded_together(&[0, 3]), "two machines");
+        assert!(!map.crowded_together(&[3]));
+        assert!(!map.crowded_together(&[]));
+    }
+
     /// Which groups of ranks are linked by TCP only, as every rank decides
     /// it from the hosts published at rendezvous: ranks 0 and 1 share a
     /// host, rank 2 has its own.
     #[test]
     fn a_group_is_all_tcp_when_no_two_members_share_a_host() {
-        let map = LinkMap {
-            tcp_forced: false,
-            host_of: vec![0, 0, 1],
-        };
+        let map = LinkMap::on_hosts(false, vec![0, 0, 1]);
         assert!(map.all_tcp(&[0, 2]));
         assert!(map.all_tcp(&[2, 1]));
         assert!(!map.all_tcp(&[0, 1]));
@@ -2567,10 +2623,7 @@ mod tests {
     /// 1, 3, 5 on the other), the whole job and a sub-group of it.
     #[test]
     fn the_ring_stands_each_hosts_members_together() {
-        let map = LinkMap {
-            tcp_forced: false,
-            host_of: vec![0, 1, 0, 1, 0, 1],
-        };
+        let map = LinkMap::on_hosts(false, vec![0, 1, 0, 1, 0, 1]);
         let order = map.ring_order(&[0, 1, 2, 3, 4, 5]);
         let ranks: Vec<usize> = (0..6).map(|q| order.rank_at(q)).collect();
         assert_eq!(ranks, [0, 2, 4, 1, 3, 5]);
@@ -2581,15 +2634,9 @@ mod tests {
         assert_eq!(ranks, [0, 2, 1, 3]);
         // Already grouped (a launcher per host), or forced onto TCP within
         // one host: rank order.
-        let grouped = LinkMap {
-            tcp_forced: false,
-            host_of: vec![0, 0, 0, 1, 1, 1],
-        };
+        let grouped = LinkMap::on_hosts(false, vec![0, 0, 0, 1, 1, 1]);
         assert!(grouped.ring_order(&[0, 1, 2, 3, 4, 5]).is_by_rank());
-        let one_host = LinkMap {
-            tcp_forced: true,
-            host_of: vec![0; 4],
-        };
+        let one_host = LinkMap::on_hosts(true, vec![0; 4]);
         assert!(one_host.ring_order(&[3, 1, 0, 2]).is_by_rank());
     }
 
