@@ -978,30 +978,38 @@ mod tests {
         );
     }
 
+    /// A call of `op` over `world` ranks whose largest buffer holds
+    /// `bytes` bytes (root 0, sums), for the table's tests.
+    fn call_of(op: OpKind, world: usize, bytes: usize) -> CollectiveDesc {
+        let host = |len| BufDesc {
+            len,
+            memory: crate::desc::MemoryKind::Host,
+        };
+        let desc = CollectiveDesc::new(op, DType::U8, 0, world, crate::desc::MemoryKind::Host);
+        match op {
+            OpKind::AllReduce => desc
+                .with_reduce_op(ReduceOp::Sum)
+                .with_send(host(bytes))
+                .with_recv(host(bytes)),
+            OpKind::ReduceScatter => desc
+                .with_reduce_op(ReduceOp::Sum)
+                .with_send(host(bytes))
+                .with_recv(host(bytes / world)),
+            OpKind::AllGather => desc.with_send(host(bytes / world)).with_recv(host(bytes)),
+            OpKind::Reduce => desc
+                .with_reduce_op(ReduceOp::Sum)
+                .with_root(0)
+                .with_in_place(host(bytes)),
+            _ => desc.with_root(0).with_in_place(host(bytes)),
+        }
+    }
+
     /// The table by world size and buffer size: direct below
     /// [`TREE_MIN_WORLD`] ranks, trees from it, the ring past each one's
     /// bytes; all-reduce and reduce-scatter of one buffer size alike.
     #[test]
     fn the_table_chooses_trees_for_small_calls_among_many_ranks() {
-        let host = |len| BufDesc {
-            len,
-            memory: crate::desc::MemoryKind::Host,
-        };
-        let family = |op, world: usize, bytes: usize| {
-            let desc = CollectiveDesc::new(op, DType::U8, 0, world, crate::desc::MemoryKind::Host);
-            let desc = match op {
-                OpKind::AllReduce => desc
-                    .with_reduce_op(ReduceOp::Sum)
-                    .with_send(host(bytes))
-                    .with_recv(host(bytes)),
-                OpKind::ReduceScatter => desc
-                    .with_reduce_op(ReduceOp::Sum)
-                    .with_send(host(bytes))
-                    .with_recv(host(bytes / world)),
-                _ => desc.with_root(0).with_in_place(host(bytes)),
-            };
-            choose(&desc)
-        };
+        let family = |op, world, bytes| choose(&call_of(op, world, bytes));
         assert_eq!(family(OpKind::AllReduce, 8, 8), Family::Direct);
         assert_eq!(family(OpKind::AllReduce, 31, 8), Family::Direct);
         assert_eq!(family(OpKind::AllReduce, 32, 8), Family::Tree);
@@ -1023,30 +1031,7 @@ mod tests {
     /// more take the trees while they fit; nothing else changes.
     #[test]
     fn crowded_hosts_move_small_calls_through_trees() {
-        let host = |len| BufDesc {
-            len,
-            memory: crate::desc::MemoryKind::Host,
-        };
-        let desc = |op, world: usize, bytes: usize| {
-            let desc = CollectiveDesc::new(op, DType::U8, 0, world, crate::desc::MemoryKind::Host);
-            match op {
-                OpKind::AllGather => desc.with_send(host(bytes / world)).with_recv(host(bytes)),
-                OpKind::AllReduce => desc
-                    .with_reduce_op(ReduceOp::Sum)
-                    .with_send(host(bytes))
-                    .with_recv(host(bytes)),
-                OpKind::ReduceScatter => desc
-                    .with_reduce_op(ReduceOp::Sum)
-                    .with_send(host(bytes))
-                    .with_recv(host(bytes / world)),
-                OpKind::Reduce => desc
-                    .with_reduce_op(ReduceOp::Sum)
-                    .with_root(0)
-                    .with_in_place(host(bytes)),
-                _ => desc.with_root(0).with_in_place(host(bytes)),
-            }
-        };
-        let crowded = |op, world, bytes| choose_for(&desc(op, world, bytes), true);
+        let crowded = |op, world, bytes| choose_for(&call_of(op, world, bytes), true);
         assert_eq!(crowded(OpKind::Broadcast, 4, 8), Family::Tree);
         assert_eq!(crowded(OpKind::Broadcast, 3, 64 << 10), Family::Tree);
         assert_eq!(crowded(OpKind::AllGather, 4, 4 << 10), Family::Tree);
@@ -1059,11 +1044,9 @@ mod tests {
             assert_eq!(crowded(op, 4, 4096), Family::Direct, "{op:?}");
         }
         for op in [OpKind::Broadcast, OpKind::AllGather] {
-            assert_eq!(choose_for(&desc(op, 4, 4096), false), Family::Direct);
-            assert_eq!(
-                choose_for(&desc(op, 4, 4096), false),
-                choose(&desc(op, 4, 4096))
-            );
+            let call = call_of(op, 4, 4096);
+            assert_eq!(choose_for(&call, false), Family::Direct);
+            assert_eq!(choose_for(&call, false), choose(&call));
         }
     }
 
